@@ -1,0 +1,12 @@
+// Sub-commands of the octet CLI. Each file registers its own on the parent it is given.
+#pragma once
+
+#include <CLI/CLI.hpp>
+
+namespace octet::cli {
+
+void register_info(CLI::App& app);
+void register_demo(CLI::App& app);
+void register_bench_gemm(CLI::App& bench);
+
+}  // namespace octet::cli

@@ -1,0 +1,31 @@
+// Processor features, detected once at run time; kernels dispatch on them.
+#pragma once
+
+#include <string>
+
+namespace octet {
+
+enum class Isa { Scalar, Avx2, Avx512 };
+
+struct CpuFeatures {
+  bool avx2 = false;
+  bool fma = false;
+  bool f16c = false;
+  bool avx512f = false;
+  bool avx512bw = false;
+  bool avx512vl = false;
+  bool avx512_bf16 = false;
+  bool amx_tile = false;
+  bool amx_bf16 = false;
+  std::string brand;
+};
+
+const CpuFeatures& cpu_features();
+// The instruction set kernels use: the best the processor has, lowered by the environment
+// variable OCTET_ISA=scalar|avx2|avx512 (for testing every path on one machine).
+Isa active_isa();
+void set_active_isa(Isa isa);  // clamps to what the processor supports
+const char* isa_name(Isa isa);
+int num_threads();  // OpenMP threads kernels use
+
+}  // namespace octet

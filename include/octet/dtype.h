@@ -1,0 +1,76 @@
+// Element types and devices, plus the scalar conversions every kernel's reference path uses.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string_view>
+
+namespace octet {
+
+enum class DType : uint8_t { F32, BF16, F16, E4M3, E5M2, I32, I64, U8 };
+enum class Device : uint8_t { CPU, CUDA };
+
+size_t dtype_bytes(DType dtype);
+std::string_view dtype_name(DType dtype);  // "f32", "bf16", "f16", "e4m3", "e5m2", "i32", ...
+DType parse_dtype(std::string_view name);  // inverse of dtype_name; throws on unknown names
+inline bool is_fp8(DType dtype) {
+  return dtype == DType::E4M3 || dtype == DType::E5M2;
+}
+std::string_view device_name(Device device);
+
+// Storage types for the 16- and 8-bit formats: raw bits, no arithmetic.
+struct bfloat16 {
+  uint16_t bits;
+};
+struct float16 {
+  uint16_t bits;
+};
+struct float8_e4m3 {
+  uint8_t bits;
+};
+struct float8_e5m2 {
+  uint8_t bits;
+};
+
+template <typename T>
+struct dtype_of;
+template <>
+struct dtype_of<float> {
+  static constexpr DType value = DType::F32;
+};
+template <>
+struct dtype_of<bfloat16> {
+  static constexpr DType value = DType::BF16;
+};
+template <>
+struct dtype_of<float16> {
+  static constexpr DType value = DType::F16;
+};
+template <>
+struct dtype_of<float8_e4m3> {
+  static constexpr DType value = DType::E4M3;
+};
+template <>
+struct dtype_of<float8_e5m2> {
+  static constexpr DType value = DType::E5M2;
+};
+template <>
+struct dtype_of<int32_t> {
+  static constexpr DType value = DType::I32;
+};
+template <>
+struct dtype_of<int64_t> {
+  static constexpr DType value = DType::I64;
+};
+template <>
+struct dtype_of<uint8_t> {
+  static constexpr DType value = DType::U8;
+};
+
+// Scalar conversions (the reference). Round to nearest even; NaN stays NaN (quieted).
+float bf16_to_float(uint16_t bits);
+uint16_t float_to_bf16(float value);
+float f16_to_float(uint16_t bits);
+uint16_t float_to_f16(float value);
+
+}  // namespace octet

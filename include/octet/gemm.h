@@ -1,0 +1,68 @@
+// GEMM: C = act(alpha * op(A) op(B) + beta * C + bias), FP32 accumulation.
+//
+// Row-major operands. op(A) is [M,K]: A is [M,K], or [K,M] with trans_a. op(B) is [K,N]:
+// B is [K,N], or [N,K] with trans_b (a Linear weight [out,in] is used with trans_b).
+// beta = 1 accumulates into C (weight-gradient accumulation). bias is [N].
+#pragma once
+
+#include <memory>
+
+#include "octet/fp8.h"
+#include "octet/tensor.h"
+
+namespace octet {
+
+enum class Activation { None, GeluTanh, GeluErf, Relu };
+
+struct Epilogue {
+  const Tensor* bias = nullptr;  // [N], F32 or BF16; added before the activation
+  Activation activation = Activation::None;
+};
+
+// A: F32 or BF16, B: same dtype as A, C: F32 (or BF16 when A is BF16).
+void gemm(const Tensor& A, const Tensor& B, Tensor& C, bool trans_a, bool trans_b,
+          float alpha = 1.0f, float beta = 0.0f, const Epilogue& epilogue = {});
+
+// A weight (the B operand) kept in the layout oneDNN prefers for it, packed once and reused
+// until the weight changes: call mark_updated() after each optimizer step.
+// Holds either an F32/BF16 tensor or a Float8Tensor.
+class PackedWeight {
+ public:
+  PackedWeight();
+  PackedWeight(const Tensor& weight, bool trans);        // [K,N], or [N,K] with trans
+  PackedWeight(const Float8Tensor& weight, bool trans);  // FP8, widened to BF16 when packed
+  ~PackedWeight();
+  void mark_updated();
+  bool trans() const;
+  int64_t k() const;
+  int64_t n() const;
+
+ private:
+  friend struct PackedWeightAccess;
+  struct Impl;
+  std::shared_ptr<Impl> impl_;
+};
+
+void gemm(const Tensor& A, PackedWeight& B, Tensor& C, bool trans_a, float alpha = 1.0f,
+          float beta = 0.0f, const Epilogue& epilogue = {});
+
+// FP8 GEMM in any recipe layout: per-tensor (E4M3 x E4M3, E4M3 x E5M2 ...), MXFP8 1x32,
+// 1x128 and 128x128 blocks. Needs each operand's scaling blocks along K: A with trans_a and
+// B without trans_b must carry columnwise data (their transposed copy).
+// Power-of-two block scales are folded into an exact BF16 widening; FP32 block scales are
+// applied per K block. The result equals the dequantized product to FP32 rounding.
+void gemm(const Float8Tensor& A, const Float8Tensor& B, Tensor& C, bool trans_a, bool trans_b,
+          float alpha = 1.0f, float beta = 0.0f, const Epilogue& epilogue = {});
+void gemm(const Float8Tensor& A, PackedWeight& B, Tensor& C, bool trans_a, float alpha = 1.0f,
+          float beta = 0.0f, const Epilogue& epilogue = {});
+
+// Naive triple loop with FP64 accumulation over F32 views of the operands (the test oracle).
+void gemm_reference(const Tensor& A, const Tensor& B, Tensor& C, bool trans_a, bool trans_b,
+                    float alpha = 1.0f, float beta = 0.0f, const Epilogue& epilogue = {});
+// The plain FP32 loop a newcomer would write (the benchmark's naive_f32 baseline).
+void gemm_naive_f32(const float* A, const float* B, float* C, int64_t M, int64_t N, int64_t K);
+
+// Scalar activation used by the epilogues (and their references).
+float apply_activation(Activation activation, float x);
+
+}  // namespace octet

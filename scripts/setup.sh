@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Installs octet's build and test dependencies from Debian's archive. Safe to run twice:
+# only missing packages are installed.
+set -euo pipefail
+
+packages=(
+  g++ cmake make            # the toolchain
+  libdnnl-dev               # oneDNN: GEMM (matmul primitive, AMX/AVX-512 BF16 kernels)
+  nlohmann-json3-dev        # JSON for --json output, configs, checkpoint headers
+  libcli11-dev              # the octet command line
+  libgtest-dev              # unit tests
+  python3-torch python3-numpy  # PyTorch 1.13: reference numerics and the benchmark peer
+  clang-format
+)
+
+missing=()
+for package in "${packages[@]}"; do
+  if ! dpkg-query -W -f='${Status}' "$package" 2>/dev/null | grep -q "install ok installed"; then
+    missing+=("$package")
+  fi
+done
+
+if ((${#missing[@]})); then
+  echo "setup: installing ${missing[*]}"
+  sudo_cmd=()
+  if [ "$(id -u)" -ne 0 ]; then sudo_cmd=(sudo); fi
+  "${sudo_cmd[@]}" apt-get update -q
+  DEBIAN_FRONTEND=noninteractive "${sudo_cmd[@]}" apt-get install -y -q --no-install-recommends \
+    "${missing[@]}"
+else
+  echo "setup: all packages present"
+fi

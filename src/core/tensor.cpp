@@ -1,0 +1,273 @@
+// Tensor storage (64-byte aligned, counted), views, copies and conversions.
+#include "octet/tensor.h"
+
+#include <atomic>
+#include <cstdlib>
+#include <cstring>
+
+#include "core/convert.h"
+#include "octet/fp8.h"
+
+namespace octet {
+namespace {
+
+std::atomic<int64_t> g_current_bytes{0};
+std::atomic<int64_t> g_peak_bytes{0};
+std::atomic<int64_t> g_allocations{0};
+
+void count_allocation(int64_t bytes) {
+  int64_t now = g_current_bytes.fetch_add(bytes) + bytes;
+  int64_t peak = g_peak_bytes.load();
+  while (now > peak && !g_peak_bytes.compare_exchange_weak(peak, now)) {
+  }
+  g_allocations.fetch_add(1);
+}
+
+}  // namespace
+
+std::string shape_str(const Shape& shape) {
+  std::string text = "[";
+  for (size_t i = 0; i < shape.size(); ++i) {
+    if (i) text += ",";
+    text += std::to_string(shape[i]);
+  }
+  return text + "]";
+}
+
+int64_t shape_numel(const Shape& shape) {
+  int64_t count = 1;
+  for (int64_t extent : shape) count *= extent;
+  return count;
+}
+
+MemoryStats memory_stats() {
+  return {g_current_bytes.load(), g_peak_bytes.load(), g_allocations.load()};
+}
+
+void reset_peak_memory() {
+  g_peak_bytes.store(g_current_bytes.load());
+}
+
+Storage::Storage(size_t bytes, Device device) : bytes_(bytes), device_(device) {
+  OCTET_CHECK(device == Device::CPU, "storage on device ", device_name(device),
+              " needs a build with that backend");
+  size_t rounded =
+      (bytes + kTensorAlignmentBytes - 1) / kTensorAlignmentBytes * kTensorAlignmentBytes;
+  if (rounded == 0) rounded = kTensorAlignmentBytes;
+  data_ = std::aligned_alloc(kTensorAlignmentBytes, rounded);
+  OCTET_CHECK(data_ != nullptr, "out of memory allocating ", bytes, " bytes");
+  count_allocation(static_cast<int64_t>(bytes));
+}
+
+Storage::~Storage() {
+  std::free(data_);
+  g_current_bytes.fetch_sub(static_cast<int64_t>(bytes_));
+}
+
+Tensor Tensor::empty(Shape shape, DType dtype, Device device) {
+  for (int64_t extent : shape) {
+    OCTET_CHECK(extent >= 0, "tensor shape ", shape_str(shape), " has a negative extent");
+  }
+  Tensor tensor;
+  tensor.numel_ = shape_numel(shape);
+  tensor.shape_ = std::move(shape);
+  tensor.dtype_ = dtype;
+  tensor.device_ = device;
+  tensor.storage_ = std::make_shared<Storage>(tensor.nbytes(), device);
+  return tensor;
+}
+
+Tensor Tensor::zeros(Shape shape, DType dtype, Device device) {
+  Tensor tensor = empty(std::move(shape), dtype, device);
+  tensor.zero_();
+  return tensor;
+}
+
+Tensor Tensor::from_floats(Shape shape, const std::vector<float>& values) {
+  OCTET_CHECK(shape_numel(shape) == static_cast<int64_t>(values.size()), "from_floats: shape ",
+              shape_str(shape), " holds ", shape_numel(shape), " values, got ", values.size());
+  Tensor tensor = empty(std::move(shape), DType::F32);
+  std::memcpy(tensor.raw(), values.data(), values.size() * sizeof(float));
+  return tensor;
+}
+
+int64_t Tensor::dim(int index) const {
+  int rank = ndim();
+  int resolved = index < 0 ? index + rank : index;
+  OCTET_CHECK(resolved >= 0 && resolved < rank, "dim(", index, ") out of range for shape ",
+              shape_str(shape_));
+  return shape_[resolved];
+}
+
+int64_t Tensor::rows() const {
+  if (shape_.empty()) return 1;
+  return cols() == 0 ? shape_numel(Shape(shape_.begin(), shape_.end() - 1)) : numel_ / cols();
+}
+
+int64_t Tensor::cols() const {
+  return shape_.empty() ? 1 : shape_.back();
+}
+
+void* Tensor::raw() {
+  OCTET_CHECK(defined(), "access to an undefined tensor");
+  return static_cast<char*>(storage_->data()) + offset_bytes_;
+}
+
+const void* Tensor::raw() const {
+  OCTET_CHECK(defined(), "access to an undefined tensor");
+  return static_cast<const char*>(storage_->data()) + offset_bytes_;
+}
+
+Tensor Tensor::reshape(Shape shape) const {
+  int infer_at = -1;
+  int64_t known = 1;
+  for (size_t i = 0; i < shape.size(); ++i) {
+    if (shape[i] == -1) {
+      OCTET_CHECK(infer_at < 0, "reshape to ", shape_str(shape), ": at most one -1");
+      infer_at = static_cast<int>(i);
+    } else {
+      known *= shape[i];
+    }
+  }
+  if (infer_at >= 0) {
+    OCTET_CHECK(known > 0 && numel_ % known == 0, "reshape ", shape_str(shape_), " to ",
+                shape_str(shape), ": sizes do not divide");
+    shape[infer_at] = numel_ / known;
+  }
+  OCTET_CHECK(shape_numel(shape) == numel_, "reshape ", shape_str(shape_), " (", numel_,
+              " elements) to ", shape_str(shape), " (", shape_numel(shape), " elements)");
+  Tensor view = *this;
+  view.shape_ = std::move(shape);
+  return view;
+}
+
+Tensor Tensor::slice_rows(int64_t begin, int64_t end) const {
+  OCTET_CHECK(ndim() >= 1, "slice_rows on a scalar tensor");
+  OCTET_CHECK(0 <= begin && begin <= end && end <= shape_[0], "slice_rows [", begin, ",", end,
+              ") out of range for shape ", shape_str(shape_));
+  Tensor view = *this;
+  int64_t row_elements = shape_[0] == 0 ? 0 : numel_ / shape_[0];
+  view.offset_bytes_ += static_cast<size_t>(begin * row_elements) * dtype_bytes(dtype_);
+  view.shape_[0] = end - begin;
+  view.numel_ = shape_numel(view.shape_);
+  return view;
+}
+
+Tensor Tensor::view_as(DType dtype) const {
+  OCTET_CHECK(dtype_bytes(dtype) == dtype_bytes(dtype_), "view_as ", dtype_name(dtype),
+              ": element width differs from ", dtype_name(dtype_));
+  Tensor view = *this;
+  view.dtype_ = dtype;
+  return view;
+}
+
+Tensor Tensor::clone() const {
+  Tensor copy = empty(shape_, dtype_, device_);
+  if (nbytes()) std::memcpy(copy.raw(), raw(), nbytes());
+  return copy;
+}
+
+void Tensor::zero_() {
+  if (nbytes()) std::memset(raw(), 0, nbytes());
+}
+
+void Tensor::copy_from(const Tensor& source) {
+  OCTET_CHECK(source.shape_ == shape_ && source.dtype_ == dtype_, "copy_from: expected ",
+              dtype_name(dtype_), shape_str(shape_), ", got ", dtype_name(source.dtype_),
+              shape_str(source.shape_));
+  if (nbytes()) std::memmove(raw(), source.raw(), nbytes());
+}
+
+std::vector<float> Tensor::to_floats() const {
+  std::vector<float> out(static_cast<size_t>(numel_));
+  size_t n = out.size();
+  const void* in = raw();
+  switch (dtype_) {
+    case DType::F32:
+      std::memcpy(out.data(), in, n * sizeof(float));
+      break;
+    case DType::BF16:
+      convert_bf16_to_f32(static_cast<const bfloat16*>(in), out.data(), n);
+      break;
+    case DType::F16:
+      convert_f16_to_f32(static_cast<const float16*>(in), out.data(), n);
+      break;
+    case DType::E4M3:
+    case DType::E5M2:
+      dequantize_fp8(static_cast<const uint8_t*>(in), n, dtype_, 1.0f, out.data());
+      break;
+    case DType::I32:
+      for (size_t i = 0; i < n; ++i)
+        out[i] = static_cast<float>(static_cast<const int32_t*>(in)[i]);
+      break;
+    case DType::I64:
+      for (size_t i = 0; i < n; ++i)
+        out[i] = static_cast<float>(static_cast<const int64_t*>(in)[i]);
+      break;
+    case DType::U8:
+      for (size_t i = 0; i < n; ++i) out[i] = static_cast<const uint8_t*>(in)[i];
+      break;
+  }
+  return out;
+}
+
+Tensor Tensor::to(DType dtype) const {
+  if (dtype == dtype_) return clone();
+  auto is_float = [](DType d) { return d == DType::F32 || d == DType::BF16 || d == DType::F16; };
+  OCTET_CHECK(is_float(dtype_) || is_fp8(dtype_), "to(", dtype_name(dtype), "): source dtype ",
+              dtype_name(dtype_), " is not a floating-point type");
+  OCTET_CHECK(is_float(dtype) || is_fp8(dtype), "to(", dtype_name(dtype),
+              "): expected a floating-point target");
+  Tensor out = empty(shape_, dtype, device_);
+  size_t n = static_cast<size_t>(numel_);
+  // Go through F32 unless a direct kernel exists.
+  Tensor wide;
+  const float* f32 = nullptr;
+  if (dtype_ == DType::F32) {
+    f32 = data<float>();
+  } else {
+    wide = Tensor::from_floats(shape_, to_floats());
+    f32 = wide.data<float>();
+  }
+  switch (dtype) {
+    case DType::F32:
+      std::memcpy(out.raw(), f32, n * sizeof(float));
+      break;
+    case DType::BF16:
+      convert_f32_to_bf16(f32, out.data<bfloat16>(), n);
+      break;
+    case DType::F16:
+      convert_f32_to_f16(f32, out.data<float16>(), n);
+      break;
+    default:  // FP8: unscaled and saturating, as a quantizer with scale 1
+      quantize_fp8(f32, n, 1.0f, dtype, static_cast<uint8_t*>(out.raw()));
+      break;
+  }
+  return out;
+}
+
+void check_shape(const Tensor& tensor, const Shape& expected, std::string_view what,
+                 std::string_view names) {
+  if (tensor.shape() == expected) return;
+  std::string symbolic = names.empty() ? "" : detail::concat("[", names, "]=");
+  fail(detail::concat(what, " expected ", symbolic, shape_str(expected), ", got ",
+                      tensor.defined() ? shape_str(tensor.shape()) : "an undefined tensor"));
+}
+
+void check_dtype(const Tensor& tensor, DType expected, std::string_view what) {
+  OCTET_CHECK(tensor.dtype() == expected, what, " expected dtype ", dtype_name(expected), ", got ",
+              dtype_name(tensor.dtype()));
+}
+
+void check_dtype_in(const Tensor& tensor, std::initializer_list<DType> allowed,
+                    std::string_view what) {
+  std::string names;
+  for (DType dtype : allowed) {
+    if (dtype == tensor.dtype()) return;
+    names += names.empty() ? "" : " or ";
+    names += dtype_name(dtype);
+  }
+  fail(detail::concat(what, " expected dtype ", names, ", got ", dtype_name(tensor.dtype())));
+}
+
+}  // namespace octet
