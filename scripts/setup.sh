@@ -6,6 +6,7 @@ set -euo pipefail
 packages=(
   g++ cmake make            # the toolchain
   libdnnl-dev               # oneDNN: GEMM (matmul primitive, AMX/AVX-512 BF16 kernels)
+  ocl-icd-opencl-dev opencl-c-headers  # only because Debian's dnnl-config.cmake asks for OpenCL
   nlohmann-json3-dev        # JSON for --json output, configs, checkpoint headers
   libcli11-dev              # the octet command line
   libgtest-dev              # unit tests

@@ -1,0 +1,44 @@
+"""PyTorch 1.13 reference for octet's tests: `torch_ref.py OP INPUTS OUTPUTS ARGS_JSON`.
+
+Reads the inputs (safetensors), computes OP's forward (and backward where the op has one)
+in float64 unless the op says otherwise, and writes the results (safetensors, float32).
+"""
+import json
+import sys
+
+import torch
+
+import safetensors_io
+
+OPS = {}
+
+
+def op(name):
+    def register(fn):
+        OPS[name] = fn
+        return fn
+    return register
+
+
+@op("echo")
+def echo(t, args):
+    """Round trip check: returns every input doubled, in float32."""
+    return {name: (value.double() * 2).float() for name, value in t.items()}
+
+
+@op("matmul")
+def matmul(t, args):
+    a, b = t["a"].double(), t["b"].double()
+    return {"c": (a @ b).float()}
+
+
+def main():
+    name, inputs_path, outputs_path, args_text = sys.argv[1:5]
+    torch.manual_seed(0)
+    inputs = safetensors_io.load(inputs_path)
+    outputs = OPS[name](inputs, json.loads(args_text))
+    safetensors_io.save(outputs_path, {k: v.detach().float().contiguous() for k, v in outputs.items()})
+
+
+if __name__ == "__main__":
+    main()
