@@ -1,0 +1,231 @@
+// LayerNorm / RMSNorm: fast path against the reference on every ISA, both against PyTorch,
+// fused FP8 output against the unfused composition, finite differences, bad input.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <random>
+
+#include "octet/cpu.h"
+#include "octet/fp8.h"
+#include "octet/ops/normalization.h"
+#include "torch_reference.h"
+
+namespace octet {
+namespace {
+
+Tensor random_tensor(Shape shape, DType dtype, uint32_t seed, float mean = 0, float stddev = 1) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> normal(mean, stddev);
+  Tensor t = Tensor::empty(shape, DType::F32);
+  for (int64_t i = 0; i < t.numel(); ++i) t.data<float>()[i] = normal(rng);
+  return dtype == DType::F32 ? t : t.to(dtype);
+}
+
+// Largest |a-b| / (atol + rtol*|b|) over all elements: <= 1 passes.
+double worst(const Tensor& a, const Tensor& b, double atol, double rtol) {
+  std::vector<float> x = a.to_floats(), y = b.to_floats();
+  EXPECT_EQ(x.size(), y.size());
+  double w = 0;
+  for (size_t i = 0; i < x.size(); ++i) {
+    w = std::max(w, std::fabs(double(x[i]) - y[i]) / (atol + rtol * std::fabs(double(y[i]))));
+  }
+  return w;
+}
+
+std::vector<Isa> available_isas() {
+  std::vector<Isa> isas = {Isa::Scalar};
+  Isa original = active_isa();
+  for (Isa isa : {Isa::Avx2, Isa::Avx512}) {
+    set_active_isa(isa);
+    if (active_isa() == isa) isas.push_back(isa);
+  }
+  set_active_isa(original);
+  return isas;
+}
+
+struct NormCase {
+  bool rms;
+  int64_t rows, cols;
+  DType dtype;
+  bool zero_centered;
+  bool with_beta;
+};
+
+struct NormResult {
+  Tensor y, mean, rstd, dx, dgamma, dbeta;
+};
+
+NormResult run_norm(const NormCase& c, const Tensor& x, const Tensor& gamma, const Tensor& beta,
+                    const Tensor& dy, bool reference) {
+  NormResult r;
+  r.y = Tensor::empty(x.shape(), c.dtype);
+  r.mean = Tensor::empty({c.rows}, DType::F32);
+  r.rstd = Tensor::empty({c.rows}, DType::F32);
+  r.dx = Tensor::empty(x.shape(), c.dtype);
+  r.dgamma = Tensor::empty({c.cols}, DType::F32);
+  r.dbeta = Tensor::empty({c.cols}, DType::F32);
+  const Tensor* b = c.with_beta ? &beta : nullptr;
+  Tensor* db = c.with_beta ? &r.dbeta : nullptr;
+  const float eps = 1e-5f;
+  if (reference && c.rms) {
+    ops::reference::rmsnorm_forward(x, gamma, eps, c.zero_centered, r.y, r.rstd);
+    ops::reference::rmsnorm_backward(dy, x, r.rstd, gamma, c.zero_centered, r.dx, r.dgamma);
+  } else if (reference) {
+    ops::reference::layernorm_forward(x, gamma, b, eps, c.zero_centered, r.y, r.mean, r.rstd);
+    ops::reference::layernorm_backward(dy, x, r.mean, r.rstd, gamma, c.zero_centered, r.dx,
+                                       r.dgamma, db);
+  } else if (c.rms) {
+    ops::rmsnorm_forward(x, gamma, eps, c.zero_centered, r.y, r.rstd);
+    ops::rmsnorm_backward(dy, x, r.rstd, gamma, c.zero_centered, r.dx, r.dgamma);
+  } else {
+    ops::layernorm_forward(x, gamma, b, eps, c.zero_centered, r.y, r.mean, r.rstd);
+    ops::layernorm_backward(dy, x, r.mean, r.rstd, gamma, c.zero_centered, r.dx, r.dgamma, db);
+  }
+  return r;
+}
+
+class Norm : public ::testing::TestWithParam<NormCase> {};
+
+TEST_P(Norm, FastMatchesReferenceAndTorch) {
+  const NormCase c = GetParam();
+  // Inputs with a nonzero mean exercise the two-pass variance.
+  Tensor x = random_tensor({c.rows, c.cols}, c.dtype, 1, 3.0f, 2.0f);
+  Tensor gamma = random_tensor({c.cols}, DType::F32, 2, c.zero_centered ? 0.0f : 1.0f, 0.3f);
+  Tensor beta = random_tensor({c.cols}, DType::F32, 3);
+  Tensor dy = random_tensor({c.rows, c.cols}, c.dtype, 4);
+  NormResult ref = run_norm(c, x, gamma, beta, dy, true);
+
+  // F32: the fast path sums in F32 (vectorized, reordered) vs the FP64 oracle, so errors grow
+  // like C * 2^-24; 2e-4 relative covers C up to ~1000 with margin. BF16 outputs: one BF16
+  // rounding (2^-8 relative) may land on either side of the oracle's.
+  const bool bf16 = c.dtype == DType::BF16;
+  const double rtol = bf16 ? 1.0 / 64 : 2e-4, atol = bf16 ? 1e-2 : 1e-4;
+  for (Isa isa : available_isas()) {
+    SCOPED_TRACE(isa_name(isa));
+    Isa original = active_isa();
+    set_active_isa(isa);
+    NormResult fast = run_norm(c, x, gamma, beta, dy, false);
+    set_active_isa(original);
+    EXPECT_LE(worst(fast.y, ref.y, atol, rtol), 1.0);
+    EXPECT_LE(worst(fast.rstd, ref.rstd, 1e-6, 1e-5), 1.0);
+    EXPECT_LE(worst(fast.dx, ref.dx, atol, rtol), 1.0);
+    // dgamma sums over rows: absolute error scales with sqrt(rows) * |terms|.
+    EXPECT_LE(worst(fast.dgamma, ref.dgamma, 1e-3 * c.rows, rtol), 1.0);
+    if (c.with_beta && !c.rms) {
+      EXPECT_LE(worst(fast.dbeta, ref.dbeta, 1e-3 * c.rows, rtol), 1.0);
+    }
+  }
+
+  TensorMap inputs{{"x", x}, {"gamma", gamma}, {"dy", dy}};
+  if (c.with_beta && !c.rms) inputs["beta"] = beta;
+  std::string args = std::string("{\"eps\": 1e-5, \"zero_centered_gamma\": ") +
+                     (c.zero_centered ? "true" : "false") + "}";
+  TensorMap torch = octet::testing::run_torch(c.rms ? "rmsnorm" : "layernorm", inputs, args);
+  // The oracle computes in FP64 like torch does here; only its final F32/BF16 store differs.
+  const double torch_rtol = bf16 ? 1.0 / 128 : 1e-5, torch_atol = bf16 ? 1e-2 : 1e-5;
+  EXPECT_LE(worst(ref.y, torch.at("y"), torch_atol, torch_rtol), 1.0);
+  EXPECT_LE(worst(ref.dx, torch.at("dx"), torch_atol, torch_rtol), 1.0);
+  EXPECT_LE(worst(ref.dgamma, torch.at("dgamma"), 1e-4, 1e-5), 1.0);
+  if (c.with_beta && !c.rms) {
+    EXPECT_LE(worst(ref.dbeta, torch.at("dbeta"), 1e-4, 1e-5), 1.0);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, Norm,
+                         ::testing::Values(NormCase{false, 1, 1, DType::F32, false, true},
+                                           NormCase{false, 7, 33, DType::F32, false, true},
+                                           NormCase{false, 65, 384, DType::F32, true, true},
+                                           NormCase{false, 130, 768, DType::BF16, false, true},
+                                           NormCase{false, 33, 129, DType::F32, false, false},
+                                           NormCase{true, 7, 33, DType::F32, false, false},
+                                           NormCase{true, 65, 384, DType::BF16, true, false},
+                                           NormCase{true, 130, 768, DType::F32, false, false}));
+
+TEST(Normalization, FusedFp8OutputEqualsUnfusedCast) {
+  Tensor x = random_tensor({37, 384}, DType::BF16, 5);
+  Tensor gamma = random_tensor({384}, DType::F32, 6, 1.0f, 0.2f);
+  Tensor beta = random_tensor({384}, DType::F32, 7);
+  for (Isa isa : available_isas()) {
+    SCOPED_TRACE(isa_name(isa));
+    Isa original = active_isa();
+    set_active_isa(isa);
+    Tensor y = Tensor::empty({37, 384}, DType::F32), mean = Tensor::empty({37}, DType::F32);
+    Tensor rstd = Tensor::empty({37}, DType::F32);
+    ops::layernorm_forward(x, gamma, &beta, 1e-5f, false, y, mean, rstd);
+    std::vector<uint8_t> unfused(y.numel()), fused(y.numel());
+    float unfused_amax =
+        quantize_fp8(y.data<float>(), y.numel(), 7.5f, DType::E4M3, unfused.data());
+    ops::Fp8Store store{DType::E4M3, 7.5f, fused.data(), 0.0f};
+    Tensor none;
+    ops::layernorm_forward(x, gamma, &beta, 1e-5f, false, none, mean, rstd, &store);
+    set_active_isa(original);
+    EXPECT_EQ(fused, unfused);
+    EXPECT_EQ(store.amax, unfused_amax);
+  }
+  // NaN in the input reaches amax, so delayed scaling can keep its previous scale.
+  Tensor bad = random_tensor({4, 16}, DType::F32, 8);
+  bad.data<float>()[17] = NAN;
+  std::vector<uint8_t> codes(64);
+  ops::Fp8Store store{DType::E4M3, 1.0f, codes.data(), 0.0f};
+  Tensor none, mean = Tensor::empty({4}, DType::F32), rstd = Tensor::empty({4}, DType::F32);
+  Tensor g16 = random_tensor({16}, DType::F32, 9);
+  ops::rmsnorm_forward(bad, g16, 1e-5f, false, none, rstd, &store);
+  EXPECT_TRUE(std::isnan(store.amax));
+}
+
+TEST(Normalization, FiniteDifferenceGradients) {
+  // Loss L = sum(y * w_out) on a small shape; central differences in the FP64 oracle's
+  // inputs (F32 storage, step 1e-2: truncation error ~1e-4, rounding ~1e-5).
+  const int64_t rows = 3, cols = 8;
+  for (bool rms : {false, true}) {
+    Tensor x = random_tensor({rows, cols}, DType::F32, 10);
+    Tensor gamma = random_tensor({cols}, DType::F32, 11, 1.0f, 0.5f);
+    Tensor beta = random_tensor({cols}, DType::F32, 12);
+    Tensor w = random_tensor({rows, cols}, DType::F32, 13);
+    NormCase c{rms, rows, cols, DType::F32, false, !rms};
+    auto loss = [&](const Tensor& xx, const Tensor& gg) {
+      NormResult r = run_norm(c, xx, gg, beta, w, true);
+      double l = 0;
+      for (int64_t i = 0; i < r.y.numel(); ++i)
+        l += double(r.y.data<float>()[i]) * w.data<float>()[i];
+      return l;
+    };
+    NormResult analytic = run_norm(c, x, gamma, beta, w, false);
+    const float h = 1e-2f;
+    for (int64_t i = 0; i < x.numel(); ++i) {
+      Tensor plus = x.clone(), minus = x.clone();
+      plus.data<float>()[i] += h;
+      minus.data<float>()[i] -= h;
+      double numeric = (loss(plus, gamma) - loss(minus, gamma)) / (2 * h);
+      EXPECT_NEAR(analytic.dx.data<float>()[i], numeric, 2e-3 + 2e-3 * std::fabs(numeric));
+    }
+    for (int64_t i = 0; i < cols; ++i) {
+      Tensor plus = gamma.clone(), minus = gamma.clone();
+      plus.data<float>()[i] += h;
+      minus.data<float>()[i] -= h;
+      double numeric = (loss(x, plus) - loss(x, minus)) / (2 * h);
+      EXPECT_NEAR(analytic.dgamma.data<float>()[i], numeric, 2e-3 + 2e-3 * std::fabs(numeric));
+    }
+  }
+}
+
+TEST(Normalization, BadInputIsNamed) {
+  Tensor x = Tensor::zeros({4, 8}, DType::F32);
+  Tensor gamma = Tensor::zeros({7}, DType::F32);
+  Tensor y = Tensor::empty({4, 8}, DType::F32), mean = Tensor::empty({4}, DType::F32);
+  Tensor rstd = Tensor::empty({4}, DType::F32);
+  try {
+    ops::layernorm_forward(x, gamma, nullptr, 1e-5f, false, y, mean, rstd);
+    FAIL() << "no throw";
+  } catch (const Error& e) {
+    EXPECT_STREQ(e.what(), "layernorm_forward: gamma expected [C]=[8], got [7]");
+  }
+  Tensor gamma8 = Tensor::zeros({8}, DType::F32);
+  Tensor wrong_rstd = Tensor::empty({5}, DType::F32);
+  EXPECT_THROW(ops::rmsnorm_forward(x, gamma8, 1e-5f, false, y, wrong_rstd), Error);
+  Tensor ints = Tensor::zeros({4, 8}, DType::I32);
+  EXPECT_THROW(ops::layernorm_forward(ints, gamma8, nullptr, 1e-5f, false, y, mean, rstd), Error);
+}
+
+}  // namespace
+}  // namespace octet
