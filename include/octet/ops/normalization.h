@@ -4,18 +4,10 @@
 
 #include <cstdint>
 
+#include "octet/ops/fp8_store.h"
 #include "octet/tensor.h"
 
 namespace octet::ops {
-
-// Per-tensor FP8 output written by a kernel in the same pass: codes = fp8(y * scale),
-// saturating; the kernel writes amax = max |y| (NaN if any y is NaN).
-struct Fp8Store {
-  DType format = DType::E4M3;
-  float scale = 1.0f;
-  uint8_t* codes = nullptr;  // as many elements as y
-  float amax = 0.0f;
-};
 
 // x [N,C] F32|BF16 (leading dims flattened); gamma [C] F32; beta [C] F32 or null;
 // y [N,C] F32|BF16, or undefined when fp8 is given (then only the codes are written);

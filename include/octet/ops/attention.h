@@ -1,0 +1,62 @@
+// Fused scaled dot-product attention, FlashAttention-2 style: tiled, online softmax, the
+// T x S score matrix never stored; backward recomputes each tile's probabilities from the
+// saved log-sum-exp. Layout bshd: q [B,T,H,D], k and v [B,S,Hkv,D].
+#pragma once
+
+#include <cstdint>
+
+#include "octet/tensor.h"
+
+namespace octet::ops {
+
+// Masks combine: a key is visible to a query only when every enabled rule allows it.
+// Alignment is bottom-right, as in flash-attn: with the batch's valid lengths Tq (queries)
+// and Tk (keys), query i sits on key diagonal i + Tk - Tq, so the last query sees the last key.
+struct AttentionOptions {
+  float softmax_scale = 0.0f;  // 0 means 1/sqrt(D)
+  bool causal = false;         // key j visible when j <= i + Tk - Tq
+  // Sliding window (flash-attn's window_size); -1 = unbounded on that side. Key j visible when
+  // i + Tk - Tq - window_left <= j <= i + Tk - Tq + window_right. causal = window_right 0.
+  int64_t window_left = -1;
+  int64_t window_right = -1;
+  // Padding: valid queries / keys per batch, [B] I32 (null = all T / all S). Queries past
+  // q_lengths[b] get out = 0, lse = +inf and zero gradients; keys past kv_lengths[b] are masked.
+  const Tensor* q_lengths = nullptr;
+  const Tensor* kv_lengths = nullptr;
+  // Dropout on the attention probabilities, keep probability 1 - p, kept values scaled by
+  // 1 / (1 - p). The mask is a function of (seed, offset, b, h, i, j) (see
+  // attention_dropout_keep), so backward regenerates it instead of storing it.
+  float dropout = 0.0f;
+  uint64_t seed = 0;
+  uint64_t offset = 0;  // lets successive calls with one seed draw different masks
+};
+
+// q [B,T,H,D], k and v [B,S,Hkv,D], F32|BF16 (k, v the same dtype), H % Hkv == 0 (grouped-query
+// attention: query head h reads kv head h / (H / Hkv)), 1 <= D <= 256.
+// out [B,T,H,D], dtype of q; lse [B,H,T] F32: log-sum-exp of each row's scaled, masked
+// scores (+inf for a fully masked row), all backward needs besides q, k, v and out.
+void flash_attention_forward(const Tensor& q, const Tensor& k, const Tensor& v,
+                             const AttentionOptions& options, Tensor& out, Tensor& lse);
+// dout [B,T,H,D] dtype of q; dq, dk, dv the shapes and dtypes of q, k, v (written; dk and dv
+// summed over each kv head's query group).
+void flash_attention_backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
+                              const Tensor& lse, const Tensor& dout,
+                              const AttentionOptions& options, Tensor& dq, Tensor& dk, Tensor& dv);
+
+// Whether dropout keeps probability (b, h, i, j): Philox4x32-10 keyed by the seed, counter
+// (j / 4, i, b * H + h, offset), word j % 4, kept when the word >= p * 2^32.
+bool attention_dropout_keep(uint64_t seed, uint64_t offset, int64_t b, int64_t h, int64_t num_heads,
+                            int64_t i, int64_t j, float p);
+// The whole mask for tests and peers: keep [B,H,T,S] U8, 1 = kept.
+void attention_dropout_mask(uint64_t seed, uint64_t offset, float p, Tensor& keep);
+
+namespace reference {
+// The oracle: materializes each head's T x S scores, double accumulation.
+void flash_attention_forward(const Tensor& q, const Tensor& k, const Tensor& v,
+                             const AttentionOptions& options, Tensor& out, Tensor& lse);
+void flash_attention_backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
+                              const Tensor& lse, const Tensor& dout,
+                              const AttentionOptions& options, Tensor& dq, Tensor& dk, Tensor& dv);
+}  // namespace reference
+
+}  // namespace octet::ops
