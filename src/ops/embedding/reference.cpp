@@ -1,0 +1,44 @@
+// Embedding reference: plain loops over tokens and channels. The oracle.
+#include "ops/embedding/checks.h"
+
+namespace octet::ops::reference {
+namespace {
+
+float read(const Tensor& t, int64_t index) {
+  return t.dtype() == DType::F32 ? t.data<float>()[index]
+                                 : bf16_to_float(t.data<bfloat16>()[index].bits);
+}
+
+}  // namespace
+
+void embedding_forward(const Tensor& ids, const Tensor& table, Tensor& out) {
+  const auto s =
+      embedding_detail::check_embedding("embedding_forward", ids, table, "table", out, "out");
+  check_dtype_in(table, {DType::F32, DType::BF16}, "embedding_forward: table");
+  for (int64_t n = 0; n < s.tokens; ++n) {
+    const int64_t id = embedding_detail::id_at(ids, n);
+    for (int64_t c = 0; c < s.channels; ++c) {
+      const float value = read(table, id * s.channels + c);
+      if (out.dtype() == DType::F32) {
+        out.data<float>()[n * s.channels + c] = value;
+      } else {
+        out.data<bfloat16>()[n * s.channels + c].bits = float_to_bf16(value);
+      }
+    }
+  }
+}
+
+void embedding_backward(const Tensor& ids, const Tensor& dout, Tensor& dtable) {
+  const auto s =
+      embedding_detail::check_embedding("embedding_backward", ids, dtable, "dtable", dout, "dout");
+  check_dtype(dtable, DType::F32, "embedding_backward: dtable");
+  float* grad = dtable.data<float>();
+  for (int64_t n = 0; n < s.tokens; ++n) {
+    const int64_t id = embedding_detail::id_at(ids, n);
+    for (int64_t c = 0; c < s.channels; ++c) {
+      grad[id * s.channels + c] += read(dout, n * s.channels + c);
+    }
+  }
+}
+
+}  // namespace octet::ops::reference
