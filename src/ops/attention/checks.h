@@ -1,0 +1,137 @@
+// Shape checks, mask rules and the dropout RNG shared by the reference and fast attention.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+
+#include "octet/ops/attention.h"
+
+namespace octet::ops::attention_detail {
+
+struct AttentionShape {
+  int64_t batch = 0, queries = 0, keys = 0, heads = 0, kv_heads = 0, head_dim = 0;
+  int64_t group = 1;   // query heads per kv head
+  float scale = 0.0f;  // the softmax scale actually used
+};
+
+inline constexpr int64_t kMaxHeadDim = 256;
+
+inline void check_lengths(const char* op, const Tensor* lengths, const char* name, int64_t batch,
+                          int64_t limit) {
+  if (lengths == nullptr) return;
+  check_shape(*lengths, {batch}, octet::detail::concat(op, ": ", name), "B");
+  check_dtype(*lengths, DType::I32, octet::detail::concat(op, ": ", name));
+  for (int64_t b = 0; b < batch; ++b) {
+    int32_t n = lengths->data<int32_t>()[b];
+    OCTET_CHECK(n >= 0 && n <= limit, op, ": ", name, "[", b, "] expected in [0,", limit, "], got ",
+                n);
+  }
+}
+
+inline AttentionShape check_inputs(const char* op, const Tensor& q, const Tensor& k,
+                                   const Tensor& v, const AttentionOptions& o) {
+  OCTET_CHECK(q.defined() && q.ndim() == 4, op, ": q expected [B,T,H,D], got ",
+              q.defined() ? shape_str(q.shape()) : "an undefined tensor");
+  OCTET_CHECK(k.defined() && k.ndim() == 4, op, ": k expected [B,S,Hkv,D], got ",
+              k.defined() ? shape_str(k.shape()) : "an undefined tensor");
+  check_dtype_in(q, {DType::F32, DType::BF16}, octet::detail::concat(op, ": q"));
+  check_dtype(k, q.dtype(), octet::detail::concat(op, ": k"));
+  check_dtype(v, q.dtype(), octet::detail::concat(op, ": v"));
+  AttentionShape s;
+  s.batch = q.dim(0);
+  s.queries = q.dim(1);
+  s.heads = q.dim(2);
+  s.head_dim = q.dim(3);
+  s.keys = k.dim(1);
+  s.kv_heads = k.dim(2);
+  OCTET_CHECK(s.batch > 0 && s.queries > 0 && s.heads > 0 && s.keys > 0 && s.kv_heads > 0, op,
+              ": empty dimensions, q ", shape_str(q.shape()), ", k ", shape_str(k.shape()));
+  OCTET_CHECK(s.head_dim >= 1 && s.head_dim <= kMaxHeadDim, op, ": head dim D expected in [1,",
+              kMaxHeadDim, "], got ", s.head_dim);
+  check_shape(k, {s.batch, s.keys, s.kv_heads, s.head_dim}, octet::detail::concat(op, ": k"),
+              "B,S,Hkv,D");
+  check_shape(v, k.shape(), octet::detail::concat(op, ": v"), "B,S,Hkv,D");
+  OCTET_CHECK(s.heads % s.kv_heads == 0, op, ": H=", s.heads,
+              " expected a multiple of Hkv=", s.kv_heads);
+  s.group = s.heads / s.kv_heads;
+  OCTET_CHECK(o.softmax_scale >= 0.0f && std::isfinite(o.softmax_scale), op,
+              ": softmax_scale expected >= 0 (0 = 1/sqrt(D)), got ", o.softmax_scale);
+  s.scale =
+      o.softmax_scale > 0.0f ? o.softmax_scale : 1.0f / std::sqrt(static_cast<float>(s.head_dim));
+  OCTET_CHECK(o.window_left >= -1 && o.window_right >= -1, op,
+              ": window sizes expected >= -1, got (", o.window_left, ",", o.window_right, ")");
+  OCTET_CHECK(o.dropout >= 0.0f && o.dropout < 1.0f, op, ": dropout expected in [0,1), got ",
+              o.dropout);
+  check_lengths(op, o.q_lengths, "q_lengths", s.batch, s.queries);
+  check_lengths(op, o.kv_lengths, "kv_lengths", s.batch, s.keys);
+  return s;
+}
+
+inline void check_output(const char* op, const Tensor& t, const Tensor& like, const char* name,
+                         const char* names) {
+  check_shape(t, like.shape(), octet::detail::concat(op, ": ", name), names);
+  check_dtype(t, like.dtype(), octet::detail::concat(op, ": ", name));
+}
+
+inline void check_lse(const char* op, const Tensor& lse, const AttentionShape& s) {
+  check_shape(lse, {s.batch, s.heads, s.queries}, octet::detail::concat(op, ": lse"), "B,H,T");
+  check_dtype(lse, DType::F32, octet::detail::concat(op, ": lse"));
+}
+
+// The keys [lo, hi) query i of batch b sees; empty (lo >= hi) for padded or fully masked rows.
+struct KeyRange {
+  int64_t lo = 0, hi = 0;
+  bool empty() const { return lo >= hi; }
+};
+
+inline KeyRange visible_keys(const AttentionShape& s, const AttentionOptions& o, int64_t b,
+                             int64_t i) {
+  const int64_t q_len = o.q_lengths ? o.q_lengths->data<int32_t>()[b] : s.queries;
+  const int64_t kv_len = o.kv_lengths ? o.kv_lengths->data<int32_t>()[b] : s.keys;
+  if (i >= q_len) return {};
+  const int64_t diagonal = i + kv_len - q_len;  // bottom-right alignment
+  KeyRange r{0, kv_len};
+  int64_t right = o.causal ? 0 : o.window_right;
+  if (o.causal && o.window_right >= 0) right = std::min<int64_t>(0, o.window_right);
+  if (right >= 0) r.hi = std::min(r.hi, diagonal + right + 1);
+  if (o.window_left >= 0) r.lo = std::max<int64_t>(0, diagonal - o.window_left);
+  if (r.empty()) return {};
+  return r;
+}
+
+// Philox4x32-10 (Salmon et al., Random123): four 32-bit words from a 128-bit counter.
+struct Philox {
+  uint32_t word[4];
+};
+
+inline Philox philox4x32_10(uint64_t seed, uint32_t c0, uint32_t c1, uint32_t c2, uint32_t c3) {
+  uint32_t k0 = static_cast<uint32_t>(seed), k1 = static_cast<uint32_t>(seed >> 32);
+  for (int round = 0; round < 10; ++round) {
+    const uint64_t p0 = uint64_t{0xD2511F53u} * c0;
+    const uint64_t p1 = uint64_t{0xCD9E8D57u} * c2;
+    const uint32_t n0 = static_cast<uint32_t>(p1 >> 32) ^ c1 ^ k0;
+    const uint32_t n2 = static_cast<uint32_t>(p0 >> 32) ^ c3 ^ k1;
+    c1 = static_cast<uint32_t>(p1);
+    c3 = static_cast<uint32_t>(p0);
+    c0 = n0;
+    c2 = n2;
+    k0 += 0x9E3779B9u;
+    k1 += 0xBB67AE85u;
+  }
+  return {{c0, c1, c2, c3}};
+}
+
+// The four dropout words of keys j4 .. j4+3 (j4 a multiple of 4) for row i of head (b, h).
+inline Philox dropout_words(uint64_t seed, uint64_t offset, int64_t bh, int64_t i, int64_t j4) {
+  return philox4x32_10(seed, static_cast<uint32_t>(j4 >> 2), static_cast<uint32_t>(i),
+                       static_cast<uint32_t>(bh), static_cast<uint32_t>(offset));
+}
+
+// A word keeps its element when word >= threshold.
+inline uint32_t dropout_threshold(float p) {
+  const double t = std::ldexp(static_cast<double>(p), 32);
+  return t >= 4294967295.0 ? 0xFFFFFFFFu : static_cast<uint32_t>(t);
+}
+
+}  // namespace octet::ops::attention_detail

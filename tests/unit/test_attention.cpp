@@ -1,0 +1,404 @@
+// Flash attention: fast path against the reference (every ISA path) and both against
+// PyTorch's explicit softmax(Q K^T * scale + mask) V with autograd, forward and backward.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <random>
+
+#include "octet/cpu.h"
+#include "octet/ops/attention.h"
+#include "ops/attention/checks.h"
+#include "torch_reference.h"
+
+namespace octet {
+namespace {
+
+using ops::AttentionOptions;
+
+Tensor random_tensor(const Shape& shape, DType dtype, uint32_t seed) {
+  std::mt19937 gen(seed);
+  std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
+  std::vector<float> values(static_cast<size_t>(shape_numel(shape)));
+  for (float& v : values) v = dist(gen);
+  Tensor t = Tensor::from_floats(shape, values);
+  return dtype == DType::F32 ? t : t.to(dtype);
+}
+
+// |a - e| <= tol * (1 + |e|) elementwise, relative to the tensor's scale (max |e|, at least 1):
+// gradients and outputs here are O(1). Infinities (lse of empty rows) must match exactly.
+void expect_close(const Tensor& actual, const Tensor& expected, double tol,
+                  const std::string& what) {
+  ASSERT_EQ(actual.shape(), expected.shape()) << what;
+  std::vector<float> a = actual.to_floats(), e = expected.to_floats();
+  double scale = 1.0;
+  for (float x : e) {
+    if (std::isfinite(x)) scale = std::max(scale, std::fabs(double{x}));
+  }
+  double worst = 0.0;
+  size_t worst_at = 0;
+  for (size_t n = 0; n < a.size(); ++n) {
+    if (!std::isfinite(e[n])) {
+      ASSERT_EQ(a[n], e[n]) << what << " at " << n;
+      continue;
+    }
+    double err = std::fabs(double{a[n]} - e[n]) / (scale + std::fabs(double{e[n]}));
+    if (!(err <= worst)) {
+      worst = err;
+      worst_at = n;
+    }
+  }
+  EXPECT_LE(worst, tol) << what << ": worst at " << worst_at << " got " << a[worst_at]
+                        << " expected " << e[worst_at];
+}
+
+struct Grads {
+  Tensor out, lse, dq, dk, dv;
+};
+
+template <typename Forward, typename Backward>
+Grads run(Forward forward, Backward backward, const Tensor& q, const Tensor& k, const Tensor& v,
+          const Tensor& dout, const AttentionOptions& o) {
+  Grads g;
+  g.out = Tensor::empty(q.shape(), q.dtype());
+  g.lse = Tensor::empty({q.dim(0), q.dim(2), q.dim(1)}, DType::F32);
+  g.dq = Tensor::empty(q.shape(), q.dtype());
+  g.dk = Tensor::empty(k.shape(), k.dtype());
+  g.dv = Tensor::empty(v.shape(), v.dtype());
+  forward(q, k, v, o, g.out, g.lse);
+  backward(q, k, v, g.out, g.lse, dout, o, g.dq, g.dk, g.dv);
+  return g;
+}
+
+Grads run_fast(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& dout,
+               const AttentionOptions& o) {
+  return run(ops::flash_attention_forward, ops::flash_attention_backward, q, k, v, dout, o);
+}
+Grads run_reference(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& dout,
+                    const AttentionOptions& o) {
+  return run(ops::reference::flash_attention_forward, ops::reference::flash_attention_backward, q,
+             k, v, dout, o);
+}
+
+void expect_grads_close(const Grads& a, const Grads& e, double tol, const std::string& what) {
+  expect_close(a.out, e.out, tol, what + " out");
+  expect_close(a.lse, e.lse, 1e-5, what + " lse");  // F32 in every dtype
+  expect_close(a.dq, e.dq, tol, what + " dq");
+  expect_close(a.dk, e.dk, tol, what + " dk");
+  expect_close(a.dv, e.dv, tol, what + " dv");
+}
+
+struct Case {
+  const char* name;
+  int64_t B, T, S, H, Hkv, D;
+  bool causal = false;
+  int64_t window_left = -1, window_right = -1;
+  std::vector<int32_t> q_lengths = {}, kv_lengths = {};  // empty: no padding
+  float dropout = 0.0f;
+  DType dtype = DType::F32;
+};
+
+std::ostream& operator<<(std::ostream& out, const Case& c) {
+  return out << c.name;
+}
+
+// F32: both sides accumulate in F32 or better; the fast path's exp2 polynomial (2e-7) and
+// summation order over up to 256-long dots and 130 keys stay well below 1e-4.
+// BF16: inputs are identical bf16 values on every side; outputs and gradients are rounded
+// to bf16 (2^-8 relative spacing), so one side may land one bf16 step from the other.
+double tolerance(DType dtype) {
+  return dtype == DType::F32 ? 1e-4 : 1e-2;
+}
+
+class AttentionCase : public ::testing::TestWithParam<Case> {};
+
+TEST_P(AttentionCase, FastMatchesReferenceOnEveryIsaAndTorch) {
+  const Case& c = GetParam();
+  Tensor q = random_tensor({c.B, c.T, c.H, c.D}, c.dtype, 1);
+  Tensor k = random_tensor({c.B, c.S, c.Hkv, c.D}, c.dtype, 2);
+  Tensor v = random_tensor({c.B, c.S, c.Hkv, c.D}, c.dtype, 3);
+  Tensor dout = random_tensor({c.B, c.T, c.H, c.D}, c.dtype, 4);
+  AttentionOptions o;
+  o.causal = c.causal;
+  o.window_left = c.window_left;
+  o.window_right = c.window_right;
+  o.dropout = c.dropout;
+  o.seed = 1234;
+  o.offset = 7;
+  Tensor q_lengths, kv_lengths;
+  TensorMap inputs{{"q", q}, {"k", k}, {"v", v}, {"dout", dout}};
+  if (!c.q_lengths.empty()) {
+    q_lengths = Tensor::empty({c.B}, DType::I32);
+    kv_lengths = Tensor::empty({c.B}, DType::I32);
+    for (int64_t b = 0; b < c.B; ++b) {
+      q_lengths.data<int32_t>()[b] = c.q_lengths[b];
+      kv_lengths.data<int32_t>()[b] = c.kv_lengths[b];
+    }
+    o.q_lengths = &q_lengths;
+    o.kv_lengths = &kv_lengths;
+    inputs["q_lengths"] = q_lengths;
+    inputs["kv_lengths"] = kv_lengths;
+  }
+  if (c.dropout > 0.0f) {
+    Tensor keep = Tensor::empty({c.B, c.H, c.T, c.S}, DType::U8);
+    ops::attention_dropout_mask(o.seed, o.offset, o.dropout, keep);
+    inputs["keep"] = keep;
+  }
+
+  const double tol = tolerance(c.dtype);
+  Grads reference = run_reference(q, k, v, dout, o);
+  const Isa saved = active_isa();
+  for (Isa isa : {Isa::Scalar, Isa::Avx2, Isa::Avx512}) {
+    set_active_isa(isa);
+    if (active_isa() != isa) continue;  // the processor lacks it
+    expect_grads_close(run_fast(q, k, v, dout, o), reference, tol,
+                       std::string("fast/") + isa_name(isa));
+  }
+  set_active_isa(saved);
+
+  std::string args = "{\"causal\": " + std::string(c.causal ? "true" : "false") +
+                     ", \"window_left\": " + std::to_string(c.window_left) +
+                     ", \"window_right\": " + std::to_string(c.window_right) +
+                     ", \"dropout\": " + std::to_string(c.dropout) + "}";
+  TensorMap torch = testing::run_torch("attention", inputs, args);
+  Grads expected{torch.at("out"), torch.at("lse"), torch.at("dq"), torch.at("dk"), torch.at("dv")};
+  expect_grads_close(reference, expected, tol, "reference vs torch");
+  expect_grads_close(run_fast(q, k, v, dout, o), expected, tol, "fast vs torch");
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Shapes, AttentionCase,
+    ::testing::Values(
+        Case{.name = "single_query_d32", .B = 1, .T = 1, .S = 7, .H = 2, .Hkv = 2, .D = 32},
+        Case{.name = "causal_t7_gqa_d64",
+             .B = 2,
+             .T = 7,
+             .S = 7,
+             .H = 2,
+             .Hkv = 1,
+             .D = 64,
+             .causal = true},
+        Case{.name = "causal_t65_s130_gqa6to2_d80",
+             .B = 1,
+             .T = 65,
+             .S = 130,
+             .H = 6,
+             .Hkv = 2,
+             .D = 80,
+             .causal = true},
+        Case{.name = "causal_t130_s65_rows_fully_masked_d128",
+             .B = 2,
+             .T = 130,
+             .S = 65,
+             .H = 2,
+             .Hkv = 2,
+             .D = 128,
+             .causal = true},
+        Case{.name = "window_16_8_t130_d64",
+             .B = 1,
+             .T = 130,
+             .S = 130,
+             .H = 2,
+             .Hkv = 1,
+             .D = 64,
+             .window_left = 16,
+             .window_right = 8},
+        Case{.name = "window_left_causal_t65_d40",
+             .B = 1,
+             .T = 65,
+             .S = 65,
+             .H = 2,
+             .Hkv = 2,
+             .D = 40,
+             .causal = true,
+             .window_left = 20},
+        Case{.name = "padding_causal_t65_s70_d32",
+             .B = 3,
+             .T = 65,
+             .S = 70,
+             .H = 2,
+             .Hkv = 2,
+             .D = 32,
+             .causal = true,
+             .q_lengths = {65, 30, 1},
+             .kv_lengths = {70, 5, 0}},
+        Case{.name = "no_mask_t33_s47_d256", .B = 1, .T = 33, .S = 47, .H = 2, .Hkv = 2, .D = 256},
+        Case{.name = "dropout_t65_s70_d32",
+             .B = 1,
+             .T = 65,
+             .S = 70,
+             .H = 2,
+             .Hkv = 1,
+             .D = 32,
+             .dropout = 0.2f},
+        Case{.name = "bf16_causal_t65_s130_gqa6to2_d64",
+             .B = 1,
+             .T = 65,
+             .S = 130,
+             .H = 6,
+             .Hkv = 2,
+             .D = 64,
+             .causal = true,
+             .dtype = DType::BF16},
+        Case{.name = "bf16_dropout_window_t130_d128",
+             .B = 1,
+             .T = 130,
+             .S = 130,
+             .H = 4,
+             .Hkv = 2,
+             .D = 128,
+             .window_left = 32,
+             .window_right = 0,
+             .dropout = 0.1f,
+             .dtype = DType::BF16}),
+    [](const ::testing::TestParamInfo<Case>& param) { return std::string(param.param.name); });
+
+// Central differences of L = sum(out * dout) against the fast backward, F32, tiny shape with
+// GQA, a causal mask and T != S. eps = 1e-2 keeps the F32 rounding of L (~1e-7 / eps) and
+// the O(eps^2) truncation both near 1e-4.
+TEST(Attention, FiniteDifferencesMatchBackward) {
+  const int64_t B = 1, T = 3, S = 5, H = 2, Hkv = 1, D = 8;
+  Tensor q = random_tensor({B, T, H, D}, DType::F32, 11);
+  Tensor k = random_tensor({B, S, Hkv, D}, DType::F32, 12);
+  Tensor v = random_tensor({B, S, Hkv, D}, DType::F32, 13);
+  Tensor dout = random_tensor({B, T, H, D}, DType::F32, 14);
+  AttentionOptions o;
+  o.causal = true;
+  Grads g = run_fast(q, k, v, dout, o);
+  auto loss = [&]() {
+    Tensor out = Tensor::empty(q.shape(), DType::F32);
+    Tensor lse = Tensor::empty({B, H, T}, DType::F32);
+    ops::flash_attention_forward(q, k, v, o, out, lse);
+    double sum = 0.0;
+    for (int64_t n = 0; n < out.numel(); ++n)
+      sum += double{out.data<float>()[n]} * dout.data<float>()[n];
+    return sum;
+  };
+  const float eps = 1e-2f;
+  for (auto [input, grad, name] :
+       {std::tuple{&q, &g.dq, "dq"}, std::tuple{&k, &g.dk, "dk"}, std::tuple{&v, &g.dv, "dv"}}) {
+    for (int64_t n = 0; n < input->numel(); ++n) {
+      float& x = input->data<float>()[n];
+      const float saved = x;
+      x = saved + eps;
+      const double up = loss();
+      x = saved - eps;
+      const double down = loss();
+      x = saved;
+      const double numeric = (up - down) / (2.0 * eps);
+      EXPECT_NEAR(grad->data<float>()[n], numeric, 2e-3) << name << "[" << n << "]";
+    }
+  }
+}
+
+// Random123's known answers for Philox4x32-10.
+TEST(Attention, PhiloxMatchesKnownAnswers) {
+  using ops::attention_detail::philox4x32_10;
+  auto zero = philox4x32_10(0, 0, 0, 0, 0);
+  EXPECT_EQ(zero.word[0], 0x6627e8d5u);
+  EXPECT_EQ(zero.word[1], 0xe169c58du);
+  EXPECT_EQ(zero.word[2], 0xbc57ac4cu);
+  EXPECT_EQ(zero.word[3], 0x9b00dbd8u);
+  auto pi =
+      philox4x32_10(0x299f31d0a4093822ull, 0x243f6a88u, 0x85a308d3u, 0x13198a2eu, 0x03707344u);
+  EXPECT_EQ(pi.word[0], 0xd16cfe09u);
+  EXPECT_EQ(pi.word[1], 0x94fdccebu);
+  EXPECT_EQ(pi.word[2], 0x5001e420u);
+  EXPECT_EQ(pi.word[3], 0x24126ea1u);
+}
+
+TEST(Attention, DropoutKeepRateAndDeterminism) {
+  const float p = 0.3f;
+  Tensor keep = Tensor::empty({2, 4, 128, 128}, DType::U8);
+  ops::attention_dropout_mask(99, 0, p, keep);
+  double kept = 0;
+  for (int64_t n = 0; n < keep.numel(); ++n) kept += keep.data<uint8_t>()[n];
+  // 131072 Bernoulli(0.7) draws: standard deviation of the rate 0.0013; allow ~5 sigma.
+  EXPECT_NEAR(kept / static_cast<double>(keep.numel()), 1.0 - p, 0.0065);
+
+  Tensor q = random_tensor({1, 70, 2, 32}, DType::F32, 21);
+  Tensor k = random_tensor({1, 70, 2, 32}, DType::F32, 22);
+  Tensor v = random_tensor({1, 70, 2, 32}, DType::F32, 23);
+  AttentionOptions o;
+  o.dropout = p;
+  o.seed = 5;
+  auto forward = [&](const AttentionOptions& options) {
+    Tensor out = Tensor::empty(q.shape(), DType::F32);
+    Tensor lse = Tensor::empty({1, 2, 70}, DType::F32);
+    ops::flash_attention_forward(q, k, v, options, out, lse);
+    return out.to_floats();
+  };
+  const std::vector<float> first = forward(o);
+  EXPECT_EQ(first, forward(o)) << "same seed and offset must give the same mask";
+  AttentionOptions other_seed = o;
+  other_seed.seed = 6;
+  EXPECT_NE(first, forward(other_seed));
+  AttentionOptions other_offset = o;
+  other_offset.offset = 1;
+  EXPECT_NE(first, forward(other_offset));
+  AttentionOptions no_dropout = o;
+  no_dropout.dropout = 0.0f;
+  EXPECT_NE(first, forward(no_dropout));
+}
+
+TEST(Attention, BadArgumentsThrow) {
+  Tensor q = Tensor::zeros({1, 4, 4, 32}, DType::F32);
+  Tensor k = Tensor::zeros({1, 6, 2, 32}, DType::F32);
+  Tensor out = Tensor::empty(q.shape(), DType::F32);
+  Tensor lse = Tensor::empty({1, 4, 4}, DType::F32);
+  AttentionOptions o;
+  EXPECT_NO_THROW(ops::flash_attention_forward(q, k, k, o, out, lse));
+  Tensor k3 = Tensor::zeros({1, 6, 3, 32}, DType::F32);  // 4 heads over 3 kv heads
+  EXPECT_THROW(ops::flash_attention_forward(q, k3, k3, o, out, lse), Error);
+  Tensor v_short = Tensor::zeros({1, 5, 2, 32}, DType::F32);
+  EXPECT_THROW(ops::flash_attention_forward(q, k, v_short, o, out, lse), Error);
+  Tensor k_bf16 = Tensor::zeros({1, 6, 2, 32}, DType::BF16);
+  EXPECT_THROW(ops::flash_attention_forward(q, k_bf16, k_bf16, o, out, lse), Error);
+  Tensor q_wide = Tensor::zeros({1, 4, 4, 264}, DType::F32);
+  Tensor k_wide = Tensor::zeros({1, 6, 2, 264}, DType::F32);
+  Tensor out_wide = Tensor::empty(q_wide.shape(), DType::F32);
+  EXPECT_THROW(ops::flash_attention_forward(q_wide, k_wide, k_wide, o, out_wide, lse), Error);
+  Tensor bad_lse = Tensor::empty({1, 4, 5}, DType::F32);
+  EXPECT_THROW(ops::flash_attention_forward(q, k, k, o, out, bad_lse), Error);
+  Tensor q3 = Tensor::zeros({4, 4, 32}, DType::F32);
+  EXPECT_THROW(ops::flash_attention_forward(q3, k, k, o, out, lse), Error);
+  AttentionOptions full_dropout;
+  full_dropout.dropout = 1.0f;
+  EXPECT_THROW(ops::flash_attention_forward(q, k, k, full_dropout, out, lse), Error);
+  Tensor lengths = Tensor::empty({1}, DType::I32);
+  lengths.data<int32_t>()[0] = 7;  // more than S = 6
+  AttentionOptions padded;
+  padded.kv_lengths = &lengths;
+  EXPECT_THROW(ops::flash_attention_forward(q, k, k, padded, out, lse), Error);
+  Tensor dq = Tensor::empty(q.shape(), DType::F32);
+  Tensor dk_bad = Tensor::empty({1, 6, 4, 32}, DType::F32);
+  Tensor dv = Tensor::empty(k.shape(), DType::F32);
+  EXPECT_THROW(ops::flash_attention_backward(q, k, k, out, lse, out, o, dq, dk_bad, dv), Error);
+}
+
+// Peak scratch of forward + backward grows linearly with T (4x T -> ~4x bytes), never T^2.
+TEST(Attention, ScratchMemoryIsLinearInSequenceLength) {
+  auto peak_extra = [](int64_t T) {
+    Tensor q = random_tensor({1, T, 2, 64}, DType::BF16, 31);
+    Tensor k = random_tensor({1, T, 2, 64}, DType::BF16, 32);
+    Tensor dout = random_tensor({1, T, 2, 64}, DType::BF16, 33);
+    Tensor out = Tensor::empty(q.shape(), DType::BF16);
+    Tensor lse = Tensor::empty({1, 2, T}, DType::F32);
+    Tensor dq = Tensor::empty(q.shape(), DType::BF16);
+    Tensor dk = Tensor::empty(k.shape(), DType::BF16);
+    Tensor dv = Tensor::empty(k.shape(), DType::BF16);
+    AttentionOptions o;
+    o.causal = true;
+    reset_peak_memory();
+    const int64_t before = memory_stats().current_bytes;
+    ops::flash_attention_forward(q, k, k, o, out, lse);
+    ops::flash_attention_backward(q, k, k, out, lse, dout, o, dq, dk, dv);
+    return memory_stats().peak_bytes - before;
+  };
+  const int64_t small = peak_extra(256), large = peak_extra(1024);
+  ASSERT_GT(small, 0);
+  EXPECT_LT(static_cast<double>(large) / static_cast<double>(small), 6.0)
+      << small << " bytes at T=256, " << large << " at T=1024";
+}
+
+}  // namespace
+}  // namespace octet
