@@ -1,0 +1,75 @@
+// LayerNormLinear: norm then Linear. Under delayed scaling the GEMM's input scale is known
+// before the norm runs, so the norm kernel writes FP8 codes directly (no high-precision copy
+// of its output) and reports their amax to the Linear's FP8 metadata.
+#include "fp8/transpose.h"
+#include "modules/common.h"
+
+namespace octet {
+
+LayerNormLinear::LayerNormLinear(const LayerNormLinearOptions& options)
+    : norm(options.norm), linear(options.linear), options_(options) {
+  OCTET_CHECK(options.norm.hidden == options.linear.in_features, options.linear.name,
+              ": norm hidden (", options.norm.hidden, ") must equal in_features (",
+              options.linear.in_features, ")");
+}
+
+void LayerNormLinear::collect_parameters(std::vector<Parameter*>& out) {
+  norm.collect_parameters(out);
+  linear.collect_parameters(out);
+}
+
+namespace {
+
+// Norm output written as per-tensor FP8 by the norm kernel, plus its transpose.
+Float8Tensor fused_norm_fp8(Norm& norm, Fp8State& fp8, const Tensor& x, Norm::Context& ctx) {
+  const int64_t rows = x.rows(), cols = x.cols();
+  Quantizer quantizer = fp8.input_quantizer(0);
+  Float8Tensor out;
+  out.format = quantizer.format();
+  out.mode = ScalingMode::PerTensor;
+  out.rows = rows;
+  out.cols = cols;
+  out.scale = fp8.input_scale(0);
+  out.data = Tensor::empty({rows, cols}, out.format);
+  out.data_t = Tensor::empty({cols, rows}, out.format);
+  ops::Fp8Store store{out.format, out.scale, static_cast<uint8_t*>(out.data.raw()), 0.0f};
+  norm.forward_fp8(x, ctx, store);
+  detail::transpose_matrix(static_cast<const uint8_t*>(out.data.raw()), rows, cols,
+                           static_cast<uint8_t*>(out.data_t.raw()));
+  out.amax = store.amax;
+  out.scale_inv = Tensor::from_floats({1}, {1.0f / out.scale});
+  out.scale_inv_t = out.scale_inv;
+  fp8.record_input_amax(0, store.amax);
+  return out;
+}
+
+}  // namespace
+
+Tensor LayerNormLinear::forward(const Tensor& x, Context& ctx) {
+  ctx = Context{};
+  Shape out_shape = x.shape();
+  out_shape.back() = options_.linear.out_features;
+  if (fp8_enabled() && !options_.return_layernorm_output) {
+    Fp8State& fp8 = linear.fp8_state();
+    fp8.begin_forward(fp8_recipe());
+    Float8Tensor xq;
+    if (fp8.input_scale_known()) {
+      xq = fused_norm_fp8(norm, fp8, x, ctx.norm);
+    } else {
+      Tensor normalized = norm.forward(x, ctx.norm);
+      xq = fp8.input_quantizer(0).quantize(normalized.reshape({x.rows(), x.cols()}), true, true);
+    }
+    return linear.forward_fp8_input(xq, x.dtype(), ctx.linear).reshape(out_shape);
+  }
+  ctx.norm_output = norm.forward(x, ctx.norm);
+  return linear.forward(ctx.norm_output, ctx.linear);
+}
+
+Tensor LayerNormLinear::backward(const Tensor& dy, Context& ctx) {
+  Tensor dnorm = linear.backward(dy, ctx.linear);
+  Tensor dx = norm.backward(dnorm, ctx.norm);
+  ctx = Context{};
+  return dx;
+}
+
+}  // namespace octet

@@ -1,0 +1,101 @@
+// LayerNormMLP: norm -> FC1 -> activation (FC1's bias fused into it) -> FC2 (bias in the GEMM
+// epilogue). With `checkpoint`, FC1's output and the activation are recomputed in backward
+// from the saved block input instead of being kept.
+#include "modules/common.h"
+
+namespace octet {
+
+namespace {
+
+LinearOptions fc_options(const LayerNormMLPOptions& o, bool first) {
+  LinearOptions l;
+  int64_t fc1_out = ops::is_gated(o.activation) ? 2 * o.ffn_hidden : o.ffn_hidden;
+  l.in_features = first ? o.hidden : o.ffn_hidden;
+  l.out_features = first ? fc1_out : o.hidden;
+  l.bias = o.bias;
+  l.return_bias = first;  // FC1's bias is added inside the activation kernel
+  l.init_std = first ? o.init_std : o.output_init_std;
+  l.seed = o.seed * 2 + (first ? 1 : 2);
+  l.name = o.name + (first ? ".fc1" : ".fc2");
+  return l;
+}
+
+}  // namespace
+
+LayerNormMLP::LayerNormMLP(const LayerNormMLPOptions& options)
+    : norm(options.norm),
+      fc1(fc_options(options, true)),
+      fc2(fc_options(options, false)),
+      options_(options) {
+  OCTET_CHECK(options.norm.hidden == options.hidden, options.name, ": norm hidden (",
+              options.norm.hidden, ") must equal hidden (", options.hidden, ")");
+}
+
+void LayerNormMLP::collect_parameters(std::vector<Parameter*>& out) {
+  norm.collect_parameters(out);
+  fc1.collect_parameters(out);
+  fc2.collect_parameters(out);
+}
+
+void LayerNormMLP::on_parameters_updated() {
+  fc1.on_parameters_updated();
+  fc2.on_parameters_updated();
+}
+
+void LayerNormMLP::run_forward(const Tensor& x, Context& ctx, Tensor& out) {
+  Tensor normalized = norm.forward(x, ctx.norm);
+  Tensor h = fc1.forward(normalized, ctx.fc1);
+  Shape act_shape = h.shape();
+  act_shape.back() = options_.ffn_hidden;
+  Tensor a = Tensor::empty(act_shape, x.dtype());
+  ops::activation_forward(options_.activation, h, options_.bias ? &fc1.bias.value : nullptr, a);
+  out = fc2.forward(a, ctx.fc2);
+  ctx.fc1_output = h;
+  ctx.activation = a;
+}
+
+Tensor LayerNormMLP::forward(const Tensor& x, Context& ctx) {
+  ctx = Context{};
+  Tensor out;
+  run_forward(x, ctx, out);
+  ctx.input = x;
+  if (fp8_enabled()) ctx.fp8_recipe = fp8_recipe();
+  if (options_.checkpoint) {
+    // Keep only the block input; FC1/FC2 contexts (their saved inputs) are recomputed too.
+    ctx.norm = Norm::Context{};
+    ctx.fc1 = Linear::Context{};
+    ctx.fc2 = Linear::Context{};
+    ctx.fc1_output = Tensor();
+    ctx.activation = Tensor();
+  }
+  return out;
+}
+
+Tensor LayerNormMLP::backward(const Tensor& dy, Context& ctx) {
+  if (options_.checkpoint) {
+    // Recompute the forward under the forward's own FP8 recipe and scales: the FP8 state
+    // must not advance a second time for one step.
+    Tensor input = ctx.input;
+    std::optional<recipe::Recipe> recipe = ctx.fp8_recipe;
+    fp8_autocast scope(recipe.has_value(), recipe.value_or(recipe::DelayedScaling{}));
+    fc1.fp8_state().set_recomputing(true);
+    fc2.fp8_state().set_recomputing(true);
+    Tensor unused;
+    run_forward(input, ctx, unused);
+    fc1.fp8_state().set_recomputing(false);
+    fc2.fp8_state().set_recomputing(false);
+  }
+  Tensor da = fc2.backward(dy, ctx.fc2);
+  Tensor dh = Tensor::empty(ctx.fc1_output.shape(), da.dtype());
+  Tensor dbias = Tensor::empty({fc1.options().out_features}, DType::F32);
+  ops::activation_backward(options_.activation, da, ctx.fc1_output,
+                           options_.bias ? &fc1.bias.value : nullptr, dh,
+                           options_.bias ? &dbias : nullptr);
+  if (options_.bias) modules_detail::add_into(dbias, fc1.bias.grad);
+  Tensor dnorm = fc1.backward(dh, ctx.fc1);
+  Tensor dx = norm.backward(dnorm, ctx.norm);
+  ctx = Context{};
+  return dx;
+}
+
+}  // namespace octet

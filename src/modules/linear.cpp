@@ -1,0 +1,128 @@
+// Linear: y = x W^T + b. BF16 / F32 GEMMs on a weight packed once per optimizer step; under
+// fp8_autocast the input, weight and output gradient are quantized per the active recipe,
+// and only the columnwise FP8 copies the backward GEMMs need are kept.
+#include "modules/common.h"
+
+namespace octet {
+
+using modules_detail::add_column_sums;
+using modules_detail::columnwise_only;
+
+Linear::Linear(const LinearOptions& options)
+    : weight(modules_detail::make_parameter(options.name + ".weight",
+                                            {options.out_features, options.in_features},
+                                            options.init_std, options.seed)),
+      options_(options) {
+  OCTET_CHECK(options.in_features > 0 && options.out_features > 0, options.name,
+              ": in_features and out_features must be positive, got ", options.in_features, " and ",
+              options.out_features);
+  OCTET_CHECK(options.params_dtype == DType::F32 || options.params_dtype == DType::BF16,
+              options.name, ": params_dtype expected f32 or bf16, got ",
+              dtype_name(options.params_dtype));
+  if (options.bias) {
+    bias = modules_detail::constant_parameter(options.name + ".bias", {options.out_features}, 0.0f);
+  }
+}
+
+void Linear::collect_parameters(std::vector<Parameter*>& out) {
+  out.push_back(&weight);
+  if (options_.bias) out.push_back(&bias);
+}
+
+void Linear::on_parameters_updated() {
+  packed_.reset();
+  weight_bf16_ = Tensor();
+}
+
+const Tensor& Linear::weight_as(DType dtype) {
+  if (dtype == DType::F32) return weight.value;
+  if (!weight_bf16_.defined()) weight_bf16_ = weight.value.to(DType::BF16);
+  return weight_bf16_;
+}
+
+PackedWeight& Linear::packed_weight(DType dtype) {
+  if (!packed_ || packed_dtype_ != dtype) {
+    packed_.emplace(weight_as(dtype), /*trans=*/true);
+    packed_dtype_ = dtype;
+  }
+  return *packed_;
+}
+
+namespace {
+
+Shape with_last(const Shape& shape, int64_t last) {
+  Shape out = shape;
+  out.back() = last;
+  return out;
+}
+
+}  // namespace
+
+Tensor Linear::forward(const Tensor& x, Context& ctx) {
+  check_dtype_in(x, {DType::F32, DType::BF16}, options_.name + ": input");
+  OCTET_CHECK(x.ndim() >= 1 && x.cols() == options_.in_features, options_.name,
+              ": input expected [..., in_features=", options_.in_features, "], got ",
+              shape_str(x.shape()));
+  const Tensor flat = x.reshape({x.rows(), options_.in_features});
+  if (fp8_enabled()) {
+    fp8_.begin_forward(fp8_recipe());
+    Float8Tensor xq = fp8_.input_quantizer(0).quantize(flat, true, true);
+    return forward_fp8_input(xq, x.dtype(), ctx)
+        .reshape(with_last(x.shape(), options_.out_features));
+  }
+  ctx = Context{};
+  ctx.dtype = x.dtype();
+  ctx.rows = flat.rows();
+  Tensor y = Tensor::empty({ctx.rows, options_.out_features}, x.dtype());
+  Epilogue epilogue;
+  if (options_.bias && !options_.return_bias) epilogue.bias = &bias.value;
+  gemm(flat, packed_weight(x.dtype()), y, /*trans_a=*/false, 1.0f, 0.0f, epilogue);
+  ctx.input = flat;
+  return y.reshape(with_last(x.shape(), options_.out_features));
+}
+
+Tensor Linear::forward_fp8_input(const Float8Tensor& xq, DType out_dtype, Context& ctx) {
+  OCTET_CHECK(xq.cols == options_.in_features, options_.name, ": FP8 input expected ",
+              options_.in_features, " columns, got ", xq.cols);
+  ctx = Context{};
+  ctx.fp8 = true;
+  ctx.dtype = out_dtype;
+  ctx.rows = xq.rows;
+  Float8Tensor wq = fp8_.weight_quantizer(0).quantize(weight.value, true, true);
+  PackedWeight packed(wq, /*trans=*/true);
+  Tensor y = Tensor::empty({xq.rows, options_.out_features}, out_dtype);
+  Epilogue epilogue;
+  if (options_.bias && !options_.return_bias) epilogue.bias = &bias.value;
+  gemm(xq, packed, y, /*trans_a=*/false, 1.0f, 0.0f, epilogue);
+  // The weight gradient needs the input with blocks along N (columnwise); the input
+  // gradient needs the weight with blocks along out_features (columnwise).
+  ctx.input_fp8 = columnwise_only(xq);
+  ctx.weight_fp8 = columnwise_only(std::move(wq));
+  return y;
+}
+
+Tensor Linear::backward(const Tensor& dy_in, Context& ctx) {
+  OCTET_CHECK(ctx.rows > 0 || ctx.input.defined() || ctx.fp8, options_.name,
+              ": backward called without a forward context");
+  OCTET_CHECK(dy_in.numel() == ctx.rows * options_.out_features, options_.name, ": dy expected [",
+              ctx.rows, ",", options_.out_features, "], got ", shape_str(dy_in.shape()));
+  Tensor dy = dy_in.reshape({ctx.rows, options_.out_features});
+  if (dy.dtype() != ctx.dtype) dy = dy.to(ctx.dtype);
+  // With return_bias the caller added the bias (fused into its own kernel) and owns its
+  // gradient; otherwise the bias gradient is the column sum of dy.
+  if (options_.bias && !options_.return_bias) add_column_sums(dy, bias.grad);
+  Tensor dx = Tensor::empty({ctx.rows, options_.in_features}, ctx.dtype);
+  if (ctx.fp8) {
+    fp8_.begin_backward(fp8_.recipe());
+    Float8Tensor dyq = fp8_.grad_output_quantizer(0).quantize(dy, true, true);
+    gemm(dyq, ctx.weight_fp8, dx, /*trans_a=*/false, /*trans_b=*/false);
+    gemm(dyq, ctx.input_fp8, weight.grad, /*trans_a=*/true, /*trans_b=*/false, 1.0f, 1.0f);
+  } else {
+    gemm(dy, weight_as(ctx.dtype), dx, /*trans_a=*/false, /*trans_b=*/false);
+    gemm(dy, ctx.input, weight.grad, /*trans_a=*/true, /*trans_b=*/false, 1.0f, 1.0f);
+  }
+  ctx = Context{};
+  return dx.reshape(with_last(dy_in.shape(), options_.in_features));
+}
+
+}  // namespace octet
