@@ -1,0 +1,178 @@
+#include "gemm/matmul.h"
+
+#include <bit>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <unordered_map>
+
+#include "gemm/packed_weight.h"
+
+namespace octet::gemm_detail {
+
+using dnnl::algorithm;
+using dnnl::memory;
+
+dnnl::engine& cpu_engine() {
+  static dnnl::engine engine(dnnl::engine::kind::cpu, 0);
+  return engine;
+}
+
+dnnl::stream& cpu_stream() {
+  static dnnl::stream stream(cpu_engine());
+  return stream;
+}
+
+memory::data_type dnnl_type(DType dtype) {
+  switch (dtype) {
+    case DType::F32:
+      return memory::data_type::f32;
+    case DType::BF16:
+      return memory::data_type::bf16;
+    case DType::F16:
+      return memory::data_type::f16;
+    default:
+      fail(detail::concat("gemm: dtype ", dtype_name(dtype), " has no oneDNN matmul type"));
+  }
+}
+
+memory::desc matrix_desc(int64_t rows, int64_t cols, DType dtype, bool transposed) {
+  const memory::dims strides = transposed ? memory::dims{1, rows} : memory::dims{cols, 1};
+  return memory::desc({rows, cols}, dnnl_type(dtype), strides);
+}
+
+namespace {
+
+// Everything that changes the primitive. beta is part of it because oneDNN 2.x bakes the sum
+// post-op's scale into the primitive; alpha is a runtime output scale, so only alpha != 1 is.
+struct MatmulKey {
+  int64_t m, n, k;
+  DType a_dtype, b_dtype, c_dtype;
+  bool trans_a, trans_b, packed_b, has_output_scale;
+  uint32_t beta_bits;
+  int bias_dtype;  // -1 without bias
+  Activation activation;
+  auto operator<=>(const MatmulKey&) const = default;
+};
+
+struct MatmulEntry {
+  dnnl::matmul::primitive_desc pd;
+  dnnl::matmul primitive;
+};
+
+std::mutex cache_mutex;
+std::map<MatmulKey, std::shared_ptr<const MatmulEntry>> cache;
+
+memory::desc scalar_desc() {
+  return memory::desc({1, 1}, memory::data_type::f32, memory::format_tag::ab);
+}
+
+algorithm eltwise_algorithm(Activation activation) {
+  switch (activation) {
+    case Activation::GeluTanh:
+      return algorithm::eltwise_gelu_tanh;
+    case Activation::GeluErf:
+      return algorithm::eltwise_gelu_erf;
+    case Activation::Relu:
+      return algorithm::eltwise_relu;
+    case Activation::None:
+      break;
+  }
+  fail("gemm: no eltwise for Activation::None");
+}
+
+std::shared_ptr<const MatmulEntry> create_entry(const MatmulKey& key) {
+  const memory::desc a_md = matrix_desc(key.m, key.k, key.a_dtype, key.trans_a);
+  const memory::desc b_md =
+      key.packed_b ? memory::desc({key.k, key.n}, dnnl_type(key.b_dtype), memory::format_tag::any)
+                   : matrix_desc(key.k, key.n, key.b_dtype, key.trans_b);
+  const memory::desc c_md = matrix_desc(key.m, key.n, key.c_dtype, false);
+
+  // Post-op order gives act(alpha * AB + beta * C + bias). alpha is a binary_mul by a runtime
+  // [1,1] scalar: oneDNN 2.6 drops to the slower gemm:jit kernel for a runtime output scale,
+  // while brgemm takes scalar binary post-ops. The bias is a binary_add and not the matmul
+  // bias argument, which oneDNN 2.x would multiply by the output scale.
+  dnnl::primitive_attr attr;
+  dnnl::post_ops ops;
+  if (key.has_output_scale) {
+    ops.append_binary(algorithm::binary_mul, scalar_desc());
+  }
+  const float beta = std::bit_cast<float>(key.beta_bits);
+  if (beta != 0.0f) ops.append_sum(beta);
+  if (key.bias_dtype >= 0) {
+    const auto bias_dtype = static_cast<DType>(key.bias_dtype);
+    ops.append_binary(algorithm::binary_add,
+                      memory::desc({1, key.n}, dnnl_type(bias_dtype), memory::format_tag::ab));
+  }
+  if (key.activation != Activation::None) {
+    ops.append_eltwise(1.0f, eltwise_algorithm(key.activation), 0.0f, 0.0f);
+  }
+  attr.set_post_ops(ops);
+
+  const dnnl::matmul::desc desc(a_md, b_md, c_md);
+  dnnl::matmul::primitive_desc pd(desc, attr, cpu_engine());
+  return std::make_shared<const MatmulEntry>(MatmulEntry{pd, dnnl::matmul(pd)});
+}
+
+std::shared_ptr<const MatmulEntry> find_or_create(const MatmulKey& key) {
+  std::lock_guard<std::mutex> lock(cache_mutex);
+  auto found = cache.find(key);
+  if (found != cache.end()) return found->second;
+  auto entry = create_entry(key);
+  cache.emplace(key, entry);
+  return entry;
+}
+
+}  // namespace
+
+size_t matmul_cache_size() {
+  std::lock_guard<std::mutex> lock(cache_mutex);
+  return cache.size();
+}
+
+void run_matmul(const MatmulArgs& args) {
+  if (args.m == 0 || args.n == 0) return;
+  const MatmulKey key{args.m,
+                      args.n,
+                      args.k,
+                      args.a_dtype,
+                      args.b_dtype,
+                      args.c_dtype,
+                      args.trans_a,
+                      args.packed != nullptr ? false : args.trans_b,
+                      args.packed != nullptr,
+                      args.output_scale != 1.0f,
+                      std::bit_cast<uint32_t>(args.beta),
+                      args.bias != nullptr ? static_cast<int>(args.bias->dtype()) : -1,
+                      args.activation};
+  const auto entry = find_or_create(key);
+  dnnl::engine& engine = cpu_engine();
+
+  std::unordered_map<int, memory> exec_args;
+  exec_args.emplace(DNNL_ARG_SRC, memory(entry->pd.src_desc(), engine, const_cast<void*>(args.a)));
+  if (args.packed != nullptr) {
+    exec_args.emplace(DNNL_ARG_WEIGHTS, args.packed->packed_for(entry->pd.weights_desc()));
+  } else {
+    exec_args.emplace(DNNL_ARG_WEIGHTS,
+                      memory(entry->pd.weights_desc(), engine, const_cast<void*>(args.b)));
+  }
+  exec_args.emplace(DNNL_ARG_DST, memory(entry->pd.dst_desc(), engine, args.c));
+  // Post-op arguments are numbered by position: [scale] [sum] [bias] [activation].
+  int post_op_index = 0;
+  float output_scale = args.output_scale;
+  if (key.has_output_scale) {
+    exec_args.emplace(DNNL_ARG_ATTR_MULTIPLE_POST_OP(post_op_index) | DNNL_ARG_SRC_1,
+                      memory(scalar_desc(), engine, &output_scale));
+    ++post_op_index;
+  }
+  if (args.beta != 0.0f) ++post_op_index;
+  if (args.bias != nullptr) {
+    exec_args.emplace(DNNL_ARG_ATTR_MULTIPLE_POST_OP(post_op_index) | DNNL_ARG_SRC_1,
+                      memory({{1, args.n}, dnnl_type(args.bias->dtype()), memory::format_tag::ab},
+                             engine, const_cast<void*>(args.bias->raw())));
+  }
+  entry->primitive.execute(cpu_stream(), exec_args);
+  cpu_stream().wait();
+}
+
+}  // namespace octet::gemm_detail
