@@ -1,0 +1,81 @@
+// Training pieces: the learning-rate schedule, AdamW over a module's parameters (FP32
+// masters), checkpoints, metrics and the loss-curve picture.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "octet/modules.h"
+#include "octet/safetensors.h"
+
+namespace octet {
+
+// Megatron's schedule: linear warmup from 0 to lr over warmup_iters, then cosine decay to
+// min_lr at decay_iters, min_lr after.
+struct LrSchedule {
+  float lr = 6e-4f;
+  float min_lr = 6e-5f;
+  int64_t warmup_iters = 0;
+  int64_t decay_iters = 1;
+  float at(int64_t iteration) const;  // iteration counts from 0
+};
+
+struct AdamWOptions {
+  float beta1 = 0.9f;
+  float beta2 = 0.95f;
+  float eps = 1e-8f;
+  float weight_decay = 0.1f;  // applied to matrices only, not to biases and norm weights
+  float clip_grad = 1.0f;     // global-norm clipping; 0 disables it
+};
+
+class AdamW {
+ public:
+  AdamW(std::vector<Parameter*> parameters, const AdamWOptions& options);
+  // Clips the gradients to the global norm, updates every parameter, returns the norm
+  // before clipping. A non-finite norm skips the update (and is returned for the caller).
+  double step(float lr);
+  int64_t steps() const { return steps_; }
+  // exp_avg / exp_avg_sq per parameter name, plus the step count.
+  TensorMap state() const;
+  void load_state(const TensorMap& state, int64_t steps);
+
+ private:
+  std::vector<Parameter*> parameters_;
+  AdamWOptions options_;
+  std::vector<Tensor> exp_avg_, exp_avg_sq_;
+  int64_t steps_ = 0;
+};
+
+// A checkpoint directory: model.safetensors, optimizer.safetensors, trainer.json. Written
+// into DIR.tmp and renamed over DIR, so an interrupted save never destroys the last one.
+struct Checkpoint {
+  TensorMap model;
+  TensorMap optimizer;
+  nlohmann::json trainer;  // config, step, rng state, data position ...
+};
+void save_checkpoint(const std::string& dir, const Checkpoint& checkpoint);
+Checkpoint load_checkpoint(const std::string& dir);  // clear errors for missing/corrupt parts
+
+// Appends one JSON object per line; flushes each line so a crash loses nothing.
+class MetricsWriter {
+ public:
+  explicit MetricsWriter(const std::string& path);
+  void write(const nlohmann::json& record);
+  bool enabled() const { return !path_.empty(); }
+
+ private:
+  std::string path_;
+};
+
+struct CurvePoint {
+  double x = 0;
+  double y = 0;
+};
+// An SVG line chart of one or more named series (e.g. train and validation loss by step).
+void write_loss_svg(const std::string& path, const std::string& title,
+                    const std::vector<std::pair<std::string, std::vector<CurvePoint>>>& series);
+
+}  // namespace octet
