@@ -11,9 +11,12 @@ int main(int argc, char** argv) {
   app.set_version_flag("--version", OCTET_VERSION_STRING);
   octet::cli::register_info(app);
   octet::cli::register_demo(app);
+  octet::cli::register_train(app);
+  octet::cli::register_tokenize(app);
   CLI::App* bench = app.add_subcommand("bench", "Benchmarks, each beside its peer");
   bench->require_subcommand(1);
   octet::cli::register_bench_gemm(*bench);
+  octet::cli::register_bench_ops(*bench);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& error) {

@@ -2,6 +2,7 @@
 // masters), checkpoints, metrics and the loss-curve picture.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -77,5 +78,59 @@ struct CurvePoint {
 // An SVG line chart of one or more named series (e.g. train and validation loss by step).
 void write_loss_svg(const std::string& path, const std::string& title,
                     const std::vector<std::pair<std::string, std::vector<CurvePoint>>>& series);
+
+}  // namespace octet
+
+namespace octet {
+
+struct GPTConfig;
+
+// Everything `octet train` takes (Megatron's flag names in the CLI).
+struct TrainOptions {
+  std::string config_path;  // configs/gpt-mini.json
+  std::string train_data;   // token shard (octet tokenize -o)
+  std::string valid_data;   // token shard for validation; empty = none
+  bool mock_data = false;   // random tokens instead of the shards
+  int64_t seq_length = 0;   // 0 = the config's max_seq_len
+  int64_t micro_batch_size = 8;
+  int64_t global_batch_size = 8;  // a multiple of micro_batch_size (gradient accumulation)
+  int64_t train_iters = 100;
+  float lr = 6e-4f;
+  float min_lr = 6e-5f;
+  int64_t lr_warmup_iters = 10;
+  float clip_grad = 1.0f;
+  float weight_decay = 0.1f;
+  float adam_beta1 = 0.9f;
+  float adam_beta2 = 0.95f;
+  std::string precision = "bf16";      // fp32 | bf16 | fp8
+  std::string fp8_recipe = "delayed";  // delayed | current | mxfp8 | block
+  std::string fp8_format = "hybrid";   // hybrid | e4m3
+  int64_t fp8_amax_history_len = 16;
+  bool recompute_activations = false;
+  int64_t eval_interval = 50;
+  int64_t eval_iters = 10;
+  int64_t log_interval = 10;
+  std::string save;           // checkpoint directory
+  std::string load;           // resume from this checkpoint directory
+  int64_t save_interval = 0;  // 0 = only at the end (when save is set)
+  std::string metrics;        // JSON lines file
+  std::string plot;           // loss curve SVG
+  uint64_t seed = 1234;
+  double peak_gflops = 0;  // 0 = measure the BF16 GEMM peak at start-up
+  bool quiet = false;
+};
+
+struct TrainResult {
+  int64_t iterations = 0;
+  float last_loss = 0;
+  float last_val_loss = NAN;
+  std::vector<float> losses;  // per iteration
+  double tokens_per_second = 0;
+  double mfu = 0;
+};
+
+TrainResult train_gpt(const TrainOptions& options);
+// GFLOP/s of a BF16 2048^3 GEMM on this machine: the peak MFU is measured against.
+double measure_bf16_peak_gflops();
 
 }  // namespace octet

@@ -1,0 +1,50 @@
+// `octet train`: trains a GPT (Megatron's flag names), see src/train/trainer.cpp.
+#include "octet/train.h"
+#include "commands.h"
+
+namespace octet::cli {
+
+void register_train(CLI::App& app) {
+  CLI::App* cmd = app.add_subcommand("train", "Train a GPT on a token shard (or --mock-data)");
+  auto o = std::make_shared<TrainOptions>();
+  o->config_path = std::string(OCTET_SOURCE_DIR) + "/configs/gpt-mini.json";
+  cmd->add_option("--config", o->config_path, "Model config JSON")->check(CLI::ExistingFile);
+  cmd->add_option("--train-data", o->train_data, "Training token shard (octet tokenize -o)");
+  cmd->add_option("--valid-data", o->valid_data, "Validation token shard");
+  cmd->add_flag("--mock-data", o->mock_data, "Random tokens instead of a corpus");
+  cmd->add_option("--seq-length", o->seq_length, "Tokens per sequence (default: the config's)");
+  cmd->add_option("--micro-batch-size", o->micro_batch_size, "Sequences per forward/backward");
+  cmd->add_option("--global-batch-size", o->global_batch_size,
+                  "Sequences per optimizer step (gradient accumulation)");
+  cmd->add_option("--train-iters", o->train_iters, "Optimizer steps");
+  cmd->add_option("--lr", o->lr, "Peak learning rate");
+  cmd->add_option("--min-lr", o->min_lr, "Learning rate at the end of the cosine decay");
+  cmd->add_option("--lr-warmup-iters", o->lr_warmup_iters, "Linear warmup steps");
+  cmd->add_option("--clip-grad", o->clip_grad, "Global gradient-norm clip (0: off)");
+  cmd->add_option("--weight-decay", o->weight_decay, "AdamW weight decay (matrices only)");
+  cmd->add_option("--adam-beta1", o->adam_beta1, "AdamW beta1");
+  cmd->add_option("--adam-beta2", o->adam_beta2, "AdamW beta2");
+  cmd->add_option("--precision", o->precision, "fp32 | bf16 | fp8")
+      ->check(CLI::IsMember({"fp32", "bf16", "fp8"}));
+  cmd->add_option("--fp8-recipe", o->fp8_recipe, "delayed | current | mxfp8 | block")
+      ->check(CLI::IsMember({"delayed", "current", "mxfp8", "block"}));
+  cmd->add_option("--fp8-format", o->fp8_format, "hybrid | e4m3")
+      ->check(CLI::IsMember({"hybrid", "e4m3"}));
+  cmd->add_option("--fp8-amax-history-len", o->fp8_amax_history_len, "Delayed-scaling window");
+  cmd->add_flag("--recompute-activations", o->recompute_activations,
+                "Keep only layer inputs; recompute in backward");
+  cmd->add_option("--eval-interval", o->eval_interval, "Validate every N steps");
+  cmd->add_option("--eval-iters", o->eval_iters, "Validation micro-batches");
+  cmd->add_option("--log-interval", o->log_interval, "Print progress every N steps");
+  cmd->add_option("--save", o->save, "Checkpoint directory to write");
+  cmd->add_option("--load", o->load, "Checkpoint directory to resume from");
+  cmd->add_option("--save-interval", o->save_interval, "Checkpoint every N steps (0: at the end)");
+  cmd->add_option("--metrics", o->metrics, "Write metrics as JSON lines to FILE");
+  cmd->add_option("--plot", o->plot, "Write the loss curve as an SVG to FILE");
+  cmd->add_option("--seed", o->seed, "Seed for initialization and data order");
+  cmd->add_option("--peak-gflops", o->peak_gflops,
+                  "BF16 GEMM peak for MFU (default: measured at start-up)");
+  cmd->callback([o] { train_gpt(*o); });
+}
+
+}  // namespace octet::cli

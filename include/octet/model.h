@@ -1,0 +1,87 @@
+// GPT: token + position embeddings, a stack of pre-norm TransformerLayers, a final norm and
+// the output layer tied to the token embedding. Training runs one micro-batch through
+// forward, the chunked fused cross-entropy and backward; generation keeps no activations.
+#pragma once
+
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "octet/modules.h"
+#include "octet/safetensors.h"
+
+namespace octet {
+
+struct GPTConfig {
+  std::string name = "gpt";
+  int64_t vocab_size = 50257;
+  int64_t max_seq_len = 256;
+  int64_t num_layers = 6;
+  int64_t hidden = 384;
+  int64_t num_heads = 6;
+  int64_t num_gqa_groups = 0;  // kv heads; 0 = num_heads
+  int64_t ffn_hidden = 0;      // 0 = 4 * hidden
+  std::string activation = "gelu";
+  std::string normalization = "layernorm";     // layernorm | rmsnorm
+  std::string position_embedding = "learned";  // learned | rope
+  float rope_theta = 10000.0f;
+  float layernorm_eps = 1e-5f;
+  float dropout = 0.0f;
+  bool bias = true;
+  bool tied_embeddings = true;
+  float init_std = 0.02f;
+
+  static GPTConfig from_json(const nlohmann::json& json);  // unknown keys are errors
+  static GPTConfig load(const std::string& path);
+  nlohmann::json to_json() const;
+  int64_t ffn() const { return ffn_hidden ? ffn_hidden : 4 * hidden; }
+  int64_t num_parameters() const;
+  // Training FLOPs per token: 6 * (non-embedding parameters + output layer) plus attention's
+  // 12 * layers * T * hidden (the PaLM appendix B count), T = the sequence length used.
+  double train_flops_per_token(int64_t seq_len) const;
+};
+
+class GPT : public Module {
+ public:
+  // recompute_activations: each layer keeps only its input and recomputes in backward.
+  GPT(const GPTConfig& config, uint64_t seed, bool recompute_activations = false);
+
+  // One micro-batch: ids, targets [B,T] I32 (targets may hold -100 to ignore). Runs forward
+  // in `dtype` (F32 or BF16; FP8 GEMMs when called inside fp8_autocast), the fused
+  // cross-entropy, and backward, accumulating gradients scaled by grad_scale (1 / number of
+  // micro-batches for accumulation). Returns the micro-batch's mean loss.
+  float train_step(const Tensor& ids, const Tensor& targets, DType dtype, float grad_scale);
+  // Mean loss without gradients.
+  float evaluate(const Tensor& ids, const Tensor& targets, DType dtype);
+  // Logits of the last position of each sequence: ids [B,T] -> [B,V] F32.
+  Tensor last_logits(const Tensor& ids, DType dtype);
+
+  void collect_parameters(std::vector<Parameter*>& out) override;
+  void on_parameters_updated() override;
+  const GPTConfig& config() const { return config_; }
+  std::vector<TransformerLayer>& layers() { return layers_; }
+  // Hugging Face GPT-2 names where the layer matches (transformer.wte.weight, ...).
+  TensorMap state_dict();
+  void load_state_dict(const TensorMap& tensors);  // clear errors on missing / mismatched
+
+  Parameter wte;  // [V,C]
+  Parameter wpe;  // [max_seq_len, C] (learned positions only)
+
+ private:
+  // hidden [B*T, C] after the final norm; keeps contexts when `contexts` is given.
+  Tensor forward_hidden(const Tensor& ids, DType dtype,
+                        std::vector<TransformerLayer::Context>* contexts,
+                        Norm::Context* final_context);
+  float output_layer(const Tensor& hidden, const Tensor& targets, DType dtype, float grad_scale,
+                     Tensor* dhidden);
+  const Tensor& wte_as(DType dtype);
+
+  GPTConfig config_;
+  std::vector<TransformerLayer> layers_;
+  Norm final_norm_;
+  Tensor wte_bf16_;
+};
+
+}  // namespace octet

@@ -1,0 +1,281 @@
+// The GPT training loop: deterministic batches from a token shard, gradient accumulation,
+// AdamW with a cosine schedule, validation, metrics, checkpoints, progress and the loss curve.
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <memory>
+
+#include "octet/data.h"
+#include "octet/gemm.h"
+#include "octet/model.h"
+#include "octet/rng.h"
+#include "octet/train.h"
+
+namespace octet {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double seconds_since(Clock::time_point start) {
+  return std::chrono::duration<double>(Clock::now() - start).count();
+}
+
+std::string format_duration(double seconds) {
+  char text[32];
+  int s = static_cast<int>(seconds + 0.5);
+  if (s >= 3600) {
+    std::snprintf(text, sizeof text, "%dh%02dm", s / 3600, (s / 60) % 60);
+  } else if (s >= 60) {
+    std::snprintf(text, sizeof text, "%dm%02ds", s / 60, s % 60);
+  } else {
+    std::snprintf(text, sizeof text, "%ds", s);
+  }
+  return text;
+}
+
+// Batches of [micro_batch, T+1] windows at positions drawn from Philox(seed, stream, index):
+// the same (seed, iteration, micro-batch) always gives the same batch, so a resumed run sees
+// exactly the data an uninterrupted one would.
+class Batcher {
+ public:
+  Batcher(const std::string& path, bool mock, int64_t vocab, int64_t seq_len, uint64_t seed,
+          uint64_t stream)
+      : mock_(mock), vocab_(vocab), seq_len_(seq_len), seed_(seed), stream_(stream) {
+    if (mock_) return;
+    shard_ = std::make_unique<TokenShard>(TokenShard::open(path, /*check_ids=*/false));
+    OCTET_CHECK(shard_->vocab_size() <= vocab, "data '", path, "' has vocabulary ",
+                shard_->vocab_size(), ", larger than the model's ", vocab);
+    OCTET_CHECK(shard_->size() > seq_len + 1, "data '", path, "' holds ", shard_->size(),
+                " tokens: expected more than seq_length + 1 = ", seq_len + 1);
+  }
+
+  void fill(int64_t batch_index, int64_t micro_batch, Tensor& ids, Tensor& targets) const {
+    ids = Tensor::empty({micro_batch, seq_len_}, DType::I32);
+    targets = Tensor::empty({micro_batch, seq_len_}, DType::I32);
+    std::vector<int32_t> window(static_cast<size_t>(seq_len_ + 1));
+    for (int64_t b = 0; b < micro_batch; ++b) {
+      uint64_t index = static_cast<uint64_t>(batch_index * micro_batch + b);
+      auto words = philox4x32(seed_, index, stream_);
+      uint64_t random = (uint64_t{words[0]} << 32) | words[1];
+      if (mock_) {
+        for (int64_t t = 0; t <= seq_len_; ++t) {
+          auto w =
+              philox4x32(seed_ ^ 0x5bd1e995u, index * 65536 + static_cast<uint64_t>(t), stream_);
+          window[t] = static_cast<int32_t>(w[0] % static_cast<uint64_t>(vocab_));
+        }
+      } else {
+        uint64_t span = static_cast<uint64_t>(shard_->size() - seq_len_ - 1);
+        shard_->read(static_cast<int64_t>(random % span), seq_len_ + 1, window.data());
+      }
+      std::copy(window.begin(), window.end() - 1, ids.data<int32_t>() + b * seq_len_);
+      std::copy(window.begin() + 1, window.end(), targets.data<int32_t>() + b * seq_len_);
+    }
+  }
+
+ private:
+  bool mock_;
+  int64_t vocab_, seq_len_;
+  uint64_t seed_, stream_;
+  std::unique_ptr<TokenShard> shard_;
+};
+
+recipe::Recipe make_recipe(const TrainOptions& o) {
+  OCTET_CHECK(o.fp8_format == "hybrid" || o.fp8_format == "e4m3",
+              "--fp8-format expected hybrid or e4m3, got '", o.fp8_format, "'");
+  recipe::Format format = o.fp8_format == "hybrid" ? recipe::Format::HYBRID : recipe::Format::E4M3;
+  if (o.fp8_recipe == "delayed") {
+    recipe::DelayedScaling r;
+    r.fp8_format = format;
+    r.amax_history_len = static_cast<int>(o.fp8_amax_history_len);
+    return r;
+  }
+  if (o.fp8_recipe == "current") {
+    recipe::Float8CurrentScaling r;
+    r.fp8_format = format;
+    return r;
+  }
+  if (o.fp8_recipe == "mxfp8") return recipe::MXFP8BlockScaling{};
+  if (o.fp8_recipe == "block") return recipe::Float8BlockScaling{};
+  fail(detail::concat("--fp8-recipe expected delayed, current, mxfp8 or block, got '", o.fp8_recipe,
+                      "'"));
+}
+
+DType compute_dtype(const std::string& precision) {
+  if (precision == "fp32") return DType::F32;
+  if (precision == "bf16" || precision == "fp8") return DType::BF16;
+  fail(detail::concat("--precision expected fp32, bf16 or fp8, got '", precision, "'"));
+}
+
+}  // namespace
+
+double measure_bf16_peak_gflops() {
+  const int64_t n = 2048;
+  Tensor a = Tensor::zeros({n, n}, DType::BF16), c = Tensor::empty({n, n}, DType::F32);
+  PackedWeight b(Tensor::zeros({n, n}, DType::BF16), true);
+  gemm(a, b, c, false);  // warm-up: primitive creation and packing
+  double best = 0;
+  for (int i = 0; i < 3; ++i) {
+    auto start = Clock::now();
+    gemm(a, b, c, false);
+    best = std::max(best, 2.0 * n * n * n / seconds_since(start) / 1e9);
+  }
+  return best;
+}
+
+TrainResult train_gpt(const TrainOptions& o) {
+  GPTConfig config = GPTConfig::load(o.config_path);
+  const int64_t T = o.seq_length ? o.seq_length : config.max_seq_len;
+  OCTET_CHECK(T > 0 && T <= config.max_seq_len, "--seq-length ", T, " expected in [1, ",
+              config.max_seq_len, "]");
+  OCTET_CHECK(o.micro_batch_size > 0 && o.global_batch_size % o.micro_batch_size == 0,
+              "--global-batch-size (", o.global_batch_size,
+              ") must be a positive multiple of --micro-batch-size (", o.micro_batch_size, ")");
+  OCTET_CHECK(o.train_iters > 0, "--train-iters must be positive, got ", o.train_iters);
+  OCTET_CHECK(o.mock_data || !o.train_data.empty(),
+              "no training data: give --train-data SHARD (from `octet tokenize -o`) or "
+              "--mock-data");
+  const DType dtype = compute_dtype(o.precision);
+  const bool fp8 = o.precision == "fp8";
+  const recipe::Recipe recipe = fp8 ? make_recipe(o) : recipe::Recipe{};
+  const int64_t accumulation = o.global_batch_size / o.micro_batch_size;
+
+  Batcher train_batches(o.train_data, o.mock_data, config.vocab_size, T, o.seed, 1);
+  std::unique_ptr<Batcher> valid_batches;
+  if (o.mock_data || !o.valid_data.empty()) {
+    valid_batches = std::make_unique<Batcher>(o.mock_data ? "" : o.valid_data, o.mock_data,
+                                              config.vocab_size, T, o.seed, 2);
+  }
+
+  GPT model(config, o.seed, o.recompute_activations);
+  AdamWOptions adam{o.adam_beta1, o.adam_beta2, 1e-8f, o.weight_decay, o.clip_grad};
+  AdamW optimizer(model.parameters(), adam);
+  LrSchedule schedule{o.lr, o.min_lr, o.lr_warmup_iters, o.train_iters};
+  int64_t start_iteration = 0;
+  if (!o.load.empty()) {
+    Checkpoint checkpoint = load_checkpoint(o.load);
+    OCTET_CHECK(checkpoint.trainer.value("config", nlohmann::json()) == config.to_json(),
+                "checkpoint '", o.load, "' was trained with another model config (",
+                checkpoint.trainer.value("config", nlohmann::json()).dump(), ")");
+    model.load_state_dict(checkpoint.model);
+    optimizer.load_state(checkpoint.optimizer, checkpoint.trainer.at("optimizer_steps"));
+    start_iteration = checkpoint.trainer.at("iteration");
+  }
+
+  const double peak = o.peak_gflops > 0 ? o.peak_gflops : measure_bf16_peak_gflops();
+  const double flops_per_token = config.train_flops_per_token(T);
+  const int64_t tokens_per_iteration = o.global_batch_size * T;
+  if (!o.quiet) {
+    std::printf("octet train: %s, %.2fM parameters, seq %lld, micro-batch %lld x %lld, %s%s\n",
+                config.name.c_str(), config.num_parameters() / 1e6, (long long)T,
+                (long long)o.micro_batch_size, (long long)accumulation, o.precision.c_str(),
+                fp8 ? (" (" + recipe::describe(recipe) + ")").c_str() : "");
+    std::printf("measured BF16 GEMM peak %.0f GFLOP/s; %.2f GFLOP per token\n", peak,
+                flops_per_token / 1e9);
+  }
+
+  MetricsWriter metrics(o.metrics);
+  TrainResult result;
+  std::vector<CurvePoint> train_curve, valid_curve;
+  auto evaluate = [&]() {
+    double sum = 0;
+    for (int64_t k = 0; k < o.eval_iters; ++k) {
+      Tensor ids, targets;
+      valid_batches->fill(k, o.micro_batch_size, ids, targets);
+      fp8_autocast scope(fp8, recipe);
+      sum += model.evaluate(ids, targets, dtype);
+    }
+    return static_cast<float>(sum / static_cast<double>(o.eval_iters));
+  };
+  auto save = [&](int64_t iteration) {
+    Checkpoint checkpoint;
+    checkpoint.model = model.state_dict();
+    checkpoint.optimizer = optimizer.state();
+    checkpoint.trainer = {{"iteration", iteration},
+                          {"optimizer_steps", optimizer.steps()},
+                          {"config", config.to_json()},
+                          {"seed", o.seed},
+                          {"precision", o.precision}};
+    save_checkpoint(o.save, checkpoint);
+  };
+
+  const auto run_start = Clock::now();
+  double busy_seconds = 0;
+  for (int64_t iteration = start_iteration; iteration < o.train_iters; ++iteration) {
+    const auto step_start = Clock::now();
+    const float lr = schedule.at(iteration);
+    model.zero_grad();
+    double loss = 0;
+    for (int64_t micro = 0; micro < accumulation; ++micro) {
+      Tensor ids, targets;
+      train_batches.fill(iteration * accumulation + micro, o.micro_batch_size, ids, targets);
+      fp8_autocast scope(fp8, recipe);
+      loss += model.train_step(ids, targets, dtype, 1.0f / static_cast<float>(accumulation));
+    }
+    loss /= static_cast<double>(accumulation);
+    const double grad_norm = optimizer.step(lr);
+    model.on_parameters_updated();
+    const double step_seconds = seconds_since(step_start);
+    busy_seconds += step_seconds;
+    const double tokens_per_second = tokens_per_iteration / step_seconds;
+    const double mfu = flops_per_token * tokens_per_second / (peak * 1e9);
+    result.losses.push_back(static_cast<float>(loss));
+    result.last_loss = static_cast<float>(loss);
+    train_curve.push_back({static_cast<double>(iteration + 1), loss});
+    OCTET_CHECK(std::isfinite(loss), "training diverged: loss is ", loss, " at iteration ",
+                iteration + 1, " (try --precision bf16, a lower --lr, or --clip-grad)");
+
+    nlohmann::json record = {{"step", iteration + 1},
+                             {"loss", loss},
+                             {"lr", lr},
+                             {"grad_norm", grad_norm},
+                             {"tokens_per_s", tokens_per_second},
+                             {"mfu", mfu}};
+    const bool last = iteration + 1 == o.train_iters;
+    if (valid_batches && o.eval_iters > 0 &&
+        (last || (o.eval_interval > 0 && (iteration + 1) % o.eval_interval == 0))) {
+      result.last_val_loss = evaluate();
+      record["val_loss"] = result.last_val_loss;
+      valid_curve.push_back({static_cast<double>(iteration + 1), result.last_val_loss});
+    }
+    metrics.write(record);
+    const int64_t done = iteration + 1 - start_iteration;
+    if (!o.quiet &&
+        (last || done == 1 || (o.log_interval > 0 && (iteration + 1) % o.log_interval == 0))) {
+      const double eta = busy_seconds / done * static_cast<double>(o.train_iters - iteration - 1);
+      std::printf(
+          "iter %5lld/%lld | loss %.4f | lr %.2e | grad norm %.3f | %.0f tok/s | MFU %.1f%% "
+          "| ETA %s",
+          (long long)(iteration + 1), (long long)o.train_iters, loss, lr, grad_norm,
+          tokens_per_second, 100 * mfu, format_duration(eta).c_str());
+      if (record.contains("val_loss")) std::printf(" | val loss %.4f", result.last_val_loss);
+      std::printf("\n");
+      std::fflush(stdout);
+    }
+    if (!o.save.empty() &&
+        (last || (o.save_interval > 0 && (iteration + 1) % o.save_interval == 0))) {
+      save(iteration + 1);
+    }
+    result.iterations = iteration + 1;
+  }
+  const int64_t trained = result.iterations - start_iteration;
+  if (trained > 0) {
+    result.tokens_per_second = trained * tokens_per_iteration / busy_seconds;
+    result.mfu = flops_per_token * result.tokens_per_second / (peak * 1e9);
+  }
+  if (!o.plot.empty()) {
+    std::vector<std::pair<std::string, std::vector<CurvePoint>>> series = {{"train", train_curve}};
+    if (!valid_curve.empty()) series.emplace_back("validation", valid_curve);
+    write_loss_svg(o.plot, config.name + " loss (" + o.precision + ")", series);
+  }
+  if (!o.quiet) {
+    std::printf("done: %lld iterations in %s, %.0f tok/s, MFU %.1f%%, final loss %.4f",
+                (long long)trained, format_duration(seconds_since(run_start)).c_str(),
+                result.tokens_per_second, 100 * result.mfu, result.last_loss);
+    if (std::isfinite(result.last_val_loss)) std::printf(", val loss %.4f", result.last_val_loss);
+    std::printf("\n");
+  }
+  return result;
+}
+
+}  // namespace octet
