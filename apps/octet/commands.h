@@ -8,6 +8,7 @@ namespace octet::cli {
 void register_info(CLI::App& app);
 void register_demo(CLI::App& app);
 void register_train(CLI::App& app);
+void register_generate(CLI::App& app);
 void register_tokenize(CLI::App& app);
 void register_bench_gemm(CLI::App& bench);
 void register_bench_ops(CLI::App& bench);

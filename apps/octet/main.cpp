@@ -12,6 +12,7 @@ int main(int argc, char** argv) {
   octet::cli::register_info(app);
   octet::cli::register_demo(app);
   octet::cli::register_train(app);
+  octet::cli::register_generate(app);
   octet::cli::register_tokenize(app);
   CLI::App* bench = app.add_subcommand("bench", "Benchmarks, each beside its peer");
   bench->require_subcommand(1);
