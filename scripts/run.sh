@@ -1,10 +1,33 @@
 #!/usr/bin/env bash
-# The main job: install what is missing, build, and show the engine at work.
-# (Until training lands, that is the FP8 + GEMM demo and the GEMM benchmark.)
+# The main job: install what is missing, fetch the pinned data, build, tokenize the corpus,
+# train gpt-mini on it in BF16, and continue a prompt with the trained model.
+# Knobs (environment): ITERS (default 300), PRECISION (bf16 | fp8 | fp32), OUT (default out/).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+ITERS="${ITERS:-300}"
+PRECISION="${PRECISION:-bf16}"
+OUT="${OUT:-out}"
+
 bash scripts/setup.sh
+bash scripts/fetch_data.sh
 bash scripts/build.sh build
+mkdir -p "$OUT"
+
 ./build/octet info
-./build/octet demo
-./build/octet bench gemm
+./build/octet tokenize --encoding gpt2 data/corpus/train.txt -o "$OUT/train.bin"
+./build/octet tokenize --encoding gpt2 data/corpus/val.txt -o "$OUT/val.bin"
+
+./build/octet train --config configs/gpt-mini.json \
+  --train-data "$OUT/train.bin" --valid-data "$OUT/val.bin" \
+  --precision "$PRECISION" --micro-batch-size 8 --global-batch-size 8 --seq-length 256 \
+  --train-iters "$ITERS" --lr 1e-3 --min-lr 1e-4 --lr-warmup-iters 20 \
+  --eval-interval 50 --eval-iters 8 --log-interval 10 \
+  --save "$OUT/gpt-mini" --metrics "$OUT/metrics.jsonl" --plot "$OUT/loss.svg"
+
+echo "--- generated (greedy) ---"
+./build/octet generate --ckpt "$OUT/gpt-mini" --prompt "It was a dark and stormy night, and" \
+  --max-new-tokens 60 --temperature 0
+echo "--- generated (temperature 0.8, top-k 40) ---"
+./build/octet generate --ckpt "$OUT/gpt-mini" --prompt "The old man said" \
+  --max-new-tokens 60 --temperature 0.8 --top-k 40 --seed 7
+echo "loss curve: $OUT/loss.svg, metrics: $OUT/metrics.jsonl"

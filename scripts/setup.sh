@@ -12,10 +12,14 @@ packages=(
   libgtest-dev              # unit tests
   python3-torch python3-numpy  # PyTorch 1.13: reference numerics and the benchmark peer
   clang-format
+  nodejs npm                # fetches the pinned npm data packages; runs the reference encoder
 )
 
 missing=()
 for package in "${packages[@]}"; do
+  # A node/npm already on PATH (e.g. from the machine image) will do.
+  if [ "$package" = nodejs ] && command -v node >/dev/null; then continue; fi
+  if [ "$package" = npm ] && command -v npm >/dev/null; then continue; fi
   if ! dpkg-query -W -f='${Status}' "$package" 2>/dev/null | grep -q "install ok installed"; then
     missing+=("$package")
   fi

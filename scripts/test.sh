@@ -4,6 +4,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
+bash scripts/fetch_data.sh  # the tokenizer tests compare against the pinned reference encoder
 
 bash scripts/build.sh build
 (cd build && ctest --output-on-failure -j 2)
