@@ -219,4 +219,263 @@ class LayerNormMLP : public Module {
   LayerNormMLPOptions options_;
 };
 
+// ---------------------------------------------------------------------------------------------
+// Attention, TransformerLayer, GroupedLinear (TransformerEngine's names and options).
+
+// Which keys a query sees. Masks are bottom-right aligned (flash-attn): with T queries and S
+// keys, query i sits on key diagonal i + S - T. Padding masks take per-sequence lengths.
+enum class AttnMaskType { NoMask, Causal, Padding, PaddingCausal };
+enum class AttentionType { Self, Cross };
+enum class LayerType { Encoder, Decoder };
+
+struct DotProductAttentionOptions {
+  int64_t num_attention_heads = 0;  // H
+  int64_t kv_channels = 0;          // D, the head size
+  int64_t num_gqa_groups = 0;       // Hkv (kv heads); 0 means H. H % Hkv == 0.
+  AttnMaskType attn_mask_type = AttnMaskType::Causal;
+  // Sliding window (left, right) in keys around the diagonal, -1 = unbounded; with a causal
+  // mask right is 0, so {w, 0} is Mistral's sliding window of w + 1 keys.
+  std::pair<int64_t, int64_t> window_size = {-1, -1};
+  float attention_dropout = 0.0f;
+  float softmax_scale = 0.0f;  // 0 means 1/sqrt(D)
+  uint64_t seed = 0;
+  std::string name = "core_attention";
+};
+
+// softmax(q k^T * scale + mask) v over the fused flash-attention kernels (the T x S scores
+// are never stored). No parameters.
+class DotProductAttention : public Module {
+ public:
+  struct Context {
+    Tensor q, k, v, out;
+    Tensor lse;                    // [B,H,T] F32
+    Tensor q_lengths, kv_lengths;  // [B] I32, padding masks only
+    uint64_t rng_offset = 0;       // the dropout mask's offset, regenerated in backward
+  };
+  explicit DotProductAttention(const DotProductAttentionOptions& options);
+  // q [B,T,H,D], k and v [B,S,Hkv,D], F32|BF16 -> out [B,T,H,D]. q_lengths / kv_lengths [B]
+  // I32 are required by the padding mask types (and ignored by the others).
+  Tensor forward(const Tensor& q, const Tensor& k, const Tensor& v, Context& ctx,
+                 const Tensor* q_lengths = nullptr, const Tensor* kv_lengths = nullptr);
+  // dout [B,T,H,D] -> dq, dk, dv (written, shapes and dtypes of q, k, v).
+  void backward(const Tensor& dout, Context& ctx, Tensor& dq, Tensor& dk, Tensor& dv);
+  void collect_parameters(std::vector<Parameter*>&) override {}
+  const DotProductAttentionOptions& options() const { return options_; }
+  // The dropout offset the next forward uses (each forward advances it by one). Activation
+  // recomputation sets it back to replay a forward's masks.
+  uint64_t rng_offset() const { return rng_offset_; }
+  void set_rng_offset(uint64_t offset) { rng_offset_ = offset; }
+
+ private:
+  DotProductAttentionOptions options_;
+  uint64_t rng_offset_ = 0;
+};
+
+struct MultiheadAttentionOptions {
+  int64_t hidden_size = 0;          // C
+  int64_t num_attention_heads = 0;  // H
+  int64_t kv_channels = 0;          // D; 0 means C / H
+  int64_t num_gqa_groups = 0;       // Hkv; 0 means H
+  float attention_dropout = 0.0f;
+  float layernorm_epsilon = 1e-5f;
+  NormKind normalization = NormKind::LayerNorm;
+  bool zero_centered_gamma = false;
+  bool input_layernorm = false;  // norm fused before the input projection (LayerNormLinear)
+  AttentionType attention_type = AttentionType::Self;
+  AttnMaskType attn_mask_type = AttnMaskType::Causal;
+  std::pair<int64_t, int64_t> window_size = {-1, -1};
+  float softmax_scale = 0.0f;
+  bool bias = true;
+  bool return_bias = false;  // forward leaves out the projection bias; see output_bias()
+  // RoPE on q and k (rotate-half pairs unless rotary_interleaved); rotary_dim 0 means
+  // kv_channels * rotary_percent, rounded down to even.
+  bool rope = false;
+  float rope_theta = 10000.0f;
+  float rotary_percent = 1.0f;
+  int64_t rotary_dim = 0;
+  bool rotary_interleaved = false;
+  // QK-norm: a norm over D of every q and k head (separate weights for q and k).
+  bool qk_norm = false;
+  NormKind qk_norm_type = NormKind::RMSNorm;
+  float qk_norm_eps = 1e-6f;
+  bool qk_norm_before_rope = false;
+  float init_std = 0.02f;
+  float output_init_std = 0.02f;
+  DType params_dtype = DType::F32;
+  uint64_t seed = 0;
+  std::string name = "attention";
+};
+
+// Self-attention: x -> [norm ->] fused QKV projection [N, (H + 2 Hkv) D] laid out as
+// [q (H D) | k (Hkv D) | v (Hkv D)] -> split -> [QK-norm, RoPE] -> DotProductAttention -> proj.
+// Cross-attention: q from x (query projection), k and v from encoder_output (key_value
+// projection, [k | v]). Parameters (TE's names): layernorm_qkv | qkv, or layernorm_query |
+// query and key_value; q_norm, k_norm; proj.
+class MultiheadAttention : public Module {
+ public:
+  struct Context {
+    LayerNormLinear::Context layernorm_input;  // layernorm_qkv / layernorm_query
+    Linear::Context input;                     // qkv / query
+    Linear::Context key_value;
+    Norm::Context q_norm, k_norm;
+    DotProductAttention::Context core;
+    Linear::Context proj;
+    Shape x_shape, encoder_shape;
+  };
+  explicit MultiheadAttention(const MultiheadAttentionOptions& options);
+  // x [B,T,C], encoder_output [B,S,C] (cross-attention only), F32|BF16 -> [B,T,C].
+  // q_lengths [B] / kv_lengths [B] I32 for padding masks.
+  Tensor forward(const Tensor& x, Context& ctx, const Tensor* encoder_output = nullptr,
+                 const Tensor* q_lengths = nullptr, const Tensor* kv_lengths = nullptr);
+  // dy [B,T,C] -> dx; cross-attention writes d_encoder_output [B,S,C] (required there).
+  Tensor backward(const Tensor& dy, Context& ctx, Tensor* d_encoder_output = nullptr);
+  // With return_bias: the projection bias the caller adds (and whose gradient it accumulates
+  // into proj.bias.grad); null without bias or return_bias.
+  const Tensor* output_bias() const;
+  void collect_parameters(std::vector<Parameter*>& out) override;
+  void on_parameters_updated() override;
+  // Every FP8 state of the module, e.g. to freeze them while recomputing a forward.
+  std::vector<Fp8State*> fp8_states();
+  const MultiheadAttentionOptions& options() const { return options_; }
+
+  std::optional<LayerNormLinear> layernorm_qkv, layernorm_query;
+  std::optional<Linear> qkv, query, key_value;
+  std::optional<Norm> q_norm, k_norm;
+  DotProductAttention core_attention;
+  Linear proj;
+
+ private:
+  MultiheadAttentionOptions options_;
+  int64_t heads_, kv_heads_, head_dim_;
+};
+
+struct TransformerLayerOptions {
+  int64_t hidden_size = 0;
+  int64_t ffn_hidden_size = 0;
+  int64_t num_attention_heads = 0;
+  int64_t num_gqa_groups = 0;  // 0 means num_attention_heads
+  int64_t kv_channels = 0;     // 0 means hidden_size / num_attention_heads
+  float layernorm_epsilon = 1e-5f;
+  float hidden_dropout = 0.1f;
+  float attention_dropout = 0.1f;
+  NormKind normalization = NormKind::LayerNorm;
+  bool zero_centered_gamma = false;
+  ops::ActivationKind activation = ops::ActivationKind::GeluTanh;
+  LayerType layer_type = LayerType::Encoder;
+  // Residuals taken after the norms (the norm output, not the sub-block input).
+  bool apply_residual_connection_post_layernorm = false;
+  // Post-norm (BERT): no norm before self-attention, a norm on the layer's output.
+  bool output_layernorm = false;
+  AttnMaskType self_attn_mask_type = AttnMaskType::Causal;
+  AttnMaskType enc_dec_attn_mask_type = AttnMaskType::NoMask;
+  std::pair<int64_t, int64_t> window_size = {-1, -1};
+  // x + attention(norm1(x)) + mlp(norm2(x)) (GPT-J, PaLM); encoder layers only.
+  bool parallel_attention_mlp = false;
+  bool rope = false;  // on self-attention's q and k
+  float rope_theta = 10000.0f;
+  float rotary_percent = 1.0f;
+  int64_t rotary_dim = 0;
+  bool rotary_interleaved = false;
+  bool qk_norm = false;
+  NormKind qk_norm_type = NormKind::RMSNorm;
+  float qk_norm_eps = 1e-6f;
+  bool qk_norm_before_rope = false;
+  bool bias = true;
+  float init_std = 0.02f;
+  float output_init_std = 0.02f;
+  DType params_dtype = DType::F32;
+  // Keep only the layer's inputs; backward recomputes the forward (same FP8 scales, same
+  // dropout masks) before running its own backward.
+  bool checkpoint = false;
+  uint64_t seed = 0;
+  std::string name = "layer";
+};
+
+// One Transformer block: self-attention, cross-attention (decoder), MLP, each added to its
+// residual by bias_dropout_add (the attention projection's bias fused there).
+class TransformerLayer : public Module {
+ public:
+  struct Context {
+    Tensor input, encoder_output;  // kept for recomputation with checkpoint
+    Tensor lengths, encoder_lengths;
+    std::optional<recipe::Recipe> fp8_recipe;
+    uint64_t dropout_offset = 0;  // this forward's first hidden-dropout offset
+    uint64_t self_attention_rng = 0, inter_attention_rng = 0;
+    bool recompute = false;  // backward must recompute the forward first
+    MultiheadAttention::Context self_attention, inter_attention;
+    LayerNormMLP::Context mlp;
+    // Post-layernorm residuals: the norm re-applied (its output is the residual).
+    Norm::Context self_residual_norm, inter_residual_norm, mlp_residual_norm;
+    Norm::Context output_norm;
+    uint64_t attention_dropout_offset = 0, inter_dropout_offset = 0, mlp_dropout_offset = 0;
+  };
+  explicit TransformerLayer(const TransformerLayerOptions& options);
+  // x [B,T,C] F32|BF16 -> [B,T,C]. encoder_output [B,S,C] for decoder layers. lengths /
+  // encoder_lengths [B] I32 for padding masks (self: lengths; cross: lengths, encoder_lengths).
+  Tensor forward(const Tensor& x, Context& ctx, const Tensor* encoder_output = nullptr,
+                 const Tensor* lengths = nullptr, const Tensor* encoder_lengths = nullptr);
+  // dy [B,T,C] -> dx; decoder layers also write d_encoder_output [B,S,C] (if given).
+  Tensor backward(const Tensor& dy, Context& ctx, Tensor* d_encoder_output = nullptr);
+  void collect_parameters(std::vector<Parameter*>& out) override;
+  void on_parameters_updated() override;
+  const TransformerLayerOptions& options() const { return options_; }
+
+  MultiheadAttention self_attention;
+  std::optional<MultiheadAttention> inter_attention;
+  LayerNormMLP layernorm_mlp;
+  std::optional<Norm> layernorm;  // output_layernorm
+
+ private:
+  void run_forward(const Tensor& x, const Tensor* encoder_output, Context& ctx, Tensor& out);
+  void set_fp8_recomputing(bool recomputing);
+  TransformerLayerOptions options_;
+  uint64_t dropout_offset_ = 0;
+};
+
+struct GroupedLinearOptions {
+  int num_gemms = 1;
+  int64_t in_features = 0;
+  int64_t out_features = 0;
+  bool bias = true;
+  bool return_bias = false;  // forward leaves the biases out; the caller owns their gradients
+  float init_std = 0.02f;
+  uint64_t seed = 0;
+  std::string name = "grouped_linear";
+};
+
+// num_gemms Linear layers over consecutive row groups of one input: rows
+// [sum(m_splits[:i]), sum(m_splits[:i+1])) go through weight{i} [out,in] and bias{i} [out]
+// (mixture-of-experts FFNs). Under fp8_autocast each GEMM has its own quantizers.
+class GroupedLinear : public Module {
+ public:
+  struct Context {
+    DType dtype = DType::F32;
+    std::vector<int64_t> m_splits;
+    Tensor input;                          // high-precision input (non-FP8 runs)
+    std::vector<Float8Tensor> input_fp8;   // FP8 runs: per group, columnwise
+    std::vector<Float8Tensor> weight_fp8;  // FP8 runs: per group, columnwise
+    bool fp8 = false;
+    int64_t rows = 0;
+  };
+  explicit GroupedLinear(const GroupedLinearOptions& options);
+  // x [M, in] with M = sum(m_splits) (entries >= 0, any may be 0) -> y [M, out].
+  Tensor forward(const Tensor& x, const std::vector<int64_t>& m_splits, Context& ctx);
+  // dy [M, out] -> dx [M, in]; accumulates every weight{i}.grad and bias{i}.grad.
+  Tensor backward(const Tensor& dy, Context& ctx);
+  void collect_parameters(std::vector<Parameter*>& out) override;
+  void on_parameters_updated() override;
+  const GroupedLinearOptions& options() const { return options_; }
+  Fp8State& fp8_state() { return fp8_; }
+
+  std::vector<Parameter> weights;  // weight{i} [out, in]
+  std::vector<Parameter> biases;   // bias{i} [out] (empty without bias)
+
+ private:
+  PackedWeight& packed_weight(int gemm, DType dtype);
+  GroupedLinearOptions options_;
+  Fp8State fp8_;
+  std::vector<std::optional<PackedWeight>> packed_;
+  std::vector<DType> packed_dtype_;
+};
+
 }  // namespace octet

@@ -1,0 +1,352 @@
+// DotProductAttention (the fused flash-attention kernels as a module) and
+// MultiheadAttention: projections, the fused QKV split, QK-norm, RoPE, attention, output
+// projection, each with its hand-written backward.
+#include "octet/ops/attention.h"
+#include "modules/common.h"
+#include "modules/tensor_columns.h"
+#include "octet/ops/rope.h"
+
+namespace octet {
+
+using modules_detail::join_columns;
+using modules_detail::split_columns;
+
+DotProductAttention::DotProductAttention(const DotProductAttentionOptions& options)
+    : options_(options) {
+  if (options_.num_gqa_groups == 0) options_.num_gqa_groups = options_.num_attention_heads;
+  const auto& o = options_;
+  OCTET_CHECK(o.num_attention_heads > 0 && o.kv_channels > 0, o.name,
+              ": num_attention_heads and kv_channels must be positive, got ", o.num_attention_heads,
+              " and ", o.kv_channels);
+  OCTET_CHECK(o.num_gqa_groups > 0 && o.num_attention_heads % o.num_gqa_groups == 0, o.name,
+              ": num_gqa_groups must divide num_attention_heads=", o.num_attention_heads, ", got ",
+              o.num_gqa_groups);
+  OCTET_CHECK(o.attention_dropout >= 0.0f && o.attention_dropout < 1.0f, o.name,
+              ": attention_dropout expected in [0, 1), got ", o.attention_dropout);
+}
+
+namespace {
+
+bool is_padding(AttnMaskType type) {
+  return type == AttnMaskType::Padding || type == AttnMaskType::PaddingCausal;
+}
+
+bool is_causal(AttnMaskType type) {
+  return type == AttnMaskType::Causal || type == AttnMaskType::PaddingCausal;
+}
+
+ops::AttentionOptions kernel_options(const DotProductAttentionOptions& o,
+                                     const DotProductAttention::Context& ctx) {
+  ops::AttentionOptions a;
+  a.softmax_scale = o.softmax_scale;
+  a.causal = is_causal(o.attn_mask_type);
+  a.window_left = o.window_size.first;
+  a.window_right = o.window_size.second;
+  a.q_lengths = ctx.q_lengths.defined() ? &ctx.q_lengths : nullptr;
+  a.kv_lengths = ctx.kv_lengths.defined() ? &ctx.kv_lengths : nullptr;
+  a.dropout = o.attention_dropout;
+  a.seed = o.seed;
+  a.offset = ctx.rng_offset;
+  return a;
+}
+
+}  // namespace
+
+Tensor DotProductAttention::forward(const Tensor& q, const Tensor& k, const Tensor& v, Context& ctx,
+                                    const Tensor* q_lengths, const Tensor* kv_lengths) {
+  const auto& o = options_;
+  OCTET_CHECK(q.ndim() == 4 && q.dim(2) == o.num_attention_heads && q.dim(3) == o.kv_channels,
+              o.name, ": q expected [B,T,H,D] with H=", o.num_attention_heads,
+              ", D=", o.kv_channels, ", got ", shape_str(q.shape()));
+  OCTET_CHECK(k.ndim() == 4 && k.dim(0) == q.dim(0) && k.dim(2) == o.num_gqa_groups &&
+                  k.dim(3) == o.kv_channels && v.shape() == k.shape(),
+              o.name, ": k and v expected [B,S,Hkv,D]=[", q.dim(0), ",S,", o.num_gqa_groups, ",",
+              o.kv_channels, "], got ", shape_str(k.shape()), " and ", shape_str(v.shape()));
+  ctx = Context{};
+  if (is_padding(o.attn_mask_type)) {
+    OCTET_CHECK(q_lengths != nullptr || kv_lengths != nullptr, o.name,
+                ": a padding mask needs q_lengths or kv_lengths");
+    if (q_lengths) ctx.q_lengths = *q_lengths;
+    if (kv_lengths) ctx.kv_lengths = *kv_lengths;
+  }
+  ctx.rng_offset = rng_offset_++;
+  Tensor out = Tensor::empty(q.shape(), q.dtype());
+  ctx.lse = Tensor::empty({q.dim(0), q.dim(2), q.dim(1)}, DType::F32);
+  ops::flash_attention_forward(q, k, v, kernel_options(o, ctx), out, ctx.lse);
+  ctx.q = q;
+  ctx.k = k;
+  ctx.v = v;
+  ctx.out = out;
+  return out;
+}
+
+void DotProductAttention::backward(const Tensor& dout, Context& ctx, Tensor& dq, Tensor& dk,
+                                   Tensor& dv) {
+  OCTET_CHECK(ctx.out.defined(), options_.name, ": backward called without a forward context");
+  check_shape(dout, ctx.q.shape(), options_.name + ": dout", "B,T,H,D");
+  dq = Tensor::empty(ctx.q.shape(), ctx.q.dtype());
+  dk = Tensor::empty(ctx.k.shape(), ctx.k.dtype());
+  dv = Tensor::empty(ctx.v.shape(), ctx.v.dtype());
+  Tensor g = dout.dtype() == ctx.q.dtype() ? dout : dout.to(ctx.q.dtype());
+  ops::flash_attention_backward(ctx.q, ctx.k, ctx.v, ctx.out, ctx.lse, g,
+                                kernel_options(options_, ctx), dq, dk, dv);
+  ctx = Context{};
+}
+
+// ---------------------------------------------------------------------------------------------
+
+namespace {
+
+int64_t resolved_kv_channels(const MultiheadAttentionOptions& o) {
+  OCTET_CHECK(o.hidden_size > 0 && o.num_attention_heads > 0, o.name,
+              ": hidden_size and num_attention_heads must be positive, got ", o.hidden_size,
+              " and ", o.num_attention_heads);
+  if (o.kv_channels > 0) return o.kv_channels;
+  OCTET_CHECK(o.hidden_size % o.num_attention_heads == 0, o.name, ": hidden_size ", o.hidden_size,
+              " is not divisible by num_attention_heads ", o.num_attention_heads,
+              "; set kv_channels");
+  return o.hidden_size / o.num_attention_heads;
+}
+
+DotProductAttentionOptions core_options(const MultiheadAttentionOptions& o) {
+  DotProductAttentionOptions c;
+  c.num_attention_heads = o.num_attention_heads;
+  c.kv_channels = resolved_kv_channels(o);
+  c.num_gqa_groups = o.num_gqa_groups;
+  c.attn_mask_type = o.attn_mask_type;
+  c.window_size = o.window_size;
+  c.attention_dropout = o.attention_dropout;
+  c.softmax_scale = o.softmax_scale;
+  c.seed = o.seed * 8 + 7;
+  c.name = o.name + ".core_attention";
+  return c;
+}
+
+LinearOptions linear_options(const MultiheadAttentionOptions& o, const std::string& part,
+                             int64_t in, int64_t out, float init_std, uint64_t seed) {
+  LinearOptions l;
+  l.in_features = in;
+  l.out_features = out;
+  l.bias = o.bias;
+  l.init_std = init_std;
+  l.params_dtype = o.params_dtype;
+  l.seed = o.seed * 8 + seed;
+  l.name = o.name + "." + part;
+  return l;
+}
+
+LayerNormLinearOptions layernorm_linear_options(const MultiheadAttentionOptions& o,
+                                                const LinearOptions& linear) {
+  LayerNormLinearOptions l;
+  l.linear = linear;
+  l.norm.hidden = linear.in_features;
+  l.norm.kind = o.normalization;
+  l.norm.eps = o.layernorm_epsilon;
+  l.norm.zero_centered_gamma = o.zero_centered_gamma;
+  l.norm.name = linear.name + ".norm";
+  return l;
+}
+
+NormOptions qk_norm_options(const MultiheadAttentionOptions& o, const char* part) {
+  NormOptions n;
+  n.hidden = resolved_kv_channels(o);
+  n.kind = o.qk_norm_type;
+  n.eps = o.qk_norm_eps;
+  n.name = o.name + "." + part;
+  return n;
+}
+
+LinearOptions proj_options(const MultiheadAttentionOptions& o) {
+  LinearOptions l = linear_options(o, "proj", o.num_attention_heads * resolved_kv_channels(o),
+                                   o.hidden_size, o.output_init_std, 4);
+  l.return_bias = o.return_bias;
+  return l;
+}
+
+}  // namespace
+
+MultiheadAttention::MultiheadAttention(const MultiheadAttentionOptions& options)
+    : core_attention(core_options(options)), proj(proj_options(options)), options_(options) {
+  heads_ = options.num_attention_heads;
+  kv_heads_ = core_attention.options().num_gqa_groups;
+  head_dim_ = resolved_kv_channels(options);
+  const int64_t c = options.hidden_size;
+  const float std = options.init_std;
+  if (options.attention_type == AttentionType::Self) {
+    LinearOptions l = linear_options(options, options.input_layernorm ? "layernorm_qkv" : "qkv", c,
+                                     (heads_ + 2 * kv_heads_) * head_dim_, std, 1);
+    if (options.input_layernorm) {
+      layernorm_qkv.emplace(layernorm_linear_options(options, l));
+    } else {
+      qkv.emplace(l);
+    }
+  } else {
+    LinearOptions l = linear_options(options, options.input_layernorm ? "layernorm_query" : "query",
+                                     c, heads_ * head_dim_, std, 2);
+    if (options.input_layernorm) {
+      layernorm_query.emplace(layernorm_linear_options(options, l));
+    } else {
+      query.emplace(l);
+    }
+    key_value.emplace(linear_options(options, "key_value", c, 2 * kv_heads_ * head_dim_, std, 3));
+  }
+  if (options.qk_norm) {
+    q_norm.emplace(qk_norm_options(options, "q_norm"));
+    k_norm.emplace(qk_norm_options(options, "k_norm"));
+  }
+  if (options.rope) {
+    int64_t rotary = options.rotary_dim > 0
+                         ? options.rotary_dim
+                         : static_cast<int64_t>(head_dim_ * options.rotary_percent) / 2 * 2;
+    OCTET_CHECK(rotary >= 2 && rotary % 2 == 0 && rotary <= head_dim_, options.name,
+                ": rotary dimension expected even and in [2, kv_channels=", head_dim_, "], got ",
+                rotary);
+    options_.rotary_dim = rotary;
+  }
+}
+
+void MultiheadAttention::collect_parameters(std::vector<Parameter*>& out) {
+  if (layernorm_qkv) layernorm_qkv->collect_parameters(out);
+  if (qkv) qkv->collect_parameters(out);
+  if (layernorm_query) layernorm_query->collect_parameters(out);
+  if (query) query->collect_parameters(out);
+  if (key_value) key_value->collect_parameters(out);
+  if (q_norm) q_norm->collect_parameters(out);
+  if (k_norm) k_norm->collect_parameters(out);
+  proj.collect_parameters(out);
+}
+
+void MultiheadAttention::on_parameters_updated() {
+  if (layernorm_qkv) layernorm_qkv->on_parameters_updated();
+  if (qkv) qkv->on_parameters_updated();
+  if (layernorm_query) layernorm_query->on_parameters_updated();
+  if (query) query->on_parameters_updated();
+  if (key_value) key_value->on_parameters_updated();
+  proj.on_parameters_updated();
+}
+
+std::vector<Fp8State*> MultiheadAttention::fp8_states() {
+  std::vector<Fp8State*> out;
+  if (layernorm_qkv) out.push_back(&layernorm_qkv->linear.fp8_state());
+  if (qkv) out.push_back(&qkv->fp8_state());
+  if (layernorm_query) out.push_back(&layernorm_query->linear.fp8_state());
+  if (query) out.push_back(&query->fp8_state());
+  if (key_value) out.push_back(&key_value->fp8_state());
+  out.push_back(&proj.fp8_state());
+  return out;
+}
+
+const Tensor* MultiheadAttention::output_bias() const {
+  return options_.bias && options_.return_bias ? &proj.bias.value : nullptr;
+}
+
+namespace {
+
+ops::RopeOptions rope_options(const MultiheadAttentionOptions& o) {
+  ops::RopeOptions r;
+  r.rotary_dim = o.rotary_dim;
+  r.theta = o.rope_theta;
+  r.layout = o.rotary_interleaved ? ops::RopeLayout::Interleaved : ops::RopeLayout::RotateHalf;
+  return r;
+}
+
+// The norm over D of every head: x [B,T,heads,D] seen as [B*T*heads, D].
+Tensor norm_heads(Norm& norm, const Tensor& x, Norm::Context& ctx) {
+  return norm.forward(x.reshape({x.numel() / x.dim(3), x.dim(3)}), ctx).reshape(x.shape());
+}
+
+Tensor norm_heads_backward(Norm& norm, const Tensor& dy, Norm::Context& ctx) {
+  return norm.backward(dy.reshape({dy.numel() / dy.dim(3), dy.dim(3)}), ctx).reshape(dy.shape());
+}
+
+}  // namespace
+
+Tensor MultiheadAttention::forward(const Tensor& x, Context& ctx, const Tensor* encoder_output,
+                                   const Tensor* q_lengths, const Tensor* kv_lengths) {
+  const auto& o = options_;
+  OCTET_CHECK(x.ndim() == 3 && x.dim(2) == o.hidden_size, o.name,
+              ": input expected [B,T,C] with C=", o.hidden_size, ", got ", shape_str(x.shape()));
+  const int64_t batch = x.dim(0), seq = x.dim(1);
+  ctx = Context{};
+  ctx.x_shape = x.shape();
+  Tensor q, k, v;
+  if (o.attention_type == AttentionType::Self) {
+    Tensor fused =
+        layernorm_qkv ? layernorm_qkv->forward(x, ctx.layernorm_input) : qkv->forward(x, ctx.input);
+    q = Tensor::empty({batch, seq, heads_, head_dim_}, x.dtype());
+    k = Tensor::empty({batch, seq, kv_heads_, head_dim_}, x.dtype());
+    v = Tensor::empty({batch, seq, kv_heads_, head_dim_}, x.dtype());
+    split_columns(fused, {&q, &k, &v});
+  } else {
+    OCTET_CHECK(encoder_output != nullptr, o.name, ": cross-attention needs encoder_output");
+    const Tensor& e = *encoder_output;
+    OCTET_CHECK(
+        e.ndim() == 3 && e.dim(0) == batch && e.dim(2) == o.hidden_size && e.dtype() == x.dtype(),
+        o.name, ": encoder_output expected [B,S,C]=[", batch, ",S,", o.hidden_size, "] ",
+        dtype_name(x.dtype()), ", got ", shape_str(e.shape()), " ", dtype_name(e.dtype()));
+    ctx.encoder_shape = e.shape();
+    q = (layernorm_query ? layernorm_query->forward(x, ctx.layernorm_input)
+                         : query->forward(x, ctx.input))
+            .reshape({batch, seq, heads_, head_dim_});
+    Tensor fused = key_value->forward(e, ctx.key_value);
+    k = Tensor::empty({batch, e.dim(1), kv_heads_, head_dim_}, x.dtype());
+    v = Tensor::empty({batch, e.dim(1), kv_heads_, head_dim_}, x.dtype());
+    split_columns(fused, {&k, &v});
+  }
+  if (o.qk_norm && o.qk_norm_before_rope) {
+    q = norm_heads(*q_norm, q, ctx.q_norm);
+    k = norm_heads(*k_norm, k, ctx.k_norm);
+  }
+  if (o.rope) {
+    ops::rope_forward(q, rope_options(o));  // q and k are fresh tensors: rotate in place
+    ops::rope_forward(k, rope_options(o));
+  }
+  if (o.qk_norm && !o.qk_norm_before_rope) {
+    q = norm_heads(*q_norm, q, ctx.q_norm);
+    k = norm_heads(*k_norm, k, ctx.k_norm);
+  }
+  Tensor out = core_attention.forward(q, k, v, ctx.core, q_lengths, kv_lengths);
+  return proj.forward(out.reshape({batch, seq, heads_ * head_dim_}), ctx.proj);
+}
+
+Tensor MultiheadAttention::backward(const Tensor& dy, Context& ctx, Tensor* d_encoder_output) {
+  const auto& o = options_;
+  OCTET_CHECK(!ctx.x_shape.empty(), o.name, ": backward called without a forward context");
+  const int64_t batch = ctx.x_shape[0], seq = ctx.x_shape[1];
+  Tensor d_out = proj.backward(dy, ctx.proj).reshape({batch, seq, heads_, head_dim_});
+  Tensor dq, dk, dv;
+  core_attention.backward(d_out, ctx.core, dq, dk, dv);
+  if (o.qk_norm && !o.qk_norm_before_rope) {
+    dq = norm_heads_backward(*q_norm, dq, ctx.q_norm);
+    dk = norm_heads_backward(*k_norm, dk, ctx.k_norm);
+  }
+  if (o.rope) {
+    ops::rope_backward(dq, rope_options(o));
+    ops::rope_backward(dk, rope_options(o));
+  }
+  if (o.qk_norm && o.qk_norm_before_rope) {
+    dq = norm_heads_backward(*q_norm, dq, ctx.q_norm);
+    dk = norm_heads_backward(*k_norm, dk, ctx.k_norm);
+  }
+  Tensor dx;
+  if (o.attention_type == AttentionType::Self) {
+    Tensor dfused = join_columns({&dq, &dk, &dv}, batch * seq)
+                        .reshape({batch, seq, (heads_ + 2 * kv_heads_) * head_dim_});
+    dx = layernorm_qkv ? layernorm_qkv->backward(dfused, ctx.layernorm_input)
+                       : qkv->backward(dfused, ctx.input);
+  } else {
+    OCTET_CHECK(d_encoder_output != nullptr, o.name,
+                ": cross-attention backward needs d_encoder_output");
+    Tensor dquery = dq.reshape({batch, seq, heads_ * head_dim_});
+    dx = layernorm_query ? layernorm_query->backward(dquery, ctx.layernorm_input)
+                         : query->backward(dquery, ctx.input);
+    const Shape& e = ctx.encoder_shape;
+    Tensor dfused =
+        join_columns({&dk, &dv}, e[0] * e[1]).reshape({e[0], e[1], 2 * kv_heads_ * head_dim_});
+    *d_encoder_output = key_value->backward(dfused, ctx.key_value);
+  }
+  ctx = Context{};
+  return dx;
+}
+
+}  // namespace octet
