@@ -22,6 +22,14 @@ OCTET_ALWAYS_INLINE float load(bfloat16 value) {
   return std::bit_cast<float>(uint32_t{value.bits} << 16);
 }
 
+// condition ? if_true : if_false through a bit mask: GCC 12 does not if-convert some ?:
+// forms inside vectorized loops (the loop then stays scalar); this always vectorizes.
+OCTET_ALWAYS_INLINE float select(bool condition, float if_true, float if_false) {
+  const uint32_t mask = 0u - static_cast<uint32_t>(condition);
+  return std::bit_cast<float>((std::bit_cast<uint32_t>(if_true) & mask) |
+                              (std::bit_cast<uint32_t>(if_false) & ~mask));
+}
+
 OCTET_ALWAYS_INLINE void store(float value, float* out) {
   *out = value;
 }

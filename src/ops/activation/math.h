@@ -13,8 +13,13 @@
 namespace octet::ops::math {
 
 OCTET_ALWAYS_INLINE float exp(float x) {
-  x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
-  float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  x = simd::select(x < -87.0f, -87.0f, x);
+  x = simd::select(x > 88.0f, 88.0f, x);
+  // n = round(x / ln 2): adding 1.5 * 2^23 leaves n in the low mantissa bits (no floor or
+  // float-to-int conversion, which keep GCC from vectorizing).
+  const float shifted = x * 1.44269504088896341f + 12582912.0f;
+  const float n = shifted - 12582912.0f;
+  const uint32_t n_bits = std::bit_cast<uint32_t>(shifted) - 0x4B400000u;
   float r = x - n * 0.693359375f;  // ln 2 split in two so r stays exact
   r = r - n * -2.12194440e-4f;
   float p = 1.9875691500e-4f;
@@ -24,8 +29,7 @@ OCTET_ALWAYS_INLINE float exp(float x) {
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   p = p * r * r + r + 1.0f;
-  int32_t exponent = static_cast<int32_t>(n) + 127;
-  return p * std::bit_cast<float>(static_cast<uint32_t>(exponent) << 23);
+  return p * std::bit_cast<float>((n_bits + 127u) << 23);
 }
 
 OCTET_ALWAYS_INLINE float tanh(float x) {
@@ -46,7 +50,7 @@ OCTET_ALWAYS_INLINE float erf(float x) {
   p = p * t - 0.284496736f;
   p = p * t + 0.254829592f;
   float y = 1.0f - p * t * math::exp(-a * a);
-  return x < 0.0f ? -y : y;
+  return simd::select(x < 0.0f, -y, y);
 }
 
 inline constexpr float kSqrt2OverPi = 0.7978845608028654f;

@@ -20,19 +20,12 @@ namespace {
 
 constexpr int64_t kVocabChunk = 2048;  // 8 KiB of F32: the chunk stays in L1 between its passes
 
-// Selects with a bit mask, not ?:, which GCC 12 fails to if-convert for AVX2 in this context.
-OCTET_ALWAYS_INLINE float select(bool condition, float if_true, float if_false) {
-  const uint32_t mask = 0u - static_cast<uint32_t>(condition);
-  return std::bit_cast<float>((std::bit_cast<uint32_t>(if_true) & mask) |
-                              (std::bit_cast<uint32_t>(if_false) & ~mask));
-}
-
 // e^x for x <= 88 with a relative error of about 2 ulp (Cephes expf), branch-free so that loops
 // calling it vectorize. Inputs below -87.3 (-inf included) give 2^-126 instead of 0: a term of
 // 1e-38 against a sum of at least 1. NaN stays NaN.
 OCTET_ALWAYS_INLINE float exp_approx(float x) {
-  x = select(x < -87.33654f, -87.33654f, x);
-  x = select(x > 88.0f, 88.0f, x);
+  x = simd::select(x < -87.33654f, -87.33654f, x);
+  x = simd::select(x > 88.0f, 88.0f, x);
   // k = round(x / ln2): adding 1.5 * 2^23 leaves k in the low mantissa bits.
   const float shifted = x * 1.44269504088896341f + 12582912.0f;
   const float k = shifted - 12582912.0f;
