@@ -10,41 +10,19 @@
 #include "octet/fp8.h"
 #include "octet/ops/activation.h"
 #include "ops/activation/math.h"
+#include "test_util.h"
 #include "torch_reference.h"
 
 namespace octet {
 namespace {
 
+using octet::testing::available_isas;
+using octet::testing::max_abs;
+using octet::testing::random_tensor;
+using octet::testing::relative_rms;
+using octet::testing::worst;
+
 using ops::ActivationKind;
-
-Tensor random_tensor(Shape shape, DType dtype, uint32_t seed, float stddev = 1.5f) {
-  std::mt19937 rng(seed);
-  std::normal_distribution<float> normal(0.0f, stddev);
-  Tensor t = Tensor::empty(shape, DType::F32);
-  for (int64_t i = 0; i < t.numel(); ++i) t.data<float>()[i] = normal(rng);
-  return dtype == DType::F32 ? t : t.to(dtype);
-}
-
-double worst(const Tensor& a, const Tensor& b, double atol, double rtol) {
-  std::vector<float> x = a.to_floats(), y = b.to_floats();
-  EXPECT_EQ(x.size(), y.size());
-  double w = 0;
-  for (size_t i = 0; i < x.size(); ++i) {
-    w = std::max(w, std::fabs(double(x[i]) - y[i]) / (atol + rtol * std::fabs(double(y[i]))));
-  }
-  return w;
-}
-
-std::vector<Isa> available_isas() {
-  std::vector<Isa> isas = {Isa::Scalar};
-  Isa original = active_isa();
-  for (Isa isa : {Isa::Avx2, Isa::Avx512}) {
-    set_active_isa(isa);
-    if (active_isa() == isa) isas.push_back(isa);
-  }
-  set_active_isa(original);
-  return isas;
-}
 
 TEST(ActivationMath, ElementFunctionsAgreeWithCmath) {
   double exp_worst = 0, tanh_worst = 0, erf_worst = 0;
@@ -95,9 +73,9 @@ class Activation : public ::testing::TestWithParam<ActCase> {};
 TEST_P(Activation, FastMatchesReferenceAndTorch) {
   const ActCase c = GetParam();
   int64_t out_cols = ops::is_gated(c.kind) ? c.cols / 2 : c.cols;
-  Tensor x = random_tensor({c.rows, c.cols}, c.dtype, 1);
-  Tensor bias = random_tensor({c.cols}, DType::F32, 2, 0.5f);
-  Tensor dy = random_tensor({c.rows, out_cols}, c.dtype, 3, 1.0f);
+  Tensor x = random_tensor({c.rows, c.cols}, c.dtype, 1, 0.0f, 1.5f);
+  Tensor bias = random_tensor({c.cols}, DType::F32, 2, 0.0f, 0.5f);
+  Tensor dy = random_tensor({c.rows, out_cols}, c.dtype, 3, 0.0f, 1.0f);
   ActResult ref = run_act(c, x, bias, dy, true);
   // F32: the fast element functions are within ~3e-7 absolute / few ulps of <cmath>, so
   // 1e-5 covers them after the products; BF16 outputs: one BF16 rounding (2^-8) either side.
@@ -150,9 +128,9 @@ INSTANTIATE_TEST_SUITE_P(
 TEST(ActivationFp8, FusedCastEqualsUnfused) {
   for (ActivationKind kind : {ActivationKind::GeluTanh, ActivationKind::SwiGlu}) {
     int64_t cols = 384, out_cols = ops::is_gated(kind) ? cols / 2 : cols;
-    Tensor x = random_tensor({29, cols}, DType::BF16, 4);
-    Tensor bias = random_tensor({cols}, DType::F32, 5);
-    Tensor dy = random_tensor({29, out_cols}, DType::BF16, 6);
+    Tensor x = random_tensor({29, cols}, DType::BF16, 4, 0.0f, 1.5f);
+    Tensor bias = random_tensor({cols}, DType::F32, 5, 0.0f, 1.5f);
+    Tensor dy = random_tensor({29, out_cols}, DType::BF16, 6, 0.0f, 1.5f);
     for (Isa isa : available_isas()) {
       SCOPED_TRACE(isa_name(isa));
       Isa original = active_isa();
@@ -191,9 +169,9 @@ TEST(ActivationGrad, FiniteDifferences) {
         ActivationKind::SwiGlu, ActivationKind::GeGlu}) {
     SCOPED_TRACE(std::string(ops::activation_name(kind)));
     int64_t cols = 6, out_cols = ops::is_gated(kind) ? 3 : 6;
-    Tensor x = random_tensor({2, cols}, DType::F32, 7);
-    Tensor bias = random_tensor({cols}, DType::F32, 8, 0.3f);
-    Tensor w = random_tensor({2, out_cols}, DType::F32, 9);
+    Tensor x = random_tensor({2, cols}, DType::F32, 7, 0.0f, 1.5f);
+    Tensor bias = random_tensor({cols}, DType::F32, 8, 0.0f, 0.3f);
+    Tensor w = random_tensor({2, out_cols}, DType::F32, 9, 0.0f, 1.5f);
     auto loss = [&](const Tensor& xx) {
       Tensor y = Tensor::empty({2, out_cols}, DType::F32);
       ops::reference::activation_forward(kind, xx, &bias, y);

@@ -8,39 +8,17 @@
 #include "octet/cpu.h"
 #include "octet/ops/dropout.h"
 #include "octet/rng.h"
+#include "test_util.h"
 #include "torch_reference.h"
 
 namespace octet {
 namespace {
 
-Tensor random_tensor(Shape shape, DType dtype, uint32_t seed) {
-  std::mt19937 rng(seed);
-  std::normal_distribution<float> normal(0.0f, 1.0f);
-  Tensor t = Tensor::empty(shape, DType::F32);
-  for (int64_t i = 0; i < t.numel(); ++i) t.data<float>()[i] = normal(rng);
-  return dtype == DType::F32 ? t : t.to(dtype);
-}
-
-double worst(const Tensor& a, const Tensor& b, double atol, double rtol) {
-  std::vector<float> x = a.to_floats(), y = b.to_floats();
-  EXPECT_EQ(x.size(), y.size());
-  double w = 0;
-  for (size_t i = 0; i < x.size(); ++i) {
-    w = std::max(w, std::fabs(double(x[i]) - y[i]) / (atol + rtol * std::fabs(double(y[i]))));
-  }
-  return w;
-}
-
-std::vector<Isa> available_isas() {
-  std::vector<Isa> isas = {Isa::Scalar};
-  Isa original = active_isa();
-  for (Isa isa : {Isa::Avx2, Isa::Avx512}) {
-    set_active_isa(isa);
-    if (active_isa() == isa) isas.push_back(isa);
-  }
-  set_active_isa(original);
-  return isas;
-}
+using octet::testing::available_isas;
+using octet::testing::max_abs;
+using octet::testing::random_tensor;
+using octet::testing::relative_rms;
+using octet::testing::worst;
 
 TEST(Philox, KnownAnswerVectors) {
   // Random123's kat_vectors for philox4x32_10.

@@ -7,48 +7,21 @@
 #include <random>
 
 #include "octet/modules.h"
+#include "test_util.h"
 #include "torch_reference.h"
 
 namespace octet {
 namespace {
 
-Tensor random_tensor(Shape shape, DType dtype, uint32_t seed, float stddev = 1.0f) {
-  std::mt19937 rng(seed);
-  std::normal_distribution<float> normal(0.0f, stddev);
-  Tensor t = Tensor::empty(shape, DType::F32);
-  for (int64_t i = 0; i < t.numel(); ++i) t.data<float>()[i] = normal(rng);
-  return dtype == DType::F32 ? t : t.to(dtype);
-}
-
-double worst(const Tensor& a, const Tensor& b, double atol, double rtol) {
-  std::vector<float> x = a.to_floats(), y = b.to_floats();
-  EXPECT_EQ(x.size(), y.size());
-  double w = 0;
-  for (size_t i = 0; i < x.size(); ++i) {
-    w = std::max(w, std::fabs(double(x[i]) - y[i]) / (atol + rtol * std::fabs(double(y[i]))));
-  }
-  return w;
-}
-
-double max_abs(const Tensor& t) {
-  double m = 0;
-  for (float v : t.to_floats()) m = std::max(m, std::fabs(double(v)));
-  return m;
-}
-
-double relative_rms(const Tensor& a, const Tensor& b) {
-  std::vector<float> x = a.to_floats(), y = b.to_floats();
-  double error = 0, norm = 0;
-  for (size_t i = 0; i < x.size(); ++i) {
-    error += (double(x[i]) - y[i]) * (double(x[i]) - y[i]);
-    norm += double(y[i]) * y[i];
-  }
-  return std::sqrt(error / norm);
-}
+using octet::testing::available_isas;
+using octet::testing::max_abs;
+using octet::testing::random_tensor;
+using octet::testing::relative_rms;
+using octet::testing::worst;
 
 void randomize(Module& m, uint32_t seed) {
   for (Parameter* p : m.parameters()) {
-    Tensor r = random_tensor(p->value.shape(), DType::F32, seed++, 0.3f);
+    Tensor r = random_tensor(p->value.shape(), DType::F32, seed++, 0.0f, 0.3f);
     p->value.copy_from(r);
   }
   m.on_parameters_updated();
@@ -220,8 +193,8 @@ TEST(Fp8Linear, DelayedScalingMatchesQuantizedReferenceAndEvolves) {
   for (int step = 0; step < 5; ++step) {
     SCOPED_TRACE("step " + std::to_string(step));
     float spread = 1.0f + step;  // growing inputs: the scale must follow
-    Tensor x = random_tensor({24, 64}, DType::F32, 40 + step, spread);
-    Tensor dy = random_tensor({24, 96}, DType::F32, 50 + step, 1e-3f);
+    Tensor x = random_tensor({24, 64}, DType::F32, 40 + step, 0.0f, spread);
+    Tensor dy = random_tensor({24, 96}, DType::F32, 50 + step, 0.0f, 1e-3f);
     // The scales this step will use: from the history of the previous steps.
     float expected_input_scale = 1.0f;
     if (!input_amaxes.empty()) {
