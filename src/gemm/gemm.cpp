@@ -106,6 +106,28 @@ void gemm(const Tensor& A, PackedWeight& B, Tensor& C, bool trans_a, float alpha
   gemm_detail::run_matmul(args);
 }
 
+namespace {
+
+// oneDNN has no F32 x F32 -> BF16 matmul: when an FP8 GEMM must widen to F32 (block scales
+// that do not fold into BF16) and C is BF16, it computes into an F32 copy and rounds back.
+class F32OutputFor {
+ public:
+  F32OutputFor(Tensor& c, DType work, float beta) : c_(c) {
+    if (work != DType::F32 || c.dtype() != DType::BF16) return;
+    staged_ = beta != 0.0f ? c.to(DType::F32) : Tensor::empty(c.shape(), DType::F32);
+  }
+  Tensor& target() { return staged_.defined() ? staged_ : c_; }
+  void finish() {
+    if (staged_.defined()) c_.copy_from(staged_.to(DType::BF16));
+  }
+
+ private:
+  Tensor& c_;
+  Tensor staged_;
+};
+
+}  // namespace
+
 void gemm(const Float8Tensor& A, const Float8Tensor& B, Tensor& C, bool trans_a, bool trans_b,
           float alpha, float beta, const Epilogue& epilogue) {
   check_float8(A, "gemm: FP8 A");
@@ -131,7 +153,8 @@ void gemm(const Float8Tensor& A, const Float8Tensor& B, Tensor& C, bool trans_a,
 
   const double scale = static_cast<double>(alpha) * gemm_detail::tensor_scale_inv(a.matrix) *
                        gemm_detail::tensor_scale_inv(b.matrix);
-  MatmulArgs args = epilogue_args(C, static_cast<float>(scale), beta, epilogue);
+  F32OutputFor output(C, work, beta);
+  MatmulArgs args = epilogue_args(output.target(), static_cast<float>(scale), beta, epilogue);
   args.m = m;
   args.n = n;
   args.k = k;
@@ -142,6 +165,7 @@ void gemm(const Float8Tensor& A, const Float8Tensor& B, Tensor& C, bool trans_a,
   args.a = a_data;
   args.b = b_data;
   gemm_detail::run_matmul(args);
+  output.finish();
 }
 
 void gemm(const Float8Tensor& A, PackedWeight& B, Tensor& C, bool trans_a, float alpha, float beta,
@@ -175,7 +199,8 @@ void gemm(const Float8Tensor& A, PackedWeight& B, Tensor& C, bool trans_a, float
 
   const double scale =
       static_cast<double>(alpha) * gemm_detail::tensor_scale_inv(a.matrix) * weight.fp8_scale_inv();
-  MatmulArgs args = epilogue_args(C, static_cast<float>(scale), beta, epilogue);
+  F32OutputFor output(C, work, beta);
+  MatmulArgs args = epilogue_args(output.target(), static_cast<float>(scale), beta, epilogue);
   args.m = m;
   args.n = n;
   args.k = k;
@@ -185,6 +210,7 @@ void gemm(const Float8Tensor& A, PackedWeight& B, Tensor& C, bool trans_a, float
   args.a = a_data;
   args.packed = &weight;
   gemm_detail::run_matmul(args);
+  output.finish();
 }
 
 }  // namespace octet

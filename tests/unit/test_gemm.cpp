@@ -594,5 +594,29 @@ TEST(Gemm, ZeroKAppliesEpilogueOnly) {
   EXPECT_EQ(c.to_floats(), (std::vector<float>{2, 0, 4, 1, 6, 3}));
 }
 
+// An all-zero MXFP8 block gets the E8M0 scale 2^-127, which cannot fold into BF16: the GEMM
+// widens to F32 and must still write a BF16 C (oneDNN has no F32 x F32 -> BF16 matmul).
+TEST(GemmFp8, UnfoldableScalesStillWriteBf16Output) {
+  Tensor zeros = Tensor::zeros({4, 64}, DType::BF16);
+  Tensor w = random_tensor({8, 64}, 21).to(DType::BF16);
+  Float8Tensor a = Quantizer::mxfp8(DType::E5M2).quantize(zeros);
+  Float8Tensor b = Quantizer::mxfp8(DType::E4M3).quantize(w);
+  Tensor c = Tensor::empty({4, 8}, DType::BF16);
+  gemm(a, b, c, false, true);
+  for (float v : c.to_floats()) EXPECT_EQ(v, 0.0f);
+  Tensor x = random_tensor({4, 64}, 22).to(DType::BF16);
+  for (int i = 0; i < 32; ++i) x.data<bfloat16>()[i].bits = 0;  // one all-zero block
+  Float8Tensor xq = Quantizer::mxfp8(DType::E4M3).quantize(x);
+  Tensor expected = Tensor::empty({4, 8}, DType::F32);
+  gemm_reference(xq.dequantize(), b.dequantize(), expected, false, true);
+  PackedWeight packed(b, true);
+  Tensor c_bf16 = Tensor::from_floats({4, 8}, std::vector<float>(32, 1.0f)).to(DType::BF16);
+  gemm(xq, packed, c_bf16, false, 1.0f, 1.0f);  // accumulate onto ones
+  std::vector<float> got = c_bf16.to_floats(), want = expected.to_floats();
+  for (size_t i = 0; i < got.size(); ++i) {
+    EXPECT_NEAR(got[i], want[i] + 1.0f, 1e-2 * (1.0 + std::fabs(want[i])));  // BF16 rounding
+  }
+}
+
 }  // namespace
 }  // namespace octet
