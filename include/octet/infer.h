@@ -1,4 +1,5 @@
-// Inference: token sampling and text generation from a trained GPT.
+// Inference: token sampling and text generation from a trained GPT, with the KV cache
+// (InferenceParams, declared with the modules in octet/modules.h).
 #pragma once
 
 #include <cstdint>
@@ -22,11 +23,20 @@ struct SamplingOptions {
 int32_t sample_token(const float* logits, int64_t vocab, const SamplingOptions& options,
                      uint64_t step);
 
-// Continues `prompt_ids` by max_new_tokens tokens, calling on_token after each one.
-// The context seen by the model is the last max_seq_len tokens.
+// Continues `prompt_ids` by max_new_tokens tokens, calling on_token after each one. The
+// prompt is prefilled into a KV cache (InferenceParams) in one forward, then each new token
+// is one cached decode step. The model sees at most the last max_seq_len tokens: once the
+// sequence outgrows max_seq_len, every further token recomputes that sliding window without
+// the cache (as generate_uncached does), so the tokens equal generate_uncached's.
 std::vector<int32_t> generate(GPT& model, const std::vector<int32_t>& prompt_ids,
                               int64_t max_new_tokens, const SamplingOptions& options,
                               DType dtype = DType::F32,
                               const std::function<void(int32_t)>& on_token = nullptr);
+
+// The oracle: one full forward over the context (the last max_seq_len tokens) per new token.
+std::vector<int32_t> generate_uncached(GPT& model, const std::vector<int32_t>& prompt_ids,
+                                       int64_t max_new_tokens, const SamplingOptions& options,
+                                       DType dtype = DType::F32,
+                                       const std::function<void(int32_t)>& on_token = nullptr);
 
 }  // namespace octet

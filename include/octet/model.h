@@ -57,6 +57,15 @@ class GPT : public Module {
   float evaluate(const Tensor& ids, const Tensor& targets, DType dtype);
   // Logits of the last position of each sequence: ids [B,T] -> [B,V] F32.
   Tensor last_logits(const Tensor& ids, DType dtype);
+  // KV-cache inference (no dropout, no contexts kept): ids [B,T] I32 are the T new tokens of
+  // each sequence, at positions [offset, offset + T) after the params.sequence_len_offset
+  // already cached (learned position embeddings and RoPE both start at offset). Returns the
+  // logits of the last new position [B,V] F32 and advances the offset by T. offset + T must
+  // fit in max_seq_len and in the cache. A prefill is the prompt at offset 0; each decode
+  // step is one token.
+  Tensor forward_inference(const Tensor& ids, InferenceParams& params, DType dtype);
+  // A cache for max_batch_size sequences of up to max_seq_len tokens.
+  InferenceParams make_inference_params(int64_t max_batch_size = 1) const;
 
   void collect_parameters(std::vector<Parameter*>& out) override;
   void on_parameters_updated() override;
@@ -77,6 +86,10 @@ class GPT : public Module {
   float output_layer(const Tensor& hidden, const Tensor& targets, DType dtype, float grad_scale,
                      Tensor* dhidden);
   const Tensor& wte_as(DType dtype);
+  // Token + learned position embeddings of ids [B,T] at positions offset + t: [B*T, C] F32.
+  Tensor embed(const Tensor& ids, int64_t position_offset);
+  // Final norm then the tied output layer: hidden [B,C] -> logits [B,V] F32.
+  Tensor logits_of_last(const Tensor& hidden);
 
   GPTConfig config_;
   std::vector<TransformerLayer> layers_;

@@ -10,6 +10,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "octet/gemm.h"
@@ -38,6 +39,37 @@ class Module {
   virtual void on_parameters_updated() {}
 };
 
+// FP8 health of one quantized tensor: what its latest quantize call did to it.
+struct Fp8TensorStats {
+  float amax = 0.0f;  // max |x| of the high-precision source
+  // Per-tensor scaling: the scale applied. Block scaling: the smallest block scale.
+  float scale = 1.0f;
+  double underflow = 0.0;  // fraction of all values nonzero in x but zero in FP8
+  // Fraction of all values whose |x| * scale rounds past the format's max (a non-saturating
+  // cast would give NaN or Inf): clamped to +-max.
+  double saturated = 0.0;
+  int64_t numel = 0;
+};
+// Measures q (rowwise data required) against its source x [q.rows, q.cols] F32|BF16, with
+// the scale each element was quantized with (per tensor, per block or E8M0 per 1x32 block).
+Fp8TensorStats measure_fp8(const Tensor& x, const Float8Tensor& q);
+
+// While a scope is on (thread-local, nested; the innermost decides), every GEMM input that a
+// Linear, LayerNormLinear or GroupedLinear quantizes under fp8_autocast is measured with
+// measure_fp8 and kept in its module's Fp8State. Off (the default), each quantize call costs
+// one flag test.
+class fp8_stats_scope {
+ public:
+  explicit fp8_stats_scope(bool enabled = true);
+  ~fp8_stats_scope();
+  fp8_stats_scope(const fp8_stats_scope&) = delete;
+  fp8_stats_scope& operator=(const fp8_stats_scope&) = delete;
+
+ private:
+  bool previous_;
+};
+bool fp8_stats_enabled();
+
 // FP8 bookkeeping of one module: a forward meta (input and weight of each GEMM) and a
 // backward meta (output gradient of each GEMM), created for the active recipe and, under
 // delayed scaling, updated from their amax histories once per forward / backward.
@@ -60,9 +92,18 @@ class Fp8State {
   const FP8Meta& forward_meta() const { return forward_meta_; }
   const FP8Meta& backward_meta() const { return backward_meta_; }
   const recipe::Recipe& recipe() const { return recipe_; }
+  // Under fp8_stats_enabled(): measures q against its source x and keeps the result as the
+  // latest stats of tensor `module + "." + role` (role: input, weight, grad_output, with the
+  // GEMM index appended in grouped modules). Otherwise does nothing.
+  void record_stats(const std::string& module, const std::string& role, const Tensor& x,
+                    const Float8Tensor& q);
+  // Latest stats per tensor name, in the order the tensors were first measured.
+  const std::vector<std::pair<std::string, Fp8TensorStats>>& stats() const { return stats_; }
+  void clear_stats() { stats_.clear(); }
 
  private:
   void ensure_metas(const recipe::Recipe& recipe);
+  std::vector<std::pair<std::string, Fp8TensorStats>> stats_;
   int num_gemms_;
   recipe::Recipe recipe_;
   FP8Meta forward_meta_;
@@ -227,6 +268,7 @@ class LayerNormMLP : public Module {
 enum class AttnMaskType { NoMask, Causal, Padding, PaddingCausal };
 enum class AttentionType { Self, Cross };
 enum class LayerType { Encoder, Decoder };
+struct InferenceParams;  // the KV cache, declared at the end
 
 struct DotProductAttentionOptions {
   int64_t num_attention_heads = 0;  // H
@@ -337,6 +379,13 @@ class MultiheadAttention : public Module {
   // Every FP8 state of the module, e.g. to freeze them while recomputing a forward.
   std::vector<Fp8State*> fp8_states();
   const MultiheadAttentionOptions& options() const { return options_; }
+  // Inference with a KV cache (self-attention, no padding mask, no dropout): x [B,T,C] holds
+  // the T new tokens of each sequence, at positions [offset, offset + T) with offset =
+  // params.sequence_len_offset (RoPE rotates by those positions). Their k and v are written
+  // into the cache of `layer_number`, and the new queries attend to cache[:, :offset + T]
+  // (the causal mask bottom-right aligned). -> [B,T,C] like forward (bias left out with
+  // return_bias). Does not advance the offset: the model does, once every layer has run.
+  Tensor forward_inference(const Tensor& x, InferenceParams& params, int64_t layer_number);
 
   std::optional<LayerNormLinear> layernorm_qkv, layernorm_query;
   std::optional<Linear> qkv, query, key_value;
@@ -419,6 +468,9 @@ class TransformerLayer : public Module {
   void collect_parameters(std::vector<Parameter*>& out) override;
   void on_parameters_updated() override;
   const TransformerLayerOptions& options() const { return options_; }
+  // Inference over T new tokens with the KV cache (encoder layers; dropout off, no contexts
+  // kept): x [B,T,C] -> [B,T,C]. See MultiheadAttention::forward_inference.
+  Tensor forward_inference(const Tensor& x, InferenceParams& params, int64_t layer_number);
 
   MultiheadAttention self_attention;
   std::optional<MultiheadAttention> inter_attention;
@@ -476,6 +528,31 @@ class GroupedLinear : public Module {
   Fp8State fp8_;
   std::vector<std::optional<PackedWeight>> packed_;
   std::vector<DType> packed_dtype_;
+};
+
+// ---------------------------------------------------------------------------------------------
+// KV cache (TransformerEngine's InferenceParams).
+
+// The keys and values of every self-attention layer, for up to max_batch_size sequences of up
+// to max_sequence_length tokens. The sequences advance together: positions
+// [0, sequence_len_offset) of each hold the tokens seen so far. A forward over T new tokens
+// writes positions [offset, offset + T) of every layer, then the model adds T to the offset.
+struct InferenceParams {
+  struct KeyValue {
+    Tensor key, value;  // [max_batch_size, max_sequence_length, Hkv, D] F32|BF16
+  };
+  InferenceParams(int64_t max_batch_size, int64_t max_sequence_length);
+  // The cache of layer `layer_number`, allocated on first use with that layer's heads and
+  // the compute dtype; later calls must ask for the same.
+  KeyValue& key_value(int64_t layer_number, int64_t kv_heads, int64_t head_dim, DType dtype);
+  // Forget every cached token (the buffers stay allocated for the next sequence).
+  void reset() { sequence_len_offset = 0; }
+  size_t bytes() const;  // of the allocated caches
+
+  int64_t max_batch_size = 0;
+  int64_t max_sequence_length = 0;
+  int64_t sequence_len_offset = 0;
+  std::vector<KeyValue> key_value_memory;  // indexed by layer number
 };
 
 }  // namespace octet

@@ -52,25 +52,4 @@ int32_t sample_token(const float* logits, int64_t vocab, const SamplingOptions& 
   return order[cut - 1];
 }
 
-std::vector<int32_t> generate(GPT& model, const std::vector<int32_t>& prompt_ids,
-                              int64_t max_new_tokens, const SamplingOptions& options, DType dtype,
-                              const std::function<void(int32_t)>& on_token) {
-  OCTET_CHECK(!prompt_ids.empty(), "generate: the prompt has no tokens");
-  const int64_t vocab = model.config().vocab_size, window = model.config().max_seq_len;
-  std::vector<int32_t> ids = prompt_ids;
-  for (int32_t id : ids) {
-    OCTET_CHECK(id >= 0 && id < vocab, "generate: prompt token ", id, " outside [0, ", vocab, ")");
-  }
-  for (int64_t step = 0; step < max_new_tokens; ++step) {
-    const int64_t length = std::min<int64_t>(static_cast<int64_t>(ids.size()), window);
-    Tensor context = Tensor::empty({1, length}, DType::I32);
-    std::copy(ids.end() - length, ids.end(), context.data<int32_t>());
-    Tensor logits = model.last_logits(context, dtype);
-    int32_t next = sample_token(logits.data<float>(), vocab, options, static_cast<uint64_t>(step));
-    ids.push_back(next);
-    if (on_token) on_token(next);
-  }
-  return std::vector<int32_t>(ids.begin() + static_cast<int64_t>(prompt_ids.size()), ids.end());
-}
-
 }  // namespace octet

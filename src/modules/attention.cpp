@@ -2,6 +2,9 @@
 // MultiheadAttention: projections, the fused QKV split, QK-norm, RoPE, attention, output
 // projection, each with its hand-written backward.
 #include "octet/ops/attention.h"
+
+#include <cstring>
+
 #include "modules/common.h"
 #include "modules/tensor_columns.h"
 #include "octet/ops/rope.h"
@@ -307,6 +310,97 @@ Tensor MultiheadAttention::forward(const Tensor& x, Context& ctx, const Tensor* 
   }
   Tensor out = core_attention.forward(q, k, v, ctx.core, q_lengths, kv_lengths);
   return proj.forward(out.reshape({batch, seq, heads_ * head_dim_}), ctx.proj);
+}
+
+namespace {
+
+// k or v [B,T,Hkv,D] -> cache [B_max, max_T, Hkv, D] rows [offset, offset + T) of sequences
+// [0, B).
+void append_to_cache(const Tensor& x, Tensor& cache, int64_t offset) {
+  const int64_t batch = x.dim(0), seq = x.dim(1), max_seq = cache.dim(1);
+  const size_t row_bytes = static_cast<size_t>(x.dim(2) * x.dim(3)) * dtype_bytes(x.dtype());
+  const auto* src = static_cast<const unsigned char*>(x.raw());
+  auto* dst = static_cast<unsigned char*>(cache.raw());
+  for (int64_t b = 0; b < batch; ++b) {
+    std::memcpy(dst + (b * max_seq + offset) * row_bytes, src + b * seq * row_bytes,
+                static_cast<size_t>(seq) * row_bytes);
+  }
+}
+
+// The first `length` positions of sequence b of a cache, as [1, length, Hkv, D] (contiguous).
+Tensor cached_prefix(const Tensor& cache, int64_t b, int64_t length) {
+  const int64_t max_seq = cache.dim(1), kv_heads = cache.dim(2), head_dim = cache.dim(3);
+  return cache.slice_rows(b, b + 1)
+      .reshape({max_seq, kv_heads, head_dim})
+      .slice_rows(0, length)
+      .reshape({1, length, kv_heads, head_dim});
+}
+
+}  // namespace
+
+Tensor MultiheadAttention::forward_inference(const Tensor& x, InferenceParams& params,
+                                             int64_t layer_number) {
+  const auto& o = options_;
+  OCTET_CHECK(o.attention_type == AttentionType::Self, o.name,
+              ": the KV cache serves self-attention only");
+  OCTET_CHECK(o.attn_mask_type == AttnMaskType::Causal || o.attn_mask_type == AttnMaskType::NoMask,
+              o.name, ": KV-cache inference expects a causal or no mask, got a padding mask");
+  OCTET_CHECK(x.ndim() == 3 && x.dim(2) == o.hidden_size && x.dim(1) > 0, o.name,
+              ": input expected [B,T,C] with C=", o.hidden_size, ", got ", shape_str(x.shape()));
+  const int64_t batch = x.dim(0), seq = x.dim(1), offset = params.sequence_len_offset;
+  OCTET_CHECK(batch <= params.max_batch_size, o.name, ": batch ", batch,
+              " exceeds the cache's max_batch_size ", params.max_batch_size);
+  OCTET_CHECK(offset + seq <= params.max_sequence_length, o.name, ": ", offset, " cached + ", seq,
+              " new tokens exceed the cache's max_sequence_length ", params.max_sequence_length);
+  Tensor fused;
+  if (layernorm_qkv) {
+    LayerNormLinear::Context scratch;
+    fused = layernorm_qkv->forward(x, scratch);
+  } else {
+    Linear::Context scratch;
+    fused = qkv->forward(x, scratch);
+  }
+  Tensor q = Tensor::empty({batch, seq, heads_, head_dim_}, x.dtype());
+  Tensor k = Tensor::empty({batch, seq, kv_heads_, head_dim_}, x.dtype());
+  Tensor v = Tensor::empty({batch, seq, kv_heads_, head_dim_}, x.dtype());
+  split_columns(fused, {&q, &k, &v});
+  Norm::Context scratch_norm;
+  if (o.qk_norm && o.qk_norm_before_rope) {
+    q = norm_heads(*q_norm, q, scratch_norm);
+    k = norm_heads(*k_norm, k, scratch_norm);
+  }
+  if (o.rope) {
+    ops::RopeOptions rope = rope_options(o);
+    rope.position_offset = offset;
+    ops::rope_forward(q, rope);
+    ops::rope_forward(k, rope);
+  }
+  if (o.qk_norm && !o.qk_norm_before_rope) {
+    q = norm_heads(*q_norm, q, scratch_norm);
+    k = norm_heads(*k_norm, k, scratch_norm);
+  }
+  InferenceParams::KeyValue& cache =
+      params.key_value(layer_number, kv_heads_, head_dim_, x.dtype());
+  append_to_cache(k, cache.key, offset);
+  append_to_cache(v, cache.value, offset);
+  // Each sequence's queries over its cached prefix; the mask's bottom-right alignment puts
+  // new query i on key offset + i.
+  const DotProductAttentionOptions& core = core_attention.options();
+  ops::AttentionOptions a;
+  a.softmax_scale = core.softmax_scale;
+  a.causal = core.attn_mask_type == AttnMaskType::Causal;
+  a.window_left = core.window_size.first;
+  a.window_right = core.window_size.second;
+  const int64_t keys = offset + seq;
+  Tensor out = Tensor::empty({batch, seq, heads_, head_dim_}, x.dtype());
+  Tensor lse = Tensor::empty({1, heads_, seq}, DType::F32);
+  for (int64_t b = 0; b < batch; ++b) {
+    Tensor out_b = out.slice_rows(b, b + 1);
+    ops::flash_attention_forward(q.slice_rows(b, b + 1), cached_prefix(cache.key, b, keys),
+                                 cached_prefix(cache.value, b, keys), a, out_b, lse);
+  }
+  Linear::Context scratch_proj;
+  return proj.forward(out.reshape({batch, seq, heads_ * head_dim_}), scratch_proj);
 }
 
 Tensor MultiheadAttention::backward(const Tensor& dy, Context& ctx, Tensor* d_encoder_output) {

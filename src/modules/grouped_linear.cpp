@@ -87,6 +87,10 @@ Tensor GroupedLinear::forward(const Tensor& x, const std::vector<int64_t>& m_spl
     if (ctx.fp8) {
       Float8Tensor xq = fp8_.input_quantizer(i).quantize(xs, true, true);
       Float8Tensor wq = fp8_.weight_quantizer(i).quantize(weights[i].value, true, true);
+      if (fp8_stats_enabled()) {
+        fp8_.record_stats(o.name, "input" + std::to_string(i), xs, xq);
+        fp8_.record_stats(o.name, "weight" + std::to_string(i), weights[i].value, wq);
+      }
       PackedWeight packed(wq, /*trans=*/true);
       gemm(xq, packed, ys, /*trans_a=*/false, 1.0f, 0.0f, epilogue);
       ctx.input_fp8[i] = columnwise_only(std::move(xq));
@@ -119,6 +123,9 @@ Tensor GroupedLinear::backward(const Tensor& dy_in, Context& ctx) {
     if (o.bias && !o.return_bias) add_column_sums(dys, biases[i].grad);
     if (ctx.fp8) {
       Float8Tensor dyq = fp8_.grad_output_quantizer(i).quantize(dys, true, true);
+      if (fp8_stats_enabled()) {
+        fp8_.record_stats(o.name, "grad_output" + std::to_string(i), dys, dyq);
+      }
       gemm(dyq, ctx.weight_fp8[i], dxs, /*trans_a=*/false, /*trans_b=*/false);
       gemm(dyq, ctx.input_fp8[i], weights[i].grad, /*trans_a=*/true, /*trans_b=*/false, 1.0f, 1.0f);
     } else {

@@ -53,11 +53,20 @@ Tensor LayerNormLinear::forward(const Tensor& x, Context& ctx) {
     Fp8State& fp8 = linear.fp8_state();
     fp8.begin_forward(fp8_recipe());
     Float8Tensor xq;
+    const std::string& name = linear.options().name;
     if (fp8.input_scale_known()) {
       xq = fused_norm_fp8(norm, fp8, x, ctx.norm);
+      if (fp8_stats_enabled()) {
+        // The fused kernel kept no high-precision output: recompute it (in F32, as the
+        // kernel computes before scaling) to measure the codes against.
+        Norm::Context scratch;
+        const Tensor x32 = x.dtype() == DType::F32 ? x : x.to(DType::F32);
+        fp8.record_stats(name, "input", norm.forward(x32, scratch), xq);
+      }
     } else {
-      Tensor normalized = norm.forward(x, ctx.norm);
-      xq = fp8.input_quantizer(0).quantize(normalized.reshape({x.rows(), x.cols()}), true, true);
+      Tensor normalized = norm.forward(x, ctx.norm).reshape({x.rows(), x.cols()});
+      xq = fp8.input_quantizer(0).quantize(normalized, true, true);
+      if (fp8_stats_enabled()) fp8.record_stats(name, "input", normalized, xq);
     }
     return linear.forward_fp8_input(xq, x.dtype(), ctx.linear).reshape(out_shape);
   }

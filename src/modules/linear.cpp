@@ -67,6 +67,7 @@ Tensor Linear::forward(const Tensor& x, Context& ctx) {
   if (fp8_enabled()) {
     fp8_.begin_forward(fp8_recipe());
     Float8Tensor xq = fp8_.input_quantizer(0).quantize(flat, true, true);
+    if (fp8_stats_enabled()) fp8_.record_stats(options_.name, "input", flat, xq);
     return forward_fp8_input(xq, x.dtype(), ctx)
         .reshape(with_last(x.shape(), options_.out_features));
   }
@@ -89,6 +90,7 @@ Tensor Linear::forward_fp8_input(const Float8Tensor& xq, DType out_dtype, Contex
   ctx.dtype = out_dtype;
   ctx.rows = xq.rows;
   Float8Tensor wq = fp8_.weight_quantizer(0).quantize(weight.value, true, true);
+  if (fp8_stats_enabled()) fp8_.record_stats(options_.name, "weight", weight.value, wq);
   PackedWeight packed(wq, /*trans=*/true);
   Tensor y = Tensor::empty({xq.rows, options_.out_features}, out_dtype);
   Epilogue epilogue;
@@ -115,6 +117,7 @@ Tensor Linear::backward(const Tensor& dy_in, Context& ctx) {
   if (ctx.fp8) {
     fp8_.begin_backward(fp8_.recipe());
     Float8Tensor dyq = fp8_.grad_output_quantizer(0).quantize(dy, true, true);
+    if (fp8_stats_enabled()) fp8_.record_stats(options_.name, "grad_output", dy, dyq);
     gemm(dyq, ctx.weight_fp8, dx, /*trans_a=*/false, /*trans_b=*/false);
     gemm(dyq, ctx.input_fp8, weight.grad, /*trans_a=*/true, /*trans_b=*/false, 1.0f, 1.0f);
   } else {

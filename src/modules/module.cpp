@@ -1,4 +1,7 @@
-// Module basics and the per-module FP8 state.
+// Module basics, the per-module FP8 state and its optional statistics (fp8_stats_scope).
+#include <algorithm>
+#include <bit>
+#include <cmath>
 #include <variant>
 
 #include "modules/common.h"
@@ -77,6 +80,121 @@ float Fp8State::input_scale(int gemm) const {
 
 void Fp8State::record_input_amax(int gemm, float amax) {
   forward_meta_.record_amax(2 * gemm, amax);
+}
+
+namespace {
+
+thread_local bool stats_enabled = false;
+
+float element_of(const float* x, int64_t i) {
+  return x[i];
+}
+float element_of(const bfloat16* x, int64_t i) {
+  return std::bit_cast<float>(static_cast<uint32_t>(x[i].bits) << 16);
+}
+
+// The scale element (r, c) of q was quantized with, one entry per scaling block:
+// scales[(r / block_rows) * block_cols_count + c / block_cols].
+struct BlockScales {
+  std::vector<float> scales;
+  int64_t block_rows = 1, block_cols = 1, block_cols_count = 1;
+};
+
+BlockScales block_scales(const Float8Tensor& q) {
+  BlockScales b;
+  if (q.mode == ScalingMode::PerTensor) {
+    b.block_rows = q.rows;
+    b.block_cols = q.cols;
+    b.scales = {q.scale};
+    return b;
+  }
+  b.block_rows = q.block_rows;
+  b.block_cols = q.block_cols;
+  b.block_cols_count = (q.cols + q.block_cols - 1) / q.block_cols;
+  const int64_t count = q.scale_inv.numel();
+  b.scales.resize(static_cast<size_t>(count));
+  for (int64_t i = 0; i < count; ++i) {
+    const float scale_inv = q.mode == ScalingMode::MXFP8
+                                ? e8m0_to_float(static_cast<const uint8_t*>(q.scale_inv.raw())[i])
+                                : q.scale_inv.data<float>()[i];
+    b.scales[static_cast<size_t>(i)] = 1.0f / scale_inv;
+  }
+  return b;
+}
+
+template <typename T>
+Fp8TensorStats measure_typed(const T* x, const Float8Tensor& q) {
+  const BlockScales b = block_scales(q);
+  const auto* codes = static_cast<const uint8_t*>(q.data.raw());
+  // Saturated: |x| * scale rounds past the format's max (a non-saturating cast would give NaN
+  // or Inf), so the quantizer clamped it. That is beyond max + half its unit in the last place,
+  // or on that midpoint when round-to-nearest-even picks the overflow.
+  const float max_value = fp8_max(q.format);
+  const uint8_t max_code = float_to_fp8(max_value, q.format, true);
+  const float midpoint =
+      max_value + (max_value - fp8_to_float(static_cast<uint8_t>(max_code - 1), q.format)) / 2;
+  const bool midpoint_overflows =
+      !std::isfinite(fp8_to_float(float_to_fp8(midpoint, q.format, false), q.format));
+  const int64_t rows = q.rows, cols = q.cols;
+  int64_t underflow = 0, saturated = 0;
+  float amax = 0.0f;
+#pragma omp parallel for schedule(static) reduction(+ : underflow, saturated) reduction(max : amax)
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* scales = b.scales.data() + (r / b.block_rows) * b.block_cols_count;
+    for (int64_t c = 0; c < cols; ++c) {
+      const float v = element_of(x, r * cols + c);
+      const float magnitude = std::fabs(v);
+      amax = std::max(amax, magnitude);
+      // +-0 codes (0x00, 0x80) from a nonzero source lost the value entirely.
+      underflow += (v != 0.0f && (codes[r * cols + c] & 0x7F) == 0) ? 1 : 0;
+      const float scaled = magnitude * scales[c / b.block_cols];  // as the quantizer rounds it
+      saturated += scaled > midpoint || (midpoint_overflows && scaled == midpoint) ? 1 : 0;
+    }
+  }
+  Fp8TensorStats stats;
+  stats.amax = amax;
+  stats.scale = *std::min_element(b.scales.begin(), b.scales.end());
+  stats.numel = rows * cols;
+  stats.underflow = static_cast<double>(underflow) / static_cast<double>(stats.numel);
+  stats.saturated = static_cast<double>(saturated) / static_cast<double>(stats.numel);
+  return stats;
+}
+
+}  // namespace
+
+Fp8TensorStats measure_fp8(const Tensor& x, const Float8Tensor& q) {
+  check_dtype_in(x, {DType::F32, DType::BF16}, "measure_fp8: x");
+  OCTET_CHECK(q.has_rowwise(), "measure_fp8: the FP8 tensor needs its rowwise data");
+  OCTET_CHECK(x.numel() == q.rows * q.cols && q.rows * q.cols > 0, "measure_fp8: x ",
+              shape_str(x.shape()), " does not match the FP8 tensor [", q.rows, ",", q.cols, "]");
+  return x.dtype() == DType::F32 ? measure_typed(x.data<float>(), q)
+                                 : measure_typed(x.data<bfloat16>(), q);
+}
+
+fp8_stats_scope::fp8_stats_scope(bool enabled) : previous_(stats_enabled) {
+  stats_enabled = enabled;
+}
+
+fp8_stats_scope::~fp8_stats_scope() {
+  stats_enabled = previous_;
+}
+
+bool fp8_stats_enabled() {
+  return stats_enabled;
+}
+
+void Fp8State::record_stats(const std::string& module, const std::string& role, const Tensor& x,
+                            const Float8Tensor& q) {
+  if (!stats_enabled) return;
+  const std::string name = module + "." + role;
+  Fp8TensorStats stats = measure_fp8(x, q);
+  for (auto& [key, value] : stats_) {
+    if (key == name) {
+      value = stats;
+      return;
+    }
+  }
+  stats_.emplace_back(name, stats);
 }
 
 namespace modules_detail {

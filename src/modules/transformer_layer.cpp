@@ -198,6 +198,43 @@ Tensor TransformerLayer::forward(const Tensor& x, Context& ctx, const Tensor* en
   return out;
 }
 
+Tensor TransformerLayer::forward_inference(const Tensor& x, InferenceParams& params,
+                                           int64_t layer_number) {
+  const auto& o = options_;
+  OCTET_CHECK(x.ndim() == 3 && x.dim(2) == o.hidden_size, o.name,
+              ": input expected [B,T,C] with C=", o.hidden_size, ", got ", shape_str(x.shape()));
+  OCTET_CHECK(o.layer_type == LayerType::Encoder, o.name,
+              ": KV-cache inference supports encoder (self-attention only) layers");
+  const bool post = o.apply_residual_connection_post_layernorm;
+  // residual + branch + bias: run_forward's bias_dropout_add without dropout.
+  auto bias_add = [](const Tensor& branch, const Tensor* bias, const Tensor& residual) {
+    const Shape flat = {branch.rows(), branch.cols()};
+    Tensor sum = Tensor::empty(branch.shape(), branch.dtype());
+    Tensor sum_flat = sum.reshape(flat);
+    ops::bias_dropout_add_forward(branch.reshape(flat), bias, residual.reshape(flat),
+                                  ops::DropoutParams{}, sum_flat);
+    return sum;
+  };
+  Norm::Context scratch_norm;
+  LayerNormMLP::Context scratch_mlp;
+  Tensor attention = self_attention.forward_inference(x, params, layer_number);
+  Tensor residual = x;
+  if (post && !o.output_layernorm) {
+    residual = self_attention.layernorm_qkv->norm.forward(x, scratch_norm);
+  }
+  Tensor h = bias_add(attention, self_attention.output_bias(), residual);
+  Tensor out;
+  if (o.parallel_attention_mlp) {
+    out = bias_add(layernorm_mlp.forward(x, scratch_mlp), nullptr, h);
+  } else {
+    Tensor mlp = layernorm_mlp.forward(h, scratch_mlp);
+    residual = post ? layernorm_mlp.norm.forward(h, scratch_norm) : h;
+    out = bias_add(mlp, nullptr, residual);
+  }
+  if (layernorm) out = layernorm->forward(out, scratch_norm);
+  return out;
+}
+
 Tensor TransformerLayer::backward(const Tensor& dy, Context& ctx, Tensor* d_encoder_output) {
   const auto& o = options_;
   const bool post = o.apply_residual_connection_post_layernorm;

@@ -1,0 +1,174 @@
+// KV-cache inference: prefill logits equal the full forward's, every cached decode step equals
+// recomputing the whole context, cached generation equals uncached generation token for token
+// (greedy and sampled, past max_seq_len too), and sampling is reproducible.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <ostream>
+#include <string>
+#include <vector>
+
+#include "octet/infer.h"
+
+namespace octet {
+namespace {
+
+struct Variant {
+  std::string name;
+  nlohmann::json config;
+};
+
+void PrintTo(const Variant& variant, std::ostream* out) {
+  *out << variant.name;
+}
+
+GPTConfig tiny_config(const Variant& variant) {
+  nlohmann::json json = {{"name", "tiny"},  {"vocab_size", 97}, {"max_seq_len", 24},
+                         {"num_layers", 2}, {"hidden", 32},     {"num_heads", 4},
+                         {"init_std", 0.2}};  // large weights: clear argmax margins
+  json.update(variant.config);
+  return GPTConfig::from_json(json);
+}
+
+class Inference : public ::testing::TestWithParam<Variant> {
+ protected:
+  Inference() : model_(tiny_config(GetParam()), 3) {}
+  GPT model_;
+};
+
+Tensor id_tensor(const std::vector<std::vector<int32_t>>& rows, size_t length) {
+  Tensor ids =
+      Tensor::empty({static_cast<int64_t>(rows.size()), static_cast<int64_t>(length)}, DType::I32);
+  for (size_t b = 0; b < rows.size(); ++b) {
+    std::copy(rows[b].begin(), rows[b].begin() + static_cast<int64_t>(length),
+              ids.data<int32_t>() + b * length);
+  }
+  return ids;
+}
+
+std::vector<std::vector<int32_t>> random_tokens(int64_t batch, int64_t length, int64_t vocab,
+                                                uint32_t seed) {
+  std::vector<std::vector<int32_t>> rows(static_cast<size_t>(batch));
+  uint32_t state = seed;
+  for (auto& row : rows) {
+    for (int64_t t = 0; t < length; ++t) {
+      state = state * 1664525u + 1013904223u;
+      row.push_back(static_cast<int32_t>((state >> 8) % static_cast<uint32_t>(vocab)));
+    }
+  }
+  return rows;
+}
+
+float max_abs_diff(const Tensor& a, const Tensor& b) {
+  EXPECT_EQ(a.shape(), b.shape());
+  std::vector<float> x = a.to_floats(), y = b.to_floats();
+  float worst = 0.0f;
+  for (size_t i = 0; i < x.size(); ++i) worst = std::max(worst, std::fabs(x[i] - y[i]));
+  return worst;
+}
+
+TEST_P(Inference, PrefillLogitsEqualLastLogits) {
+  auto rows = random_tokens(2, 13, model_.config().vocab_size, 11);
+  Tensor ids = id_tensor(rows, 13);
+  for (DType dtype : {DType::F32, DType::BF16}) {
+    InferenceParams cache = model_.make_inference_params(2);
+    Tensor cached = model_.forward_inference(ids, cache, dtype);
+    EXPECT_EQ(cache.sequence_len_offset, 13);
+    EXPECT_LE(max_abs_diff(cached, model_.last_logits(ids, dtype)), 1e-5f) << dtype_name(dtype);
+  }
+}
+
+TEST_P(Inference, EveryDecodeStepEqualsRecomputingTheContext) {
+  const int64_t max_len = model_.config().max_seq_len;
+  auto rows = random_tokens(2, max_len, model_.config().vocab_size, 5);
+  InferenceParams cache = model_.make_inference_params(3);  // room for more sequences
+  Tensor logits = model_.forward_inference(id_tensor(rows, 6), cache, DType::F32);
+  EXPECT_LE(max_abs_diff(logits, model_.last_logits(id_tensor(rows, 6), DType::F32)), 1e-5f);
+  for (int64_t n = 7; n <= max_len; ++n) {
+    Tensor step = Tensor::empty({2, 1}, DType::I32);
+    for (int64_t b = 0; b < 2; ++b) step.data<int32_t>()[b] = rows[b][n - 1];
+    logits = model_.forward_inference(step, cache, DType::F32);
+    EXPECT_LE(max_abs_diff(logits, model_.last_logits(id_tensor(rows, n), DType::F32)), 2e-5f)
+        << "context " << n;
+  }
+  EXPECT_EQ(cache.sequence_len_offset, max_len);
+  EXPECT_EQ(cache.key_value_memory.size(), 2u);
+  // The cache is full: one more token is an error, as is a batch past max_batch_size.
+  EXPECT_THROW(model_.forward_inference(Tensor::zeros({2, 1}, DType::I32), cache, DType::F32),
+               Error);
+  cache.reset();
+  EXPECT_THROW(model_.forward_inference(Tensor::zeros({4, 1}, DType::I32), cache, DType::F32),
+               Error);
+  // After reset the same buffers serve a new prompt.
+  logits = model_.forward_inference(id_tensor(rows, 9), cache, DType::F32);
+  EXPECT_LE(max_abs_diff(logits, model_.last_logits(id_tensor(rows, 9), DType::F32)), 1e-5f);
+}
+
+TEST_P(Inference, CachedGreedyGenerationEqualsUncached) {
+  const std::vector<int32_t> prompt = {3, 14, 15, 92, 65};
+  SamplingOptions greedy;
+  greedy.temperature = 0.0f;
+  // 30 new tokens on a 24-token window: 19 cached decode steps, then the sliding window.
+  for (DType dtype : {DType::F32, DType::BF16}) {
+    std::vector<int32_t> streamed;
+    std::vector<int32_t> cached =
+        generate(model_, prompt, 30, greedy, dtype, [&](int32_t id) { streamed.push_back(id); });
+    std::vector<int32_t> uncached = generate_uncached(model_, prompt, 30, greedy, dtype);
+    EXPECT_EQ(cached, uncached) << dtype_name(dtype);
+    EXPECT_EQ(streamed, cached);
+    ASSERT_EQ(cached.size(), 30u);
+  }
+  // A prompt longer than the window never touches the cache.
+  std::vector<int32_t> long_prompt = random_tokens(1, 30, model_.config().vocab_size, 9)[0];
+  EXPECT_EQ(generate(model_, long_prompt, 4, greedy),
+            generate_uncached(model_, long_prompt, 4, greedy));
+}
+
+TEST_P(Inference, TemperatureZeroIsDeterministicAndIgnoresTheSeed) {
+  const std::vector<int32_t> prompt = {1, 2, 3};
+  SamplingOptions greedy;
+  greedy.temperature = 0.0f;
+  std::vector<int32_t> first = generate(model_, prompt, 12, greedy);
+  greedy.seed = 12345;
+  EXPECT_EQ(generate(model_, prompt, 12, greedy), first);
+  EXPECT_EQ(generate(model_, prompt, 12, greedy), first);
+}
+
+TEST_P(Inference, SameSeedSameSample) {
+  const std::vector<int32_t> prompt = {7, 7, 7, 7};
+  SamplingOptions sampling;
+  sampling.temperature = 1.0f;
+  sampling.top_p = 0.95f;
+  sampling.seed = 42;
+  std::vector<int32_t> first = generate(model_, prompt, 20, sampling);
+  EXPECT_EQ(generate(model_, prompt, 20, sampling), first);
+  EXPECT_EQ(generate_uncached(model_, prompt, 20, sampling), first);
+  sampling.seed = 43;
+  EXPECT_NE(generate(model_, prompt, 20, sampling), first);
+}
+
+INSTANTIATE_TEST_SUITE_P(Gpt, Inference,
+                         ::testing::Values(Variant{"learned_positions", nlohmann::json::object()},
+                                           Variant{"rope_gqa",
+                                                   {{"position_embedding", "rope"},
+                                                    {"num_gqa_groups", 2},
+                                                    {"normalization", "rmsnorm"},
+                                                    {"activation", "swiglu"},
+                                                    {"bias", false}}}),
+                         [](const ::testing::TestParamInfo<Variant>& param) {
+                           return param.param.name;
+                         });
+
+TEST(InferenceParams, AllocatesEachLayerOnceWithItsShapeAndDtype) {
+  InferenceParams cache(2, 16);
+  InferenceParams::KeyValue& kv = cache.key_value(1, 2, 8, DType::BF16);
+  EXPECT_EQ(kv.key.shape(), (Shape{2, 16, 2, 8}));
+  EXPECT_EQ(kv.value.dtype(), DType::BF16);
+  EXPECT_EQ(cache.bytes(), 2u * 2 * 16 * 2 * 8 * 2);
+  EXPECT_EQ(&cache.key_value(1, 2, 8, DType::BF16), &cache.key_value_memory[1]);
+  EXPECT_THROW(cache.key_value(1, 2, 8, DType::F32), Error);
+  EXPECT_THROW(InferenceParams(0, 16), Error);
+}
+
+}  // namespace
+}  // namespace octet
