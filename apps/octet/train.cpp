@@ -31,6 +31,9 @@ void register_train(CLI::App& app) {
   cmd->add_option("--fp8-format", o->fp8_format, "hybrid | e4m3")
       ->check(CLI::IsMember({"hybrid", "e4m3"}));
   cmd->add_option("--fp8-amax-history-len", o->fp8_amax_history_len, "Delayed-scaling window");
+  cmd->add_flag("--fp8-stats", o->fp8_stats,
+                "Per FP8 tensor: amax, scale, underflow and saturation in each metrics line, "
+                "a summary table at the end");
   cmd->add_flag("--recompute-activations", o->recompute_activations,
                 "Keep only layer inputs; recompute in backward");
   cmd->add_option("--eval-interval", o->eval_interval, "Validate every N steps");

@@ -84,6 +84,34 @@ void write_loss_svg(const std::string& path, const std::string& title,
 namespace octet {
 
 struct GPTConfig;
+class GPT;
+
+// FP8 health (`octet train --fp8-stats`), from the stats each module's Fp8State keeps under
+// fp8_stats_scope.
+// Every FP8 state of the model: each Linear inside its layers.
+std::vector<Fp8State*> fp8_states(GPT& model);
+// {tensor name: {amax, scale, underflow, saturated}} (fractions in [0, 1]) of every tensor
+// measured since the last call (keys sorted by name); clears the stats.
+nlohmann::json take_fp8_stats(GPT& model);
+
+// Per tensor over a run: max amax, min and max scale, mean underflow, max saturation.
+class Fp8StatsSummary {
+ public:
+  void add(const nlohmann::json& step_stats);  // one take_fp8_stats result
+  bool empty() const { return entries_.empty(); }
+  nlohmann::json to_json() const;  // {name: {max_amax, min_scale, max_scale, mean_underflow,
+                                   //  max_saturated, steps}}
+  std::string table() const;       // the same as aligned text, percentages for the fractions
+
+ private:
+  struct Entry {
+    std::string name;
+    double max_amax = 0, min_scale = 0, max_scale = 0;
+    double underflow_sum = 0, max_saturated = 0;
+    int64_t steps = 0;
+  };
+  std::vector<Entry> entries_;  // first-seen order
+};
 
 // Everything `octet train` takes (Megatron's flag names in the CLI).
 struct TrainOptions {
@@ -107,6 +135,9 @@ struct TrainOptions {
   std::string fp8_format = "hybrid";   // hybrid | e4m3
   int64_t fp8_amax_history_len = 16;
   bool recompute_activations = false;
+  // FP8 health per quantized tensor (amax, scale, underflow, saturation) in each metrics line
+  // ("fp8") and a summary table at the end. Needs precision fp8; off costs nothing.
+  bool fp8_stats = false;
   int64_t eval_interval = 50;
   int64_t eval_iters = 10;
   int64_t log_interval = 10;

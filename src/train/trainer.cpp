@@ -139,6 +139,10 @@ TrainResult train_gpt(const TrainOptions& o) {
   const bool fp8 = o.precision == "fp8";
   const recipe::Recipe recipe = fp8 ? make_recipe(o) : recipe::Recipe{};
   const int64_t accumulation = o.global_batch_size / o.micro_batch_size;
+  OCTET_CHECK(!o.fp8_stats || fp8,
+              "--fp8-stats measures FP8 GEMM inputs: it needs --precision "
+              "fp8, got --precision ",
+              o.precision);
 
   Batcher train_batches(o.train_data, o.mock_data, config.vocab_size, T, o.seed, 1);
   std::unique_ptr<Batcher> valid_batches;
@@ -157,9 +161,18 @@ TrainResult train_gpt(const TrainOptions& o) {
     OCTET_CHECK(checkpoint.trainer.value("config", nlohmann::json()) == config.to_json(),
                 "checkpoint '", o.load, "' was trained with another model config (",
                 checkpoint.trainer.value("config", nlohmann::json()).dump(), ")");
+    // A JSON object lacking a key would otherwise escape as nlohmann's exception.
+    auto count = [&](const char* key) {
+      const nlohmann::json& trainer = checkpoint.trainer;
+      OCTET_CHECK(trainer.contains(key) && trainer[key].is_number_integer() &&
+                      trainer[key].get<int64_t>() >= 0,
+                  "checkpoint '", o.load, "': trainer.json expected a non-negative integer '", key,
+                  "', got ", trainer.contains(key) ? trainer[key].dump() : "none");
+      return trainer[key].get<int64_t>();
+    };
     model.load_state_dict(checkpoint.model);
-    optimizer.load_state(checkpoint.optimizer, checkpoint.trainer.at("optimizer_steps"));
-    start_iteration = checkpoint.trainer.at("iteration");
+    optimizer.load_state(checkpoint.optimizer, count("optimizer_steps"));
+    start_iteration = count("iteration");
   }
 
   const double peak = o.peak_gflops > 0 ? o.peak_gflops : measure_bf16_peak_gflops();
@@ -175,6 +188,7 @@ TrainResult train_gpt(const TrainOptions& o) {
   }
 
   MetricsWriter metrics(o.metrics);
+  Fp8StatsSummary fp8_summary;
   TrainResult result;
   std::vector<CurvePoint> train_curve, valid_curve;
   auto evaluate = [&]() {
@@ -206,13 +220,19 @@ TrainResult train_gpt(const TrainOptions& o) {
     const float lr = schedule.at(iteration);
     model.zero_grad();
     double loss = 0;
-    for (int64_t micro = 0; micro < accumulation; ++micro) {
-      Tensor ids, targets;
-      train_batches.fill(iteration * accumulation + micro, o.micro_batch_size, ids, targets);
-      fp8_autocast scope(fp8, recipe);
-      loss += model.train_step(ids, targets, dtype, 1.0f / static_cast<float>(accumulation));
+    {
+      // Training micro-batches only: evaluation's forwards would overwrite the stats.
+      fp8_stats_scope stats_scope(o.fp8_stats);
+      for (int64_t micro = 0; micro < accumulation; ++micro) {
+        Tensor ids, targets;
+        train_batches.fill(iteration * accumulation + micro, o.micro_batch_size, ids, targets);
+        fp8_autocast scope(fp8, recipe);
+        loss += model.train_step(ids, targets, dtype, 1.0f / static_cast<float>(accumulation));
+      }
     }
     loss /= static_cast<double>(accumulation);
+    // The step's last micro-batch, per quantized tensor.
+    const nlohmann::json fp8_stats = o.fp8_stats ? take_fp8_stats(model) : nlohmann::json();
     const double grad_norm = optimizer.step(lr);
     model.on_parameters_updated();
     const double step_seconds = seconds_since(step_start);
@@ -231,6 +251,10 @@ TrainResult train_gpt(const TrainOptions& o) {
                              {"grad_norm", grad_norm},
                              {"tokens_per_s", tokens_per_second},
                              {"mfu", mfu}};
+    if (o.fp8_stats) {
+      record["fp8"] = fp8_stats;
+      fp8_summary.add(fp8_stats);
+    }
     const bool last = iteration + 1 == o.train_iters;
     if (valid_batches && o.eval_iters > 0 &&
         (last || (o.eval_interval > 0 && (iteration + 1) % o.eval_interval == 0))) {
@@ -274,6 +298,10 @@ TrainResult train_gpt(const TrainOptions& o) {
                 result.tokens_per_second, 100 * result.mfu, result.last_loss);
     if (std::isfinite(result.last_val_loss)) std::printf(", val loss %.4f", result.last_val_loss);
     std::printf("\n");
+    if (!fp8_summary.empty()) {
+      std::printf("FP8 tensors over %lld steps (underflow: mean, saturated: max):\n%s",
+                  (long long)trained, fp8_summary.table().c_str());
+    }
   }
   return result;
 }

@@ -1,0 +1,87 @@
+// FP8 health during training: gathers the stats every Fp8State of a GPT measured in a step
+// (the metrics line's "fp8" object) and summarizes them over the run.
+#include <algorithm>
+#include <cstdio>
+
+#include "octet/model.h"
+#include "octet/train.h"
+
+namespace octet {
+
+std::vector<Fp8State*> fp8_states(GPT& model) {
+  std::vector<Fp8State*> out;
+  for (TransformerLayer& layer : model.layers()) {
+    for (Fp8State* s : layer.self_attention.fp8_states()) out.push_back(s);
+    if (layer.inter_attention) {
+      for (Fp8State* s : layer.inter_attention->fp8_states()) out.push_back(s);
+    }
+    out.push_back(&layer.layernorm_mlp.fc1.fp8_state());
+    out.push_back(&layer.layernorm_mlp.fc2.fp8_state());
+  }
+  return out;
+}
+
+nlohmann::json take_fp8_stats(GPT& model) {
+  nlohmann::json out = nlohmann::json::object();
+  for (Fp8State* state : fp8_states(model)) {
+    for (const auto& [name, s] : state->stats()) {
+      out[name] = {{"amax", s.amax},
+                   {"scale", s.scale},
+                   {"underflow", s.underflow},
+                   {"saturated", s.saturated}};
+    }
+    state->clear_stats();
+  }
+  return out;
+}
+
+void Fp8StatsSummary::add(const nlohmann::json& step_stats) {
+  for (const auto& [name, s] : step_stats.items()) {
+    auto it = std::find_if(entries_.begin(), entries_.end(),
+                           [&](const Entry& e) { return e.name == name; });
+    const double amax = s.at("amax"), scale = s.at("scale");
+    const double underflow = s.at("underflow"), saturated = s.at("saturated");
+    if (it == entries_.end()) {
+      entries_.push_back({name, amax, scale, scale, underflow, saturated, 1});
+      continue;
+    }
+    it->max_amax = std::max(it->max_amax, amax);
+    it->min_scale = std::min(it->min_scale, scale);
+    it->max_scale = std::max(it->max_scale, scale);
+    it->underflow_sum += underflow;
+    it->max_saturated = std::max(it->max_saturated, saturated);
+    ++it->steps;
+  }
+}
+
+nlohmann::json Fp8StatsSummary::to_json() const {
+  nlohmann::json out = nlohmann::json::object();
+  for (const Entry& e : entries_) {
+    out[e.name] = {{"max_amax", e.max_amax},
+                   {"min_scale", e.min_scale},
+                   {"max_scale", e.max_scale},
+                   {"mean_underflow", e.underflow_sum / static_cast<double>(e.steps)},
+                   {"max_saturated", e.max_saturated},
+                   {"steps", e.steps}};
+  }
+  return out;
+}
+
+std::string Fp8StatsSummary::table() const {
+  size_t width = 6;
+  for (const Entry& e : entries_) width = std::max(width, e.name.size());
+  std::string out;
+  char line[512];
+  std::snprintf(line, sizeof line, "%-*s %11s %11s %11s %12s %13s\n", static_cast<int>(width),
+                "tensor", "max amax", "min scale", "max scale", "underflow %", "saturated %");
+  out += line;
+  for (const Entry& e : entries_) {
+    std::snprintf(line, sizeof line, "%-*s %11.4g %11.4g %11.4g %12.4f %13.4f\n",
+                  static_cast<int>(width), e.name.c_str(), e.max_amax, e.min_scale, e.max_scale,
+                  100.0 * e.underflow_sum / static_cast<double>(e.steps), 100.0 * e.max_saturated);
+    out += line;
+  }
+  return out;
+}
+
+}  // namespace octet
