@@ -1,0 +1,512 @@
+// GPT end to end, llm.c's test_gpt2 pattern: one FP32 training step (loss, last-position
+// logits, every parameter gradient) and ten AdamW steps against the same model in PyTorch 1.13
+// (float64, built from our state_dict names, tests/reference/ops_gpt.py); BF16 and FP8 loss
+// curves against the FP32 one on a learnable token stream; a resumed run equal to an
+// uninterrupted one bit for bit; clear errors for bad checkpoints, data and flags.
+#include <gtest/gtest.h>
+
+#include <array>
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <optional>
+#include <random>
+
+#include "octet/data.h"
+#include "octet/model.h"
+#include "octet/train.h"
+#include "torch_reference.h"
+
+namespace octet {
+namespace {
+
+namespace fs = std::filesystem;
+
+// gpt-tiny's shape with a small vocabulary and context, so every test runs in seconds.
+nlohmann::json tiny_config() {
+  return {{"name", "gpt-test"}, {"vocab_size", 512}, {"max_seq_len", 16},
+          {"num_layers", 2},    {"hidden", 32},      {"num_heads", 4}};
+}
+
+// Llama-style options: RoPE, RMSNorm, SwiGLU, grouped-query attention, no biases.
+nlohmann::json llama_config() {
+  nlohmann::json c = tiny_config();
+  c["position_embedding"] = "rope";
+  c["normalization"] = "rmsnorm";
+  c["activation"] = "swiglu";
+  c["num_gqa_groups"] = 2;
+  c["ffn_hidden"] = 64;
+  c["bias"] = false;
+  return c;
+}
+
+Tensor random_ids(Shape shape, int64_t vocab, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::uniform_int_distribution<int32_t> id(0, static_cast<int32_t>(vocab - 1));
+  Tensor t = Tensor::empty(shape, DType::I32);
+  for (int64_t i = 0; i < t.numel(); ++i) t.data<int32_t>()[i] = id(rng);
+  return t;
+}
+
+double max_abs(const Tensor& t) {
+  double m = 0;
+  for (float v : t.to_floats()) m = std::max(m, std::fabs(double(v)));
+  return m;
+}
+
+// Largest |a - b| as a fraction of the reference's largest magnitude (the tensor's scale is
+// the natural unit for sums of mixed signs).
+double scaled_error(const Tensor& a, const Tensor& b) {
+  std::vector<float> x = a.to_floats(), y = b.to_floats();
+  EXPECT_EQ(x.size(), y.size());
+  if (x.size() != y.size()) return 1e9;
+  double error = 0;
+  for (size_t i = 0; i < x.size(); ++i) error = std::max(error, std::fabs(double(x[i]) - y[i]));
+  return error / std::max(max_abs(b), 1e-30);
+}
+
+// A JSON object literal for the reference's arguments.
+std::string reference_args(const nlohmann::json& config, int64_t steps, float lr,
+                           const AdamWOptions& adam) {
+  nlohmann::json args = {{"config", config},
+                         {"steps", steps},
+                         {"lr", lr},
+                         {"beta1", adam.beta1},
+                         {"beta2", adam.beta2},
+                         {"eps", adam.eps},
+                         {"weight_decay", adam.weight_decay},
+                         {"clip_grad", adam.clip_grad}};
+  return args.dump();
+}
+
+// ---------------------------------------------------------------------------------------------
+// FP32 against PyTorch float64.
+
+// One step: the loss is a mean of B*T log-softmax terms and the logits end a chain of about
+// 20 FP32 GEMMs and norms with reductions of 32..512 terms; FP32 rounding (2^-24 ~ 6e-8 per
+// operation) stays near 1e-7 of each tensor's scale (measured: loss 0 to 1e-7, logits 2e-7).
+// Gradients chain twice as many operations and pass through the loss's softmax (measured
+// 1.1e-6 at worst). Bounds are ~10x the measured errors, far below any real mistake.
+constexpr double kLossTolerance = 1e-6;    // relative
+constexpr double kLogitsTolerance = 2e-6;  // scaled_error
+constexpr double kGradTolerance = 1e-5;    // scaled_error, per parameter
+// Ten AdamW steps: losses and gradient norms stay within 1e-5 relative (measured 1e-7 and
+// 1e-6). Weights are compared in units of lr, Adam's step size: an element whose gradient
+// is a tiny remainder of cancelling terms (1e-6 of its tensor's scale) has an FP32 gradient
+// whose relative error is large, and Adam's normalized step m / sqrt(v) passes that on at
+// up to lr per step. Measured worst: 0.01 lr (the SwiGLU variant's MLP), most below 0.002 lr.
+constexpr double kTrainLossTolerance = 1e-5;    // relative, each of the ten steps
+constexpr double kFinalWeightTolerance = 0.03;  // max |difference| / lr
+
+void check_against_torch(const nlohmann::json& config_json) {
+  GPTConfig config = GPTConfig::from_json(config_json);
+  GPT model(config, 7);
+  // Norm weights start at 1 and biases at 0: move them so their gradients and their effect on
+  // the forward are both exercised.
+  std::mt19937 rng(11);
+  std::normal_distribution<float> noise(0.0f, 0.1f);
+  for (Parameter* p : model.parameters()) {
+    if (p->value.ndim() != 1) continue;
+    for (int64_t i = 0; i < p->value.numel(); ++i) p->value.data<float>()[i] += noise(rng);
+  }
+  model.on_parameters_updated();
+
+  const int64_t B = 4, T = config.max_seq_len, steps = 10;
+  const float lr = 3e-3f;
+  const AdamWOptions adam{0.9f, 0.95f, 1e-8f, 0.1f, 1.0f};
+  Tensor ids = random_ids({B, T}, config.vocab_size, 1);
+  Tensor targets = random_ids({B, T}, config.vocab_size, 2);
+  for (int64_t i = 0; i < B * T; i += 7) targets.data<int32_t>()[i] = -100;  // ignored
+
+  model.zero_grad();
+  const float loss = model.train_step(ids, targets, DType::F32, 1.0f);
+  Tensor logits = model.last_logits(ids, DType::F32);
+  TensorMap inputs = model.state_dict();  // handles: written out now, before any update
+  inputs["ids"] = ids;
+  inputs["targets"] = targets;
+  TensorMap torch = testing::run_torch("gpt", inputs, reference_args(config_json, steps, lr, adam));
+
+  const float torch_loss = torch.at("loss").to_floats()[0];
+  EXPECT_LE(std::fabs(loss - torch_loss), kLossTolerance * torch_loss)
+      << "loss " << loss << " vs torch " << torch_loss;
+  EXPECT_LE(scaled_error(logits, torch.at("last_logits")), kLogitsTolerance);
+  double worst_grad = 0;
+  for (Parameter* p : model.parameters()) {
+    SCOPED_TRACE(p->name);
+    ASSERT_TRUE(torch.count(p->name + ".grad"));
+    const double error = scaled_error(p->grad, torch.at(p->name + ".grad"));
+    worst_grad = std::max(worst_grad, error);
+    EXPECT_LE(error, kGradTolerance);
+  }
+  EXPECT_EQ(torch.size(), model.parameters().size() * 2 + 4);  // grads, finals, 4 outputs
+
+  AdamW optimizer(model.parameters(), adam);
+  const std::vector<float> torch_losses = torch.at("losses").to_floats();
+  const std::vector<float> torch_norms = torch.at("grad_norms").to_floats();
+  ASSERT_EQ(torch_losses.size(), size_t(steps));
+  double worst_loss = 0, worst_norm = 0;
+  bool clipped = false;
+  for (int64_t s = 0; s < steps; ++s) {
+    model.zero_grad();
+    const float step_loss = model.train_step(ids, targets, DType::F32, 1.0f);
+    const double norm = optimizer.step(lr);
+    model.on_parameters_updated();
+    clipped = clipped || norm > adam.clip_grad;
+    worst_loss =
+        std::max(worst_loss, std::fabs(double(step_loss) - torch_losses[s]) / torch_losses[s]);
+    worst_norm = std::max(worst_norm, std::fabs(norm - torch_norms[s]) / torch_norms[s]);
+  }
+  EXPECT_LE(worst_loss, kTrainLossTolerance);
+  EXPECT_LE(worst_norm, kTrainLossTolerance);
+  EXPECT_LT(torch_losses.back(), 0.9 * torch_losses.front()) << "the reference did not train";
+  double worst_weight = 0;
+  for (Parameter* p : model.parameters()) {
+    SCOPED_TRACE(p->name);
+    std::vector<float> x = p->value.to_floats(), y = torch.at(p->name + ".final").to_floats();
+    double error = 0;
+    for (size_t i = 0; i < x.size(); ++i) error = std::max(error, std::fabs(double(x[i]) - y[i]));
+    error /= lr;
+    worst_weight = std::max(worst_weight, error);
+    EXPECT_LE(error, kFinalWeightTolerance);
+  }
+  std::printf(
+      "[ measured ] loss %.2e, logits %.2e, worst grad %.2e; 10 AdamW steps: loss %.2e, grad "
+      "norm %.2e, weights %.2e; clipping %s\n",
+      std::fabs(loss - torch_loss) / torch_loss, scaled_error(logits, torch.at("last_logits")),
+      worst_grad, worst_loss, worst_norm, worst_weight, clipped ? "active" : "inactive");
+}
+
+TEST(GPT, Fp32StepAndAdamWMatchTorch) {
+  check_against_torch(tiny_config());
+}
+
+TEST(GPT, RopeRmsnormSwigluGqaMatchTorch) {
+  check_against_torch(llama_config());
+}
+
+// ---------------------------------------------------------------------------------------------
+// Mixed precision against FP32 on a learnable stream.
+
+// A Markov chain over 64 token ids scattered in the vocabulary: each id has two successors,
+// each taken with probability 1/2, so the best achievable loss is ln 2 ~ 0.69 while the
+// untrained model starts near ln 512 ~ 6.2.
+std::vector<int32_t> markov_stream(int64_t count, int64_t vocab, uint32_t seed) {
+  const int states = 64;
+  std::mt19937 rng(seed);
+  std::vector<int32_t> token(states);
+  for (int s = 0; s < states; ++s) token[s] = static_cast<int32_t>((s * 37 + 5) % vocab);
+  std::vector<std::array<int, 2>> next(states);
+  std::uniform_int_distribution<int> pick(0, states - 1);
+  for (auto& n : next) n = {pick(rng), pick(rng)};
+  std::vector<int32_t> out(static_cast<size_t>(count));
+  int state = 0;
+  for (auto& id : out) {
+    id = token[state];
+    state = next[state][rng() & 1];
+  }
+  return out;
+}
+
+struct CurveRun {
+  DType dtype = DType::F32;
+  std::optional<recipe::Recipe> fp8;
+};
+
+// Trains a fresh model (same seed, same batches whatever the precision) and returns the losses.
+std::vector<float> train_curve(const GPTConfig& config, const CurveRun& run,
+                               const std::vector<int32_t>& stream, int64_t steps) {
+  const int64_t B = 8, T = config.max_seq_len;
+  GPT model(config, 3);
+  AdamW optimizer(model.parameters(), AdamWOptions{0.9f, 0.95f, 1e-8f, 0.1f, 1.0f});
+  std::mt19937 rng(5);
+  std::uniform_int_distribution<int64_t> start(0, static_cast<int64_t>(stream.size()) - T - 1);
+  std::vector<float> losses;
+  for (int64_t s = 0; s < steps; ++s) {
+    Tensor ids = Tensor::empty({B, T}, DType::I32), targets = Tensor::empty({B, T}, DType::I32);
+    for (int64_t b = 0; b < B; ++b) {
+      const int64_t at = start(rng);
+      for (int64_t t = 0; t < T; ++t) {
+        ids.data<int32_t>()[b * T + t] = stream[at + t];
+        targets.data<int32_t>()[b * T + t] = stream[at + t + 1];
+      }
+    }
+    model.zero_grad();
+    {
+      fp8_autocast scope(run.fp8.has_value(), run.fp8.value_or(recipe::DelayedScaling{}));
+      losses.push_back(model.train_step(ids, targets, run.dtype, 1.0f));
+    }
+    optimizer.step(5e-3f);
+    model.on_parameters_updated();
+  }
+  return losses;
+}
+
+double mean(const std::vector<float>& v, size_t begin, size_t end) {
+  double sum = 0;
+  for (size_t i = begin; i < end; ++i) sum += v[i];
+  return sum / static_cast<double>(end - begin);
+}
+
+// BF16 rounds every GEMM input and activation to 8 significant bits (relative 2^-9 ~ 2e-3);
+// FP8 E4M3 to 4 bits (2^-5 ~ 3e-2), E5M2 gradients to 3. Over 80 steps from 6.24 down to ~1.0
+// (the floor is 0.69) these errors average out. Measured: final loss (mean of the last 10
+// steps) within 0.5% of FP32, mean |curve - FP32| 0.005 (BF16), 0.012 (FP8 delayed), 0.004
+// (FP8 block). Bounds: final within 5%, curve within 0.03 (BF16) / 0.06 (FP8).
+// The learning rate matters: at 1e-2 this model's trajectory is unstable, and the FP8 run hits
+// a one-step spike (3.6 -> 6.8) that a BF16 replay from the same weights shows as well, an
+// optimizer excursion rather than quantization error; 5e-3 trains as far without it.
+TEST(GPT, MixedPrecisionCurvesFollowFp32) {
+  GPTConfig config = GPTConfig::from_json(tiny_config());
+  const std::vector<int32_t> stream = markov_stream(8192, config.vocab_size, 21);
+  const int64_t steps = 80;
+  const std::vector<float> fp32 = train_curve(config, {}, stream, steps);
+  const double fp32_final = mean(fp32, steps - 10, steps);
+  EXPECT_LT(fp32_final, 0.4 * fp32.front()) << "FP32 did not learn the stream";
+
+  struct Case {
+    const char* name;
+    CurveRun run;
+    double curve_tolerance;
+  };
+  const Case cases[] = {
+      {"bf16", {DType::BF16, std::nullopt}, 0.03},
+      {"fp8 delayed hybrid", {DType::BF16, recipe::DelayedScaling{}}, 0.06},
+      {"fp8 block", {DType::BF16, recipe::Float8BlockScaling{}}, 0.06},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.name);
+    const std::vector<float> curve = train_curve(config, c.run, stream, steps);
+    double difference = 0;
+    for (int64_t s = 0; s < steps; ++s) difference += std::fabs(curve[s] - fp32[s]);
+    difference /= static_cast<double>(steps);
+    const double final_loss = mean(curve, steps - 10, steps);
+    std::printf(
+        "[ measured ] %s: loss %.3f -> %.3f (fp32 %.3f -> %.3f), final %+.2f%%, mean "
+        "|curve - fp32| %.4f\n",
+        c.name, curve.front(), final_loss, fp32.front(), fp32_final,
+        100 * (final_loss / fp32_final - 1), difference);
+    EXPECT_LE(std::fabs(final_loss / fp32_final - 1), 0.05);
+    EXPECT_LE(difference, c.curve_tolerance);
+    EXPECT_LT(final_loss, 0.4 * curve.front());
+  }
+}
+
+// MXFP8 fails in the first backward: position 0's query gradient is exactly zero (it attends
+// to one key), so its 1x32 block gets the E8M0 code 0 (2^-127); gemm then cannot fold the
+// scales into BF16, widens to F32, and oneDNN has no F32 x F32 -> BF16 matmul ("could not
+// create a primitive descriptor iterator"). Enable once the FP8 GEMM handles zero blocks.
+TEST(GPT, Mxfp8CurveFollowsFp32) {
+  GPTConfig config = GPTConfig::from_json(tiny_config());
+  const std::vector<int32_t> stream = markov_stream(8192, config.vocab_size, 21);
+  const std::vector<float> fp32 = train_curve(config, {}, stream, 80);
+  const std::vector<float> mxfp8 =
+      train_curve(config, {DType::BF16, recipe::MXFP8BlockScaling{}}, stream, 80);
+  EXPECT_LE(std::fabs(mean(mxfp8, 70, 80) / mean(fp32, 70, 80) - 1), 0.05);
+}
+
+// ---------------------------------------------------------------------------------------------
+// train_gpt: resume, errors.
+
+// A temporary directory holding the tiny config and a Markov token shard, removed at the end.
+class TrainFixture {
+ public:
+  TrainFixture() : dir_(testing::temp_dir()) {
+    std::ofstream(config_path()) << tiny_config().dump(2) << "\n";
+    const std::vector<int32_t> stream = markov_stream(4096, 512, 9);
+    write_token_shard(data_path(), stream, 512);
+  }
+  ~TrainFixture() { fs::remove_all(dir_); }
+  std::string path(const std::string& name) const { return dir_ + "/" + name; }
+  std::string config_path() const { return path("config.json"); }
+  std::string data_path() const { return path("train.bin"); }
+
+  TrainOptions options(const std::string& precision) const {
+    TrainOptions o;
+    o.config_path = config_path();
+    o.train_data = data_path();
+    o.micro_batch_size = 2;
+    o.global_batch_size = 4;  // two micro-batches: accumulation is part of what resumes
+    o.precision = precision;
+    o.lr = 1e-2f;
+    o.min_lr = 1e-3f;
+    o.eval_iters = 0;
+    o.peak_gflops = 1000;
+    o.quiet = true;
+    return o;
+  }
+
+ private:
+  std::string dir_;
+};
+
+// A run saved at iteration 6 (interval 3: the checkpoint is replaced once) and resumed to 12
+// gives the uninterrupted run's losses exactly: parameters, AdamW moments and step count,
+// iteration and the data position all come back. TrainOptions has no way to stop a run early
+// (Megatron's --exit-interval), and the cosine decay depends on train_iters, so the runs use a
+// warmup that spans all 12 iterations: the learning rate still changes every iteration, and a
+// resume at the wrong iteration would show.
+void expect_resume_exact(const TrainFixture& fixture, const std::string& precision,
+                         const std::string& fp8_recipe) {
+  SCOPED_TRACE(precision + " " + fp8_recipe);
+  TrainOptions o = fixture.options(precision);
+  o.fp8_recipe = fp8_recipe;
+  o.lr_warmup_iters = 100;
+  o.train_iters = 12;
+  const TrainResult whole = train_gpt(o);
+  ASSERT_EQ(whole.losses.size(), 12u);
+
+  TrainOptions first = o;
+  first.train_iters = 6;
+  first.save = fixture.path("ckpt-" + precision + "-" + fp8_recipe);
+  first.save_interval = 3;
+  const TrainResult head = train_gpt(first);
+  ASSERT_EQ(head.losses.size(), 6u);
+  for (size_t i = 0; i < 6; ++i) EXPECT_EQ(head.losses[i], whole.losses[i]) << "iteration " << i;
+
+  TrainOptions second = o;
+  second.load = first.save;
+  const TrainResult tail = train_gpt(second);
+  ASSERT_EQ(tail.losses.size(), 6u);
+  EXPECT_EQ(tail.iterations, 12);
+  for (size_t i = 0; i < 6; ++i) {
+    EXPECT_EQ(tail.losses[i], whole.losses[6 + i]) << "iteration " << 6 + i;
+  }
+  EXPECT_LT(whole.losses.back(), whole.losses.front());
+}
+
+TEST(GPT, ResumeEqualsUninterruptedBitForBit) {
+  TrainFixture fixture;
+  expect_resume_exact(fixture, "fp32", "delayed");  // the recipe is unused without fp8
+  expect_resume_exact(fixture, "bf16", "delayed");
+  // Current scaling keeps no state between steps, so the checkpoint holds all of it.
+  expect_resume_exact(fixture, "fp8", "current");
+}
+
+// Delayed scaling's amax histories and scales are not in the checkpoint: the resumed run
+// starts them afresh and its losses differ in the 4th significant digit (6.00336 vs 6.00313
+// on the first resumed iteration). Enable once checkpoints carry each module's FP8 metadata.
+TEST(GPT, DISABLED_ResumeFp8DelayedEqualsUninterrupted) {
+  TrainFixture fixture;
+  expect_resume_exact(fixture, "fp8", "delayed");
+}
+
+void expect_error(const std::function<void()>& run, const std::string& needle) {
+  try {
+    run();
+    ADD_FAILURE() << "expected an octet::Error containing '" << needle << "'";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos)
+        << "message: " << e.what() << "\nexpected to contain: " << needle;
+  }
+}
+
+TEST(GPT, BadCheckpointsDataAndFlagsAreClearErrors) {
+  TrainFixture fixture;
+  TrainOptions base = fixture.options("fp32");
+  base.train_iters = 2;
+  base.save = fixture.path("good");
+  train_gpt(base);
+  base.save.clear();
+
+  // Each case copies the good checkpoint, damages the copy, and resumes from it.
+  auto damaged = [&](const std::string& name, const std::function<void(const fs::path&)>& harm) {
+    const fs::path dir = fixture.path(name);
+    fs::copy(fixture.path("good"), dir, fs::copy_options::recursive);
+    harm(dir);
+    TrainOptions o = base;
+    o.train_iters = 4;
+    o.load = dir.string();
+    return o;
+  };
+
+  {
+    SCOPED_TRACE("truncated model.safetensors");
+    TrainOptions o = damaged("truncated", [](const fs::path& dir) {
+      const fs::path file = dir / "model.safetensors";
+      fs::resize_file(file, fs::file_size(file) / 2);
+    });
+    expect_error([&] { train_gpt(o); }, "truncated file?");
+  }
+  {
+    SCOPED_TRACE("header cut");
+    TrainOptions o = damaged(
+        "cut", [](const fs::path& dir) { fs::resize_file(dir / "optimizer.safetensors", 20); });
+    expect_error([&] { train_gpt(o); }, "(corrupt or truncated)");
+  }
+  {
+    SCOPED_TRACE("garbage trainer.json");
+    TrainOptions o = damaged("garbage", [](const fs::path& dir) {
+      std::ofstream(dir / "trainer.json") << "{\"iteration\": 2, oops";
+    });
+    expect_error([&] { train_gpt(o); }, "trainer.json is not a JSON object (corrupt)");
+  }
+  {
+    SCOPED_TRACE("trainer.json without the iteration");
+    TrainOptions o = damaged("no-iteration", [](const fs::path& dir) {
+      std::ifstream in(dir / "trainer.json");
+      nlohmann::json trainer = nlohmann::json::parse(in);
+      in.close();
+      trainer.erase("iteration");
+      std::ofstream(dir / "trainer.json") << trainer.dump();
+    });
+    expect_error([&] { train_gpt(o); }, "'iteration'");
+  }
+  {
+    SCOPED_TRACE("missing optimizer state");
+    TrainOptions o =
+        damaged("missing", [](const fs::path& dir) { fs::remove(dir / "optimizer.safetensors"); });
+    expect_error([&] { train_gpt(o); }, "is incomplete: missing optimizer.safetensors");
+  }
+  {
+    SCOPED_TRACE("no checkpoint at all");
+    TrainOptions o = base;
+    o.load = fixture.path("nowhere");
+    expect_error([&] { train_gpt(o); }, "not found: expected a directory");
+  }
+  {
+    SCOPED_TRACE("another model config");
+    nlohmann::json wider = tiny_config();
+    wider["hidden"] = 64;
+    std::ofstream(fixture.path("wider.json")) << wider.dump();
+    TrainOptions o = base;
+    o.config_path = fixture.path("wider.json");
+    o.load = fixture.path("good");
+    expect_error([&] { train_gpt(o); }, "was trained with another model config");
+  }
+  {
+    SCOPED_TRACE("missing data");
+    TrainOptions o = base;
+    o.train_data = fixture.path("absent.bin");
+    expect_error([&] { train_gpt(o); }, "cannot open " + o.train_data);
+  }
+  {
+    SCOPED_TRACE("global batch not a multiple of the micro batch");
+    TrainOptions o = base;
+    o.global_batch_size = 5;
+    expect_error([&] { train_gpt(o); },
+                 "--global-batch-size (5) must be a positive multiple of --micro-batch-size (2)");
+  }
+  {
+    SCOPED_TRACE("bad precision");
+    TrainOptions o = base;
+    o.precision = "fp16";
+    expect_error([&] { train_gpt(o); }, "--precision expected fp32, bf16 or fp8, got 'fp16'");
+  }
+  {
+    SCOPED_TRACE("bad fp8 recipe");
+    TrainOptions o = base;
+    o.precision = "fp8";
+    o.fp8_recipe = "nvfp4";
+    expect_error([&] { train_gpt(o); }, "--fp8-recipe expected delayed, current, mxfp8 or block");
+  }
+  {
+    SCOPED_TRACE("sequence longer than the model's context");
+    TrainOptions o = base;
+    o.seq_length = 17;
+    expect_error([&] { train_gpt(o); }, "--seq-length 17 expected in [1, 16]");
+  }
+}
+
+}  // namespace
+}  // namespace octet
