@@ -12,5 +12,6 @@ void register_generate(CLI::App& app);
 void register_tokenize(CLI::App& app);
 void register_bench_gemm(CLI::App& bench);
 void register_bench_ops(CLI::App& bench);
+void register_bench_train(CLI::App& bench);
 
 }  // namespace octet::cli

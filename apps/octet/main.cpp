@@ -18,6 +18,7 @@ int main(int argc, char** argv) {
   bench->require_subcommand(1);
   octet::cli::register_bench_gemm(*bench);
   octet::cli::register_bench_ops(*bench);
+  octet::cli::register_bench_train(*bench);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& error) {
