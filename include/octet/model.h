@@ -95,6 +95,9 @@ class GPT : public Module {
   std::vector<TransformerLayer> layers_;
   Norm final_norm_;
   Tensor wte_bf16_;
+  std::optional<PackedWeight> wte_packed_;  // the tied output layer, packed once per step
+  DType wte_packed_dtype_ = DType::F32;
+  Tensor logits_workspace_, dlogits_workspace_;
 };
 
 }  // namespace octet

@@ -5,6 +5,7 @@
 #include <cstring>
 #include <random>
 
+#include "core/convert.h"
 #include "octet/model.h"
 #include "octet/ops/embedding.h"
 #include "octet/ops/loss.h"
@@ -88,6 +89,7 @@ void GPT::collect_parameters(std::vector<Parameter*>& out) {
 
 void GPT::on_parameters_updated() {
   wte_bf16_ = Tensor();
+  wte_packed_.reset();
   for (TransformerLayer& layer : layers_) layer.on_parameters_updated();
 }
 
@@ -147,15 +149,29 @@ float GPT::output_layer(const Tensor& hidden, const Tensor& targets, DType dtype
   const int64_t valid = ops::count_valid_targets(targets);
   OCTET_CHECK(valid > 0, "gpt: every target is ignore_index; nothing to learn from");
   if (dhidden) *dhidden = Tensor::empty(hidden.shape(), dtype);
-  const int64_t chunk = logits_chunk_rows(V);
+  // Equal chunks (no small tail GEMM), each at most logits_chunk_rows(V) rows.
+  const int64_t chunks = (N + logits_chunk_rows(V) - 1) / logits_chunk_rows(V);
+  const int64_t chunk = (N + chunks - 1) / chunks;
+  // The workspaces live across steps: fresh 60+ MB buffers every step cost page faults.
+  if (!logits_workspace_.defined() || logits_workspace_.dim(0) < chunk) {
+    logits_workspace_ = Tensor::empty({chunk, V}, DType::F32);
+    dlogits_workspace_ = Tensor();
+  }
+  if (dhidden && dtype == DType::BF16 && !dlogits_workspace_.defined()) {
+    dlogits_workspace_ = Tensor::empty({chunk, V}, DType::BF16);
+  }
+  if (!wte_packed_ || wte_packed_dtype_ != dtype) {
+    wte_packed_.emplace(weight, /*trans=*/true);
+    wte_packed_dtype_ = dtype;
+  }
   double loss_sum = 0.0;
-  Tensor logits_buffer = Tensor::empty({std::min(chunk, N), V}, DType::F32);
+  Tensor losses_buffer = Tensor::empty({chunk}, DType::F32);
   for (int64_t r0 = 0; r0 < N; r0 += chunk) {
     const int64_t r1 = std::min(N, r0 + chunk), rows = r1 - r0;
     Tensor h = hidden.slice_rows(r0, r1);
-    Tensor logits = logits_buffer.slice_rows(0, rows);
-    gemm(h, weight, logits, /*trans_a=*/false, /*trans_b=*/true);
-    Tensor losses = Tensor::empty({rows}, DType::F32);
+    Tensor logits = logits_workspace_.slice_rows(0, rows);
+    gemm(h, *wte_packed_, logits, /*trans_a=*/false);
+    Tensor losses = losses_buffer.slice_rows(0, rows);
     ops::CrossEntropyOptions options;
     options.grad_scale = grad_scale / static_cast<float>(valid);
     Tensor target_rows = targets.slice_rows(r0, r1);
@@ -163,7 +179,12 @@ float GPT::output_layer(const Tensor& hidden, const Tensor& targets, DType dtype
                                         options);
     for (float l : losses.to_floats()) loss_sum += l;
     if (!dhidden) continue;
-    Tensor dlogits = dtype == DType::F32 ? logits : logits.to(dtype);
+    Tensor dlogits = logits;
+    if (dtype == DType::BF16) {
+      dlogits = dlogits_workspace_.slice_rows(0, rows);
+      convert_f32_to_bf16(logits.data<float>(), dlogits.data<bfloat16>(),
+                          static_cast<size_t>(rows * V));
+    }
     Tensor dh = dhidden->slice_rows(r0, r1);
     gemm(dlogits, weight, dh, /*trans_a=*/false, /*trans_b=*/false);
     gemm(dlogits, h, wte.grad, /*trans_a=*/true, /*trans_b=*/false, 1.0f, 1.0f);
