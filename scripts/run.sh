@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # The main job: install what is missing, fetch the pinned data, build, tokenize the corpus,
 # train gpt-mini on it in BF16, and continue a prompt with the trained model.
-# Knobs (environment): ITERS (default 300), PRECISION (bf16 | fp8 | fp32), OUT (default out/).
+# Knobs (environment): ITERS (default 200), PRECISION (bf16 | fp8 | fp32), OUT (default out/).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-ITERS="${ITERS:-300}"
+ITERS="${ITERS:-200}"
 PRECISION="${PRECISION:-bf16}"
 OUT="${OUT:-out}"
 

@@ -121,7 +121,7 @@ struct TrainOptions {
   bool mock_data = false;   // random tokens instead of the shards
   int64_t seq_length = 0;   // 0 = the config's max_seq_len
   int64_t micro_batch_size = 8;
-  int64_t global_batch_size = 8;  // a multiple of micro_batch_size (gradient accumulation)
+  int64_t global_batch_size = 0;  // a multiple of micro_batch_size (accumulation); 0 = micro
   int64_t train_iters = 100;
   float lr = 6e-4f;
   float min_lr = 6e-5f;

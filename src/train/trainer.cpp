@@ -107,6 +107,26 @@ DType compute_dtype(const std::string& precision) {
   fail(detail::concat("--precision expected fp32, bf16 or fp8, got '", precision, "'"));
 }
 
+// Entropy (nats) of the token frequencies of a shard: the loss of the best model that ignores
+// context. A language model worth training ends well below it.
+double unigram_entropy(const std::string& path) {
+  TokenShard shard = TokenShard::open(path, /*check_ids=*/false);
+  std::vector<int64_t> counts(static_cast<size_t>(shard.vocab_size()), 0);
+  std::vector<int32_t> ids(1 << 16);
+  for (int64_t begin = 0; begin < shard.size(); begin += static_cast<int64_t>(ids.size())) {
+    const int64_t count = std::min<int64_t>(static_cast<int64_t>(ids.size()), shard.size() - begin);
+    shard.read(begin, count, ids.data());
+    for (int64_t i = 0; i < count; ++i) ++counts[static_cast<size_t>(ids[i])];
+  }
+  double entropy = 0;
+  for (int64_t c : counts) {
+    if (c == 0) continue;
+    const double p = static_cast<double>(c) / static_cast<double>(shard.size());
+    entropy -= p * std::log(p);
+  }
+  return entropy;
+}
+
 }  // namespace
 
 double measure_bf16_peak_gflops() {
@@ -128,8 +148,9 @@ TrainResult train_gpt(const TrainOptions& o) {
   const int64_t T = o.seq_length ? o.seq_length : config.max_seq_len;
   OCTET_CHECK(T > 0 && T <= config.max_seq_len, "--seq-length ", T, " expected in [1, ",
               config.max_seq_len, "]");
-  OCTET_CHECK(o.micro_batch_size > 0 && o.global_batch_size % o.micro_batch_size == 0,
-              "--global-batch-size (", o.global_batch_size,
+  const int64_t global_batch = o.global_batch_size ? o.global_batch_size : o.micro_batch_size;
+  OCTET_CHECK(o.micro_batch_size > 0 && global_batch % o.micro_batch_size == 0,
+              "--global-batch-size (", global_batch,
               ") must be a positive multiple of --micro-batch-size (", o.micro_batch_size, ")");
   OCTET_CHECK(o.train_iters > 0, "--train-iters must be positive, got ", o.train_iters);
   OCTET_CHECK(o.mock_data || !o.train_data.empty(),
@@ -138,13 +159,18 @@ TrainResult train_gpt(const TrainOptions& o) {
   const DType dtype = compute_dtype(o.precision);
   const bool fp8 = o.precision == "fp8";
   const recipe::Recipe recipe = fp8 ? make_recipe(o) : recipe::Recipe{};
-  const int64_t accumulation = o.global_batch_size / o.micro_batch_size;
+  const int64_t accumulation = global_batch / o.micro_batch_size;
   OCTET_CHECK(!o.fp8_stats || fp8,
               "--fp8-stats measures FP8 GEMM inputs: it needs --precision "
               "fp8, got --precision ",
               o.precision);
 
   Batcher train_batches(o.train_data, o.mock_data, config.vocab_size, T, o.seed, 1);
+  const double entropy = o.mock_data ? NAN : unigram_entropy(o.train_data);
+  if (!o.quiet && std::isfinite(entropy)) {
+    std::printf("training data: unigram entropy %.3f nats (a model below it uses context)\n",
+                entropy);
+  }
   std::unique_ptr<Batcher> valid_batches;
   if (o.mock_data || !o.valid_data.empty()) {
     valid_batches = std::make_unique<Batcher>(o.mock_data ? "" : o.valid_data, o.mock_data,
@@ -177,7 +203,7 @@ TrainResult train_gpt(const TrainOptions& o) {
 
   const double peak = o.peak_gflops > 0 ? o.peak_gflops : measure_bf16_peak_gflops();
   const double flops_per_token = config.train_flops_per_token(T);
-  const int64_t tokens_per_iteration = o.global_batch_size * T;
+  const int64_t tokens_per_iteration = global_batch * T;
   if (!o.quiet) {
     std::printf("octet train: %s, %.2fM parameters, seq %lld, micro-batch %lld x %lld, %s%s\n",
                 config.name.c_str(), config.num_parameters() / 1e6, (long long)T,
@@ -290,6 +316,11 @@ TrainResult train_gpt(const TrainOptions& o) {
   if (!o.plot.empty()) {
     std::vector<std::pair<std::string, std::vector<CurvePoint>>> series = {{"train", train_curve}};
     if (!valid_curve.empty()) series.emplace_back("validation", valid_curve);
+    if (std::isfinite(entropy) && !train_curve.empty()) {
+      series.emplace_back("unigram entropy",
+                          std::vector<CurvePoint>{{train_curve.front().x, entropy},
+                                                  {train_curve.back().x, entropy}});
+    }
     write_loss_svg(o.plot, config.name + " loss (" + o.precision + ")", series);
   }
   if (!o.quiet) {
@@ -297,6 +328,11 @@ TrainResult train_gpt(const TrainOptions& o) {
                 (long long)trained, format_duration(seconds_since(run_start)).c_str(),
                 result.tokens_per_second, 100 * result.mfu, result.last_loss);
     if (std::isfinite(result.last_val_loss)) std::printf(", val loss %.4f", result.last_val_loss);
+    if (std::isfinite(result.last_val_loss) && std::isfinite(entropy)) {
+      const double gap = entropy - result.last_val_loss;
+      std::printf(" (%.3f nats %s the unigram entropy %.3f)", std::fabs(gap),
+                  gap >= 0 ? "below" : "above", entropy);
+    }
     std::printf("\n");
     if (!fp8_summary.empty()) {
       std::printf("FP8 tensors over %lld steps (underflow: mean, saturated: max):\n%s",
