@@ -16,6 +16,7 @@
 #include "octet/gemm.h"
 #include "octet/ops/activation.h"
 #include "octet/recipe.h"
+#include "octet/safetensors.h"
 #include "octet/tensor.h"
 
 namespace octet {
@@ -89,6 +90,12 @@ class Fp8State {
   // While recomputing a forward for activation checkpointing, begin_forward neither updates
   // the scales nor counts a step: the recomputation quantizes exactly as the forward did.
   void set_recomputing(bool recomputing) { recomputing_ = recomputing; }
+  // Checkpointing (so a resumed FP8 run continues with the same scales and histories):
+  // PREFIX{forward,backward}.{scale,scale_inv,amax_history} F32 and PREFIXcalls I64 [2].
+  // Nothing is written before the first FP8 forward.
+  void save_state(TensorMap& out, const std::string& prefix) const;
+  // Recreates the metas for `recipe` and restores them; a missing entry is an error.
+  void load_state(const TensorMap& in, const std::string& prefix, const recipe::Recipe& recipe);
   const FP8Meta& forward_meta() const { return forward_meta_; }
   const FP8Meta& backward_meta() const { return backward_meta_; }
   const recipe::Recipe& recipe() const { return recipe_; }

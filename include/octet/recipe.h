@@ -84,6 +84,12 @@ class FP8Meta {
   //   end) and row 0 is cleared for the next step.
   void update(const recipe::DelayedScaling& recipe);
 
+  // Checkpointing: the whole state, and its restoration (sizes must match this meta's).
+  const std::vector<float>& scales() const { return scale_; }
+  const std::vector<float>& scale_invs() const { return scale_inv_; }
+  void restore(const std::vector<float>& scale, const std::vector<float>& scale_inv,
+               const std::vector<float>& amax_history);
+
  private:
   std::vector<TensorRole> roles_;
   int history_len_ = 0;

@@ -120,6 +120,18 @@ void FP8Meta::record_amax(int index, float amax) {
   }
 }
 
+void FP8Meta::restore(const std::vector<float>& scale, const std::vector<float>& scale_inv,
+                      const std::vector<float>& amax_history) {
+  OCTET_CHECK(scale.size() == scale_.size() && scale_inv.size() == scale_inv_.size() &&
+                  amax_history.size() == amax_history_.size(),
+              "FP8Meta::restore: expected ", scale_.size(), " scales and ", amax_history_.size(),
+              " history values, got ", scale.size(), " and ", amax_history.size(),
+              " (saved with another amax_history_len or model?)");
+  scale_ = scale;
+  scale_inv_ = scale_inv;
+  amax_history_ = amax_history;
+}
+
 void FP8Meta::update(const recipe::DelayedScaling& recipe) {
   OCTET_CHECK(num_tensors() > 0, "FP8Meta::update: meta has no tensors (default-constructed)");
   OCTET_CHECK(recipe.amax_history_len == history_len_,

@@ -58,6 +58,52 @@ void Fp8State::begin_backward(const recipe::Recipe& recipe) {
   ++backward_calls_;
 }
 
+namespace {
+
+Tensor floats_tensor(const std::vector<float>& values) {
+  return Tensor::from_floats({static_cast<int64_t>(values.size())}, values);
+}
+
+std::vector<float> floats_of(const TensorMap& in, const std::string& name) {
+  auto it = in.find(name);
+  OCTET_CHECK(it != in.end(), "FP8 state: missing tensor '", name, "' in the checkpoint");
+  check_dtype(it->second, DType::F32, "FP8 state: " + name);
+  return it->second.to_floats();
+}
+
+}  // namespace
+
+void Fp8State::save_state(TensorMap& out, const std::string& prefix) const {
+  if (forward_meta_.history_len() == 0) return;
+  for (auto [part, meta] : {std::pair<const char*, const FP8Meta*>{"forward.", &forward_meta_},
+                            {"backward.", &backward_meta_}}) {
+    out[prefix + part + "scale"] = floats_tensor(meta->scales());
+    out[prefix + part + "scale_inv"] = floats_tensor(meta->scale_invs());
+    out[prefix + part + "amax_history"] = floats_tensor(meta->amax_history_data());
+  }
+  Tensor calls = Tensor::empty({2}, DType::I64);
+  calls.data<int64_t>()[0] = forward_calls_;
+  calls.data<int64_t>()[1] = backward_calls_;
+  out[prefix + "calls"] = calls;
+}
+
+void Fp8State::load_state(const TensorMap& in, const std::string& prefix,
+                          const recipe::Recipe& recipe) {
+  ensure_metas(recipe);
+  for (auto [part, meta] : {std::pair<const char*, FP8Meta*>{"forward.", &forward_meta_},
+                            {"backward.", &backward_meta_}}) {
+    meta->restore(floats_of(in, prefix + part + "scale"),
+                  floats_of(in, prefix + part + "scale_inv"),
+                  floats_of(in, prefix + part + "amax_history"));
+  }
+  auto it = in.find(prefix + "calls");
+  OCTET_CHECK(it != in.end(), "FP8 state: missing tensor '", prefix, "calls' in the checkpoint");
+  check_shape(it->second, {2}, "FP8 state: " + prefix + "calls");
+  check_dtype(it->second, DType::I64, "FP8 state: " + prefix + "calls");
+  forward_calls_ = static_cast<int>(it->second.data<int64_t>()[0]);
+  backward_calls_ = static_cast<int>(it->second.data<int64_t>()[1]);
+}
+
 Quantizer Fp8State::input_quantizer(int gemm) {
   return make_quantizer(recipe_, TensorRole::Input, &forward_meta_, 2 * gemm);
 }

@@ -199,6 +199,16 @@ TrainResult train_gpt(const TrainOptions& o) {
     model.load_state_dict(checkpoint.model);
     optimizer.load_state(checkpoint.optimizer, count("optimizer_steps"));
     start_iteration = count("iteration");
+    if (fp8) {
+      // Amax histories and scales continue where they were, so FP8 resumes exactly.
+      std::vector<Fp8State*> states = fp8_states(model);
+      for (size_t i = 0; i < states.size(); ++i) {
+        std::string prefix = "fp8." + std::to_string(i) + ".";
+        if (checkpoint.optimizer.count(prefix + "calls")) {
+          states[i]->load_state(checkpoint.optimizer, prefix, recipe);
+        }
+      }
+    }
   }
 
   const double peak = o.peak_gflops > 0 ? o.peak_gflops : measure_bf16_peak_gflops();
@@ -231,6 +241,10 @@ TrainResult train_gpt(const TrainOptions& o) {
     Checkpoint checkpoint;
     checkpoint.model = model.state_dict();
     checkpoint.optimizer = optimizer.state();
+    std::vector<Fp8State*> states = fp8_states(model);
+    for (size_t i = 0; i < states.size(); ++i) {
+      states[i]->save_state(checkpoint.optimizer, "fp8." + std::to_string(i) + ".");
+    }
     checkpoint.trainer = {{"iteration", iteration},
                           {"optimizer_steps", optimizer.steps()},
                           {"config", config.to_json()},
