@@ -34,7 +34,7 @@ void run_generate(const GenerateOptions& o) {
               "': trainer.json has no model config");
   GPTConfig config = GPTConfig::from_json(checkpoint.trainer.at("config"));
   GPT model(config, 0);
-  model.load_state_dict(checkpoint.model);
+  model.load_state_dict(from_hf_gpt2_names(checkpoint.model));
   Gpt2Tokenizer tokenizer = Gpt2Tokenizer::load(vocab_dir_or_default(o.vocab_dir));
   std::vector<int32_t> prompt = tokenizer.encode(o.prompt);
   std::printf("%s", o.prompt.c_str());

@@ -100,4 +100,10 @@ class GPT : public Module {
   Tensor logits_workspace_, dlogits_workspace_;
 };
 
+// Checkpoint names: a state_dict() renamed to Hugging Face GPT-2's names where the layer
+// matches (transformer.h.{i}.ln_1 / attn.c_attn / attn.c_proj / ln_2 / mlp.c_fc / mlp.c_proj,
+// linear weights transposed to GPT-2's Conv1D [in, out]); other names pass unchanged.
+TensorMap to_hf_gpt2_names(const TensorMap& ours);
+TensorMap from_hf_gpt2_names(const TensorMap& theirs);
+
 }  // namespace octet

@@ -196,7 +196,7 @@ TrainResult train_gpt(const TrainOptions& o) {
                   "', got ", trainer.contains(key) ? trainer[key].dump() : "none");
       return trainer[key].get<int64_t>();
     };
-    model.load_state_dict(checkpoint.model);
+    model.load_state_dict(from_hf_gpt2_names(checkpoint.model));
     optimizer.load_state(checkpoint.optimizer, count("optimizer_steps"));
     start_iteration = count("iteration");
     if (fp8) {
@@ -239,7 +239,7 @@ TrainResult train_gpt(const TrainOptions& o) {
   };
   auto save = [&](int64_t iteration) {
     Checkpoint checkpoint;
-    checkpoint.model = model.state_dict();
+    checkpoint.model = to_hf_gpt2_names(model.state_dict());
     checkpoint.optimizer = optimizer.state();
     std::vector<Fp8State*> states = fp8_states(model);
     for (size_t i = 0; i < states.size(); ++i) {

@@ -401,6 +401,34 @@ void expect_error(const std::function<void()>& run, const std::string& needle) {
   }
 }
 
+TEST(GPT, CheckpointNamesFollowHuggingFaceGpt2) {
+  GPT model(GPTConfig::from_json(tiny_config()), 3);
+  TensorMap ours = model.state_dict();
+  TensorMap hf = to_hf_gpt2_names(ours);
+  const int64_t C = model.config().hidden;
+  // GPT-2's Conv1D keeps [in, out]: c_attn is [C, 3C], c_fc [C, 4C], c_proj [4C, C].
+  EXPECT_EQ(hf.at("transformer.h.0.attn.c_attn.weight").shape(), (Shape{C, 3 * C}));
+  EXPECT_EQ(hf.at("transformer.h.1.mlp.c_fc.weight").shape(), (Shape{C, 4 * C}));
+  EXPECT_EQ(hf.at("transformer.h.1.mlp.c_proj.weight").shape(), (Shape{4 * C, C}));
+  for (const char* name : {"transformer.wte.weight", "transformer.wpe.weight",
+                           "transformer.ln_f.weight", "transformer.h.0.ln_1.bias",
+                           "transformer.h.0.attn.c_proj.bias", "transformer.h.1.ln_2.weight"}) {
+    EXPECT_TRUE(hf.count(name)) << name;
+  }
+  EXPECT_EQ(hf.size(), ours.size());
+  // c_attn[i][j] is our QKV weight [j][i].
+  const Tensor& qkv = ours.at("transformer.h.0.self_attention.layernorm_qkv.weight");
+  const Tensor& c_attn = hf.at("transformer.h.0.attn.c_attn.weight");
+  EXPECT_EQ(c_attn.data<float>()[5 * 3 * C + 7], qkv.data<float>()[7 * C + 5]);
+  // And back: the exact tensors.
+  TensorMap back = from_hf_gpt2_names(hf);
+  ASSERT_EQ(back.size(), ours.size());
+  for (const auto& [name, tensor] : ours) {
+    EXPECT_EQ(back.at(name).shape(), tensor.shape()) << name;
+    EXPECT_EQ(back.at(name).to_floats(), tensor.to_floats()) << name;
+  }
+}
+
 TEST(GPT, BadCheckpointsDataAndFlagsAreClearErrors) {
   TrainFixture fixture;
   TrainOptions base = fixture.options("fp32");
