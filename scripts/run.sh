@@ -10,7 +10,7 @@ OUT="${OUT:-out}"
 
 bash scripts/setup.sh
 bash scripts/fetch_data.sh
-bash scripts/build.sh build
+TARGET=octet_cli bash scripts/build.sh build
 mkdir -p "$OUT"
 
 ./build/octet info

@@ -13,5 +13,5 @@ bash scripts/build.sh build-sanitize -DOCTET_SANITIZE=ON -DCMAKE_BUILD_TYPE=RelW
 # oneDNN's JIT and libgomp keep allocations alive for the process lifetime: leaks are not
 # findings here; every other ASan/UBSan report fails the run.
 (cd build-sanitize && ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 \
-  UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 OCTET_SANITIZE_RUN=1 \
+  UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
   ctest --output-on-failure -j 2)
