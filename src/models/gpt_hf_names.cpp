@@ -1,7 +1,7 @@
 // Checkpoint names: octet's module names <-> Hugging Face GPT-2's where the layer matches.
 // GPT-2 keeps its linear weights as Conv1D [in, out]; octet's Linear is [out, in], so those
 // four matrices are transposed on the way out and back.
-#include <regex>
+#include <cctype>
 
 #include "octet/model.h"
 
@@ -44,11 +44,13 @@ Tensor transposed(const Tensor& t) {
 
 // Splits "transformer.h.12.rest" into (prefix "transformer.h.12.", rest); false otherwise.
 bool split_layer(const std::string& name, std::string& prefix, std::string& rest) {
-  static const std::regex pattern(R"(^(transformer\.h\.\d+\.)(.*)$)");
-  std::smatch match;
-  if (!std::regex_match(name, match, pattern)) return false;
-  prefix = match[1];
-  rest = match[2];
+  const std::string head = "transformer.h.";
+  if (name.compare(0, head.size(), head) != 0) return false;
+  size_t end = head.size();
+  while (end < name.size() && std::isdigit(static_cast<unsigned char>(name[end]))) ++end;
+  if (end == head.size() || end >= name.size() || name[end] != '.') return false;
+  prefix = name.substr(0, end + 1);
+  rest = name.substr(end + 1);
   return true;
 }
 
