@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "bench_common.h"
 #include "commands.h"
 #include "octet/cpu.h"
 #include "octet/gemm.h"
@@ -182,27 +183,9 @@ void measure_ours(const GemmSize& size, const Options& options, Results& results
   }
 }
 
-std::filesystem::path find_torch_script() {
-  const std::filesystem::path relative = "bench/peers/torch_gemm.py";
-  std::vector<std::filesystem::path> candidates = {std::filesystem::path(OCTET_SOURCE_DIR) /
-                                                   relative};
-  std::error_code error;
-  const auto exe = std::filesystem::read_symlink("/proc/self/exe", error);
-  if (!error) {
-    for (auto dir = exe.parent_path(); !dir.empty() && dir != dir.root_path();
-         dir = dir.parent_path()) {
-      candidates.push_back(dir / relative);
-    }
-  }
-  for (const auto& candidate : candidates) {
-    if (std::filesystem::exists(candidate)) return candidate;
-  }
-  return {};
-}
-
 // Runs the PyTorch peer once for all shapes; returns false (with a note) when it cannot.
 bool measure_torch(const std::vector<GemmSize>& sizes, const Options& options, Results& results) {
-  const std::filesystem::path script = find_torch_script();
+  const std::filesystem::path script = bench::find_peer_script("torch_gemm.py");
   if (script.empty()) {
     std::fprintf(stderr, "bench gemm: bench/peers/torch_gemm.py not found; no torch figures\n");
     return false;

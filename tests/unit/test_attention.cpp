@@ -7,6 +7,7 @@
 
 #include "octet/cpu.h"
 #include "octet/ops/attention.h"
+#include "octet/rng.h"
 #include "ops/attention/checks.h"
 #include "torch_reference.h"
 
@@ -290,20 +291,13 @@ TEST(Attention, FiniteDifferencesMatchBackward) {
   }
 }
 
-// Random123's known answers for Philox4x32-10.
-TEST(Attention, PhiloxMatchesKnownAnswers) {
-  using ops::attention_detail::philox4x32_10;
-  auto zero = philox4x32_10(0, 0, 0, 0, 0);
-  EXPECT_EQ(zero.word[0], 0x6627e8d5u);
-  EXPECT_EQ(zero.word[1], 0xe169c58du);
-  EXPECT_EQ(zero.word[2], 0xbc57ac4cu);
-  EXPECT_EQ(zero.word[3], 0x9b00dbd8u);
-  auto pi =
-      philox4x32_10(0x299f31d0a4093822ull, 0x243f6a88u, 0x85a308d3u, 0x13198a2eu, 0x03707344u);
-  EXPECT_EQ(pi.word[0], 0xd16cfe09u);
-  EXPECT_EQ(pi.word[1], 0x94fdccebu);
-  EXPECT_EQ(pi.word[2], 0x5001e420u);
-  EXPECT_EQ(pi.word[3], 0x24126ea1u);
+// The dropout words are Philox4x32-10 (include/octet/rng.h, its known answers are tested in
+// test_dropout) at counter (j / 4, i, b * H + h, offset), as attention.h documents.
+TEST(Attention, DropoutWordsUseTheDocumentedCounter) {
+  auto words = ops::attention_detail::dropout_words(0x299f31d0a4093822ull, 7, 5, 9, 12);
+  auto expected =
+      philox4x32(0x299f31d0a4093822ull, (uint64_t{9} << 32) | 3, (uint64_t{7} << 32) | 5);
+  for (int w = 0; w < 4; ++w) EXPECT_EQ(words.word[w], expected[w]) << w;
 }
 
 TEST(Attention, DropoutKeepRateAndDeterminism) {

@@ -2,10 +2,12 @@
 #pragma once
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 
 #include "octet/ops/attention.h"
+#include "octet/rng.h"
 
 namespace octet::ops::attention_detail {
 
@@ -100,32 +102,20 @@ inline KeyRange visible_keys(const AttentionShape& s, const AttentionOptions& o,
   return r;
 }
 
-// Philox4x32-10 (Salmon et al., Random123): four 32-bit words from a 128-bit counter.
+// Four 32-bit words of Philox4x32-10 (include/octet/rng.h).
 struct Philox {
   uint32_t word[4];
 };
 
-inline Philox philox4x32_10(uint64_t seed, uint32_t c0, uint32_t c1, uint32_t c2, uint32_t c3) {
-  uint32_t k0 = static_cast<uint32_t>(seed), k1 = static_cast<uint32_t>(seed >> 32);
-  for (int round = 0; round < 10; ++round) {
-    const uint64_t p0 = uint64_t{0xD2511F53u} * c0;
-    const uint64_t p1 = uint64_t{0xCD9E8D57u} * c2;
-    const uint32_t n0 = static_cast<uint32_t>(p1 >> 32) ^ c1 ^ k0;
-    const uint32_t n2 = static_cast<uint32_t>(p0 >> 32) ^ c3 ^ k1;
-    c1 = static_cast<uint32_t>(p1);
-    c3 = static_cast<uint32_t>(p0);
-    c0 = n0;
-    c2 = n2;
-    k0 += 0x9E3779B9u;
-    k1 += 0xBB67AE85u;
-  }
-  return {{c0, c1, c2, c3}};
-}
-
 // The four dropout words of keys j4 .. j4+3 (j4 a multiple of 4) for row i of head (b, h).
 inline Philox dropout_words(uint64_t seed, uint64_t offset, int64_t bh, int64_t i, int64_t j4) {
-  return philox4x32_10(seed, static_cast<uint32_t>(j4 >> 2), static_cast<uint32_t>(i),
-                       static_cast<uint32_t>(bh), static_cast<uint32_t>(offset));
+  // Counter words (j4 / 4, i, bh, offset), as the 128-bit counter rng.h takes.
+  const uint64_t low =
+      uint64_t{static_cast<uint32_t>(j4 >> 2)} | (uint64_t{static_cast<uint32_t>(i)} << 32);
+  const uint64_t high =
+      uint64_t{static_cast<uint32_t>(bh)} | (uint64_t{static_cast<uint32_t>(offset)} << 32);
+  const std::array<uint32_t, 4> words = philox4x32(seed, low, high);
+  return {{words[0], words[1], words[2], words[3]}};
 }
 
 // A word keeps its element when word >= threshold.

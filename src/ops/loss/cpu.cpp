@@ -4,7 +4,8 @@
 // only workspace is threads x kVocabChunk floats, never anything of size N x V.
 //
 // NaN in a row propagates to its loss through the plain sum of the logits (kept anyway for
-// label smoothing), and to its gradient through exp_approx, which keeps NaN.
+// label smoothing), and to its gradient through math::exp (src/ops/activation/math.h), which keeps
+// NaN.
 #include <omp.h>
 
 #include <algorithm>
@@ -12,6 +13,7 @@
 #include <cstring>
 #include <type_traits>
 
+#include "ops/activation/math.h"
 #include "ops/loss/checks.h"
 #include "ops/simd.h"
 
@@ -19,27 +21,6 @@ namespace octet::ops {
 namespace {
 
 constexpr int64_t kVocabChunk = 2048;  // 8 KiB of F32: the chunk stays in L1 between its passes
-
-// e^x for x <= 88 with a relative error of about 2 ulp (Cephes expf), branch-free so that loops
-// calling it vectorize. Inputs below -87.3 (-inf included) give 2^-126 instead of 0: a term of
-// 1e-38 against a sum of at least 1. NaN stays NaN.
-OCTET_ALWAYS_INLINE float exp_approx(float x) {
-  x = simd::select(x < -87.33654f, -87.33654f, x);
-  x = simd::select(x > 88.0f, 88.0f, x);
-  // k = round(x / ln2): adding 1.5 * 2^23 leaves k in the low mantissa bits.
-  const float shifted = x * 1.44269504088896341f + 12582912.0f;
-  const float k = shifted - 12582912.0f;
-  const uint32_t k_bits = std::bit_cast<uint32_t>(shifted) - 0x4B400000u;
-  const float r = x - k * 0.693359375f - k * -2.12194440e-4f;  // ln2 split in two, hi exact
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  const float poly = p * r * r + r + 1.0f;
-  return poly * std::bit_cast<float>((k_bits + 127u) << 23);
-}
 
 OCTET_ALWAYS_INLINE float chunk_max(const float* x, int64_t n) {
   float max = -INFINITY;
@@ -54,7 +35,7 @@ OCTET_ALWAYS_INLINE float chunk_sum_exp(const float* x, int64_t n, float shift, 
   float sum_x = 0.0f;
 #pragma omp simd reduction(+ : sum_exp, sum_x)
   for (int64_t j = 0; j < n; ++j) {
-    sum_exp += exp_approx(x[j] - shift);
+    sum_exp += math::exp(x[j] - shift);
     sum_x += x[j];
   }
   *sum += sum_x;
@@ -66,7 +47,7 @@ template <typename T>
 OCTET_ALWAYS_INLINE void chunk_grad(const float* x, int64_t n, float lse, float scale, float offset,
                                     T* dx) {
 #pragma omp simd
-  for (int64_t j = 0; j < n; ++j) simd::store(scale * exp_approx(x[j] - lse) - offset, dx + j);
+  for (int64_t j = 0; j < n; ++j) simd::store(scale * math::exp(x[j] - lse) - offset, dx + j);
 }
 
 // The chunk as F32: F32 rows are read where they lie, BF16 ones widened into buffer.
@@ -114,7 +95,7 @@ OCTET_ALWAYS_INLINE float row_body(const T* x, int64_t target, const RowArgs& a,
       const int64_t n = std::min(kVocabChunk, a.vocab - begin);
       chunk_grad(chunk_f32(x + begin, n, buffer), n, lse_f, a.grad_scale, offset, dx + begin);
     }
-    const float p_target = exp_approx(x_target - lse_f);
+    const float p_target = math::exp(x_target - lse_f);
     simd::store(a.grad_scale * (p_target - (1.0f - a.smoothing)) - offset, dx + target);
   }
   return static_cast<float>(loss);
