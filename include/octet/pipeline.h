@@ -1,0 +1,154 @@
+// Pipeline parallelism as data: a schedule is, per rank, an ordered list of actions (compute a
+// forward / backward / weight-gradient of one micro-batch on one model chunk, or send / receive
+// its activation or gradient). Generators build the schedules (1F1B, interleaved 1F1B,
+// zero-bubble ZB-H1, DualPipe, DualPipeV); one simulator runs any of them with given costs,
+// checks it (dependencies, message matching, deadlock) and measures makespan, bubble and memory.
+// The executor runs the same action lists with the real model and checks them here first.
+//
+// Terms. A micro-batch passes through `stages` pipeline stages in order (its route); stage s of
+// micro-batch m lives on one (rank, chunk) place. A rank holds `chunks_per_rank` model chunks.
+// Messages are point-to-point and non-blocking on the sending side (isend): a send never waits,
+// its data arrives `latency` later; a receive waits for the matching send's data.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace octet::pipeline {
+
+enum class ActionKind : std::uint8_t {
+  Forward,          // forward of (micro_batch, chunk)
+  Backward,         // full backward: input gradient and weight gradient together
+  BackwardInput,    // input-gradient half of a split backward (sent upstream at once)
+  BackwardWeight,   // weight-gradient half, deferred to fill bubbles; needs BackwardInput first
+  ForwardBackward,  // DualPipe's overlapped pair: forward of (micro_batch, chunk) together with
+                    // the full backward of (backward_micro_batch, backward_chunk)
+  SendForward,      // send the activation that Forward(micro_batch, chunk) produced to `peer`
+  RecvForward,      // receive the input activation of (micro_batch, chunk) from `peer`
+  SendBackward,     // send the input gradient of (micro_batch, chunk) to `peer`
+  RecvBackward,     // receive the output gradient of (micro_batch, chunk) from `peer`
+};
+
+struct Action {
+  ActionKind kind = ActionKind::Forward;
+  int micro_batch = 0;
+  int chunk = 0;                  // model chunk on this rank, 0 .. chunks_per_rank-1
+  int peer = -1;                  // send / receive only: the other rank
+  int backward_micro_batch = -1;  // ForwardBackward only: the backward half
+  int backward_chunk = -1;
+};
+
+bool is_compute(ActionKind kind);
+const char* kind_name(ActionKind kind);      // "F", "B", "BI", "W", "F&B", "SendF", ...
+std::string describe(const Action& action);  // "F(mb 3, chunk 1)", "RecvB(mb 2, chunk 0) from 1"
+
+struct Place {
+  int rank = 0;
+  int chunk = 0;
+};
+
+enum class ScheduleKind : std::uint8_t { OneFOneB, Interleaved, ZeroBubbleH1, DualPipe, DualPipeV };
+
+const char* schedule_name(ScheduleKind kind);  // "1F1B", "interleaved", "ZB1P", "DualPipe", ...
+ScheduleKind parse_schedule_kind(
+    const std::string& text);  // 1f1b|interleaved|zb1p|dualpipe|dualpipev
+
+struct Schedule {
+  ScheduleKind kind = ScheduleKind::OneFOneB;
+  int ranks = 1;
+  int micro_batches = 1;
+  int chunks_per_rank = 1;  // v for interleaved, 2 for DualPipe / DualPipeV
+  int virtual_stages = 1;   // the v asked for (interleaved); 1 otherwise
+  int stages = 1;           // stages in a micro-batch's route
+  // Share of one rank's 1F1B work (L/ranks layers) that one chunk holds: 1/v interleaved, 1/2
+  // DualPipeV; the simulator scales the costs by it so all schedules run the same model.
+  double chunk_work = 1.0;
+  int model_copies = 1;                      // 2 for DualPipe (one per direction)
+  std::vector<std::vector<Place>> routes;    // routes[route][stage]
+  std::vector<int> route_of_micro_batch;     // [micro_batches]
+  std::vector<std::vector<Action>> actions;  // [ranks], each in execution order
+
+  const Place& place(int micro_batch, int stage) const;
+  // The stage micro_batch runs on (rank, chunk), or -1 when its route does not pass there.
+  int stage_of(int micro_batch, int rank, int chunk) const;
+};
+
+// Generators. Invalid sizes throw octet::Error saying what is needed and what came.
+Schedule schedule_1f1b(int ranks, int micro_batches);  // PipeDream-flush / Megatron
+Schedule schedule_interleaved_1f1b(int ranks, int micro_batches, int virtual_stages);  // Megatron
+Schedule schedule_zero_bubble_h1(int ranks, int micro_batches);  // ZB-H1 ("ZB1P")
+Schedule schedule_dualpipe(int ranks, int micro_batches);        // DeepSeek-V3 DualPipe
+Schedule schedule_dualpipev(int ranks, int micro_batches);       // V-shape, "cut-in-half"
+Schedule make_schedule(ScheduleKind kind, int ranks, int micro_batches, int virtual_stages = 2);
+
+// Costs of one action on a chunk holding one rank's 1F1B share (scaled by Schedule::chunk_work).
+struct Costs {
+  double forward = 1.0;            // F
+  double backward = 2.0;           // B: full backward (input + weight)
+  double backward_weight = 1.0;    // W; BackwardInput costs B - W
+  double forward_backward = -1.0;  // F&B, the overlapped pair; negative means F + B
+  double latency = 0.0;            // point-to-point: arrival = send time + latency
+  double overlapped() const { return forward_backward < 0 ? forward + backward : forward_backward; }
+};
+
+struct TimedAction {
+  int index = 0;  // into Schedule::actions[rank]
+  double start = 0.0;
+  double end = 0.0;
+};
+
+struct RankReport {
+  double busy = 0.0;    // compute time
+  double bubble = 0.0;  // makespan - busy: idle time on this rank inside [0, makespan]
+  double first_start = 0.0;
+  double last_end = 0.0;
+  int peak_activations = 0;           // chunks forwarded whose BackwardInput / Backward has not run
+  int peak_pending_weights = 0;       // split backwards whose BackwardWeight has not run
+  std::vector<TimedAction> timeline;  // compute actions only
+};
+
+// Bubble: the longest idle time of any rank, max over ranks of (makespan - its compute time),
+// i.e. makespan minus the compute of the least busy rank (with latency 0 every rank starts at
+// 0, so this counts warm-up, waits and cool-down). It is the "bubble" of the published
+// formulas: in 1F1B / interleaved / ZB1P every rank computes the same and idles the same; in
+// DualPipe / DualPipeV the ranks nearer the middle overlap more F&B pairs, compute less and
+// idle more, and the DualPipe README's (PP/2-1)(F&B+B-3W) is their idle time. That formula
+// is exact when a forward costs as much as a backward-input (F = B - W, as the cells of the
+// README's figure are drawn); for other costs the simulated bubble is the true one.
+struct SimulationReport {
+  double makespan = 0.0;
+  double bubble = 0.0;
+  double bubble_fraction = 0.0;  // bubble / makespan
+  int peak_activations = 0;      // max over ranks, in chunks
+  int peak_pending_weights = 0;
+  std::vector<RankReport> ranks;
+};
+
+// Runs the schedule as a discrete-event simulation (each rank in order, a receive waits for its
+// send). Throws octet::Error on: an action out of dependency order (backward before forward,
+// send before compute, compute before its receive), a place the micro-batch's route does not
+// pass, a duplicated or missing forward / backward / weight gradient, a message sent to the
+// wrong rank or never received, and deadlock (naming what each stuck rank waits for).
+SimulationReport simulate(const Schedule& schedule, const Costs& costs);
+// Pre-flight check for the executor: simulate with unit costs, throw on any defect.
+void check_schedule(const Schedule& schedule);
+
+// The published closed forms, at latency 0, in the same cost units as simulate().
+struct PublishedFigures {
+  std::string bubble_formula;  // "(PP-1)(F+B)" ...
+  double bubble = 0.0;
+  int activations = 0;               // peak in-flight chunk activations on the first rank
+  double parameters_per_rank = 1.0;  // relative to 1F1B's L/ranks layers
+};
+PublishedFigures published_figures(const Schedule& schedule, const Costs& costs);
+
+// One row per rank, coloured boxes F / B / BI / W / F&B labelled by micro-batch, one panel per
+// schedule. Written to a temporary name, then renamed.
+struct TimelinePanel {
+  const Schedule* schedule = nullptr;
+  const SimulationReport* report = nullptr;
+};
+void write_timeline_svg(const std::vector<TimelinePanel>& panels, const std::string& path);
+
+}  // namespace octet::pipeline
