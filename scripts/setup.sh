@@ -12,6 +12,7 @@ packages=(
   libgtest-dev              # unit tests
   python3-torch python3-numpy  # PyTorch 1.13: reference numerics and the benchmark peer
   clang-format
+  libopenmpi-dev openmpi-bin  # MPI: the communicator of data, tensor and pipeline parallelism
   nodejs npm                # fetches the pinned npm data packages; runs the reference encoder
 )
 

@@ -1,0 +1,202 @@
+// The MPI progress thread. MPI does not move data for a non-blocking operation unless some
+// MPI call is running, so this thread polls the pending requests (MPI_Testall) while the
+// compute threads work; when nothing completed it naps briefly to leave the cores to them.
+#include "parallel/mpi_engine.h"
+
+#include <cmath>
+#include <cstdlib>
+
+#include "octet/dtype.h"
+#include "octet/error.h"
+
+namespace octet::parallel_detail {
+
+void check_mpi(int code, const char* call) {
+  if (code == MPI_SUCCESS) return;
+  char text[MPI_MAX_ERROR_STRING];
+  int length = 0;
+  MPI_Error_string(code, text, &length);
+  fail(detail::concat(call, ": ", std::string(text, static_cast<size_t>(length))));
+}
+
+namespace {
+
+template <typename Combine>
+void combine_bf16(void* in, void* inout, int* length, Combine combine) {
+  const uint16_t* a = static_cast<const uint16_t*>(in);
+  uint16_t* b = static_cast<uint16_t*>(inout);
+  for (int i = 0; i < *length; ++i) {
+    b[i] = float_to_bf16(combine(bf16_to_float(a[i]), bf16_to_float(b[i])));
+  }
+}
+
+float nan_max(float a, float b) {
+  return std::isnan(a) || std::isnan(b) ? NAN : std::max(a, b);
+}
+float nan_min(float a, float b) {
+  return std::isnan(a) || std::isnan(b) ? NAN : std::min(a, b);
+}
+
+void bf16_sum(void* in, void* inout, int* length, MPI_Datatype*) {
+  combine_bf16(in, inout, length, [](float a, float b) { return a + b; });
+}
+void bf16_max(void* in, void* inout, int* length, MPI_Datatype*) {
+  combine_bf16(in, inout, length, nan_max);
+}
+void bf16_min(void* in, void* inout, int* length, MPI_Datatype*) {
+  combine_bf16(in, inout, length, nan_min);
+}
+void f32_max(void* in, void* inout, int* length, MPI_Datatype*) {
+  const float* a = static_cast<const float*>(in);
+  float* b = static_cast<float*>(inout);
+  for (int i = 0; i < *length; ++i) b[i] = nan_max(a[i], b[i]);
+}
+void f32_min(void* in, void* inout, int* length, MPI_Datatype*) {
+  const float* a = static_cast<const float*>(in);
+  float* b = static_cast<float*>(inout);
+  for (int i = 0; i < *length; ++i) b[i] = nan_min(a[i], b[i]);
+}
+
+}  // namespace
+
+MpiEngine& MpiEngine::instance() {
+  static MpiEngine engine;
+  return engine;
+}
+
+MpiEngine::MpiEngine() {
+  thread_ = std::thread([this] { loop(); });
+  std::unique_lock<std::mutex> lock(mutex_);
+  ready_.wait(lock, [&] { return initialized_; });
+  if (!init_error_.empty()) fail("MPI: " + init_error_);
+}
+
+MpiEngine::~MpiEngine() {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    stop_ = true;
+  }
+  wake_.notify_all();
+  if (thread_.joinable()) thread_.join();
+}
+
+void MpiEngine::initialize() {
+  int provided = 0;
+  int code = MPI_Init_thread(nullptr, nullptr, MPI_THREAD_FUNNELED, &provided);
+  if (code != MPI_SUCCESS) {
+    init_error_ = "MPI_Init_thread failed";
+    return;
+  }
+  MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN);
+  MPI_Comm_rank(MPI_COMM_WORLD, &world_rank_);
+  MPI_Comm_size(MPI_COMM_WORLD, &world_size_);
+  MPI_Op_create(bf16_sum, 1, &bf16_sum_);
+  MPI_Op_create(bf16_max, 1, &bf16_max_);
+  MPI_Op_create(bf16_min, 1, &bf16_min_);
+  MPI_Op_create(f32_max, 1, &f32_max_);
+  MPI_Op_create(f32_min, 1, &f32_min_);
+}
+
+MPI_Op MpiEngine::bf16_op(ReduceOp op) const {
+  return op == ReduceOp::Sum ? bf16_sum_ : op == ReduceOp::Max ? bf16_max_ : bf16_min_;
+}
+
+MPI_Op MpiEngine::f32_op(ReduceOp op) const {
+  return op == ReduceOp::Sum ? MPI_SUM : op == ReduceOp::Max ? f32_max_ : f32_min_;
+}
+
+void MpiEngine::run(const std::function<void()>& call) {
+  Work work = submit("MPI call", [&call]() {
+    call();
+    return std::vector<MPI_Request>();
+  });
+  work.wait();
+}
+
+Work MpiEngine::submit(std::string description, std::function<std::vector<MPI_Request>()> start,
+                       std::function<void(std::span<MPI_Status>)> finish) {
+  auto state = std::make_shared<detail::WorkState>(std::move(description));
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    OCTET_CHECK(!stop_, state->description, ": MPI is already finalized");
+    queue_.push_back(Operation{state, std::move(start), std::move(finish), {}, {}});
+  }
+  wake_.notify_one();
+  return Work(state);
+}
+
+bool MpiEngine::progress(std::vector<Operation>& active) {
+  bool any = false;
+  for (size_t i = 0; i < active.size();) {
+    Operation& op = active[i];
+    int flag = 0;
+    op.statuses.resize(op.requests.size());
+    int code = MPI_Testall(static_cast<int>(op.requests.size()), op.requests.data(), &flag,
+                           op.statuses.data());
+    if (code != MPI_SUCCESS || flag) {
+      std::string error;
+      try {
+        check_mpi(code, "MPI_Testall");
+        if (op.finish) op.finish(op.statuses);
+      } catch (const std::exception& e) {
+        error = e.what();
+      }
+      op.state->complete(std::move(error));
+      active.erase(active.begin() + static_cast<std::ptrdiff_t>(i));
+      any = true;
+    } else {
+      ++i;
+    }
+  }
+  return any;
+}
+
+void MpiEngine::loop() {
+  initialize();
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    initialized_ = true;
+  }
+  ready_.notify_all();
+  std::vector<Operation> active;
+  for (;;) {
+    std::deque<Operation> incoming;
+    {
+      std::unique_lock<std::mutex> lock(mutex_);
+      if (active.empty()) wake_.wait(lock, [&] { return stop_ || !queue_.empty(); });
+      // At exit, operations that never completed are abandoned: their peers are gone.
+      if (stop_ && queue_.empty()) break;
+      incoming.swap(queue_);
+    }
+    for (Operation& op : incoming) {
+      try {
+        op.requests = op.start();
+      } catch (const std::exception& e) {
+        op.state->complete(e.what());
+        continue;
+      }
+      if (op.requests.empty()) {
+        std::string error;
+        try {
+          if (op.finish) op.finish({});
+        } catch (const std::exception& e) {
+          error = e.what();
+        }
+        op.state->complete(std::move(error));
+      } else {
+        active.push_back(std::move(op));
+      }
+    }
+    if (!active.empty() && !progress(active)) {
+      // Nothing completed: a short nap keeps this thread from taking a core from compute.
+      std::this_thread::sleep_for(std::chrono::microseconds(20));
+    }
+  }
+  if (init_error_.empty()) {
+    int finalized = 0;
+    MPI_Finalized(&finalized);
+    if (!finalized) MPI_Finalize();
+  }
+}
+
+}  // namespace octet::parallel_detail

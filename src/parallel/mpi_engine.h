@@ -1,0 +1,70 @@
+// The one thread that makes every MPI call of the process (MPI_THREAD_FUNNELED: it also
+// initializes and finalizes MPI). Callers hand it operations; it starts them, polls their
+// requests while the callers compute, and completes their Work handles.
+#pragma once
+
+#include <mpi.h>
+
+#include <condition_variable>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <span>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "parallel/work.h"
+
+namespace octet::parallel_detail {
+
+class MpiEngine {
+ public:
+  // The process's engine; the first call starts the thread and initializes MPI.
+  static MpiEngine& instance();
+  ~MpiEngine();  // finalizes MPI (at exit)
+
+  // Runs `call` on the MPI thread and waits for it; its exception is rethrown here.
+  void run(const std::function<void()>& call);
+  // start() runs on the MPI thread and returns the requests to poll (none = complete);
+  // finish() runs there once they all completed, with their statuses (e.g. to check a
+  // received size).
+  Work submit(std::string description, std::function<std::vector<MPI_Request>()> start,
+              std::function<void(std::span<MPI_Status>)> finish = {});
+
+  int world_rank() const { return world_rank_; }
+  int world_size() const { return world_size_; }
+  // MPI ops for BF16 (carried as MPI_UINT16_T) and NaN-propagating F32 max/min.
+  MPI_Op bf16_op(ReduceOp op) const;
+  MPI_Op f32_op(ReduceOp op) const;
+
+ private:
+  struct Operation {
+    std::shared_ptr<detail::WorkState> state;
+    std::function<std::vector<MPI_Request>()> start;
+    std::function<void(std::span<MPI_Status>)> finish;
+    std::vector<MPI_Request> requests;
+    std::vector<MPI_Status> statuses;
+  };
+
+  MpiEngine();
+  void loop();
+  void initialize();
+  bool progress(std::vector<Operation>& active);
+
+  std::thread thread_;
+  std::mutex mutex_;
+  std::condition_variable wake_, ready_;
+  std::deque<Operation> queue_;
+  bool stop_ = false, initialized_ = false;
+  std::string init_error_;
+  int world_rank_ = 0, world_size_ = 1;
+  MPI_Op bf16_sum_ = MPI_OP_NULL, bf16_max_ = MPI_OP_NULL, bf16_min_ = MPI_OP_NULL;
+  MPI_Op f32_max_ = MPI_OP_NULL, f32_min_ = MPI_OP_NULL;
+};
+
+// "MPI_Isend: MPI_ERR_RANK: invalid rank" from a return code.
+void check_mpi(int code, const char* call);
+
+}  // namespace octet::parallel_detail

@@ -1,0 +1,54 @@
+// Megatron's rank layout: tensor-parallel ranks are consecutive, then data, then pipeline.
+#include "octet/error.h"
+#include "octet/parallel.h"
+
+namespace octet {
+
+ParallelState::ParallelState(std::shared_ptr<Communicator> world, int tensor_size,
+                             int pipeline_size)
+    : world_(std::move(world)), tensor_size_(tensor_size), pipeline_size_(pipeline_size) {
+  const int n = world_->size();
+  OCTET_CHECK(tensor_size >= 1 && pipeline_size >= 1,
+              "--tensor-model-parallel-size and --pipeline-model-parallel-size expected >= 1, "
+              "got ",
+              tensor_size, " and ", pipeline_size);
+  OCTET_CHECK(n % (tensor_size * pipeline_size) == 0, "world size ", n,
+              " expected a multiple of tensor-model-parallel-size (", tensor_size,
+              ") x pipeline-model-parallel-size (", pipeline_size,
+              ") = ", tensor_size * pipeline_size);
+  data_size_ = n / (tensor_size * pipeline_size);
+  const int r = world_->rank();
+  tensor_rank_ = r % tensor_size;
+  data_rank_ = (r / tensor_size) % data_size_;
+  pipeline_rank_ = r / (tensor_size * data_size_);
+  // Each split is collective over the world: every rank makes the same calls in order.
+  tensor_ = world_->split(data_rank_ + data_size_ * pipeline_rank_, tensor_rank_, "tensor");
+  data_ = world_->split(tensor_rank_ + tensor_size * pipeline_rank_, data_rank_, "data");
+  pipeline_ = world_->split(tensor_rank_ + tensor_size * data_rank_, pipeline_rank_, "pipeline");
+  tensor_and_data_ = world_->split(pipeline_rank_, r, "tensor+data");
+  model_ = world_->split(data_rank_, tensor_rank_ + tensor_size * pipeline_rank_, "model");
+}
+
+ParallelState ParallelState::single() {
+  ParallelState state;
+  std::shared_ptr<Communicator> self = self_communicator();
+  state.world_ = state.tensor_ = state.data_ = state.pipeline_ = self;
+  state.tensor_and_data_ = state.model_ = self;
+  return state;
+}
+
+int ParallelState::world_rank_of(int tensor_rank, int data_rank, int pipeline_rank) const {
+  OCTET_CHECK(tensor_rank >= 0 && tensor_rank < tensor_size_ && data_rank >= 0 &&
+                  data_rank < data_size_ && pipeline_rank >= 0 && pipeline_rank < pipeline_size_,
+              "parallel coordinates (tp ", tensor_rank, ", dp ", data_rank, ", pp ", pipeline_rank,
+              ") outside TP=", tensor_size_, " x DP=", data_size_, " x PP=", pipeline_size_);
+  return tensor_rank + tensor_size_ * (data_rank + data_size_ * pipeline_rank);
+}
+
+std::string ParallelState::describe() const {
+  return detail::concat("TP=", tensor_size_, " x DP=", data_size_, " x PP=", pipeline_size_,
+                        " (rank ", rank(), ": tp ", tensor_rank_, ", dp ", data_rank_, ", pp ",
+                        pipeline_rank_, ")");
+}
+
+}  // namespace octet
