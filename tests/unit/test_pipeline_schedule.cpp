@@ -307,6 +307,14 @@ TEST(PipelineSchedule, BrokenMessagesAndOrderAreReported) {
     const std::string text = error_of([&] { check_schedule(s); });
     EXPECT_NE(text.find("has no stage on rank 0 chunk 1"), std::string::npos) << text;
   }
+  {  // a route through a chunk the ranks do not hold
+    Schedule s = schedule_1f1b(2, 2);
+    s.routes[0][1].chunk = 1;
+    const std::string text = error_of([&] { check_schedule(s); });
+    EXPECT_NE(text.find("a route passes rank 1 chunk 1, expected 2 ranks of 1 chunks"),
+              std::string::npos)
+        << text;
+  }
   {  // a missing weight gradient
     Schedule s = schedule_zero_bubble_h1(2, 2);
     auto& rank0 = s.actions[0];

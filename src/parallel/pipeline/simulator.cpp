@@ -49,6 +49,23 @@ class Simulation {
       : s_(schedule), costs_(costs), state_(schedule.micro_batches * schedule.stages) {
     OCTET_CHECK(static_cast<int>(s_.actions.size()) == s_.ranks, "schedule: expected ", s_.ranks,
                 " action lists, got ", s_.actions.size());
+    OCTET_CHECK(static_cast<int>(s_.route_of_micro_batch.size()) == s_.micro_batches,
+                "schedule: expected a route for each of ", s_.micro_batches, " micro-batches, got ",
+                s_.route_of_micro_batch.size());
+    for (int route : s_.route_of_micro_batch) {
+      OCTET_CHECK(route >= 0 && route < static_cast<int>(s_.routes.size()), "schedule: route ",
+                  route, " of ", s_.routes.size());
+    }
+    for (const std::vector<Place>& route : s_.routes) {
+      OCTET_CHECK(static_cast<int>(route.size()) == s_.stages, "schedule: expected routes of ",
+                  s_.stages, " stages, got ", route.size());
+      for (const Place& p : route) {
+        OCTET_CHECK(
+            p.rank >= 0 && p.rank < s_.ranks && p.chunk >= 0 && p.chunk < s_.chunks_per_rank,
+            "schedule: a route passes rank ", p.rank, " chunk ", p.chunk, ", expected ", s_.ranks,
+            " ranks of ", s_.chunks_per_rank, " chunks");
+      }
+    }
     clock_.assign(s_.ranks, 0.0);
     pc_.assign(s_.ranks, 0);
     live_.assign(s_.ranks, 0);
