@@ -47,6 +47,16 @@ void register_train(CLI::App& app) {
   cmd->add_option("--seed", o->seed, "Seed for initialization and data order");
   cmd->add_option("--peak-gflops", o->peak_gflops,
                   "BF16 GEMM peak for MFU (default: measured at start-up)");
+  // Parallelism: run under `mpirun -np N`; data-parallel size = N / (TP x PP).
+  cmd->add_option("--tensor-model-parallel-size", o->tensor_model_parallel_size,
+                  "Tensor-parallel ranks (consecutive ranks)");
+  cmd->add_option("--pipeline-model-parallel-size", o->pipeline_model_parallel_size,
+                  "Pipeline stages");
+  cmd->add_flag("--use-distributed-optimizer", o->use_distributed_optimizer,
+                "ZeRO-1: shard AdamW state and master weights across data-parallel ranks");
+  cmd->add_flag("--overlap-grad-reduce,!--no-overlap-grad-reduce", o->overlap_grad_reduce,
+                "Reduce each gradient bucket as soon as backward finalizes it (default on)");
+  cmd->add_option("--ddp-bucket-size", o->ddp_bucket_size, "Elements per gradient bucket");
   cmd->callback([o] { train_gpt(*o); });
 }
 

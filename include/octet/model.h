@@ -3,6 +3,7 @@
 // forward, the chunked fused cross-entropy and backward; generation keeps no activations.
 #pragma once
 
+#include <functional>
 #include <optional>
 #include <string>
 #include <vector>
@@ -69,6 +70,20 @@ class GPT : public Module {
 
   void collect_parameters(std::vector<Parameter*>& out) override;
   void on_parameters_updated() override;
+  // train_step's backward calls the hook with the parameters whose gradients became final
+  // for the micro-batch: the final norm, each layer from the last, then the embeddings.
+  // Data parallelism starts reducing them while backward continues.
+  using GradReadyHook = std::function<void(const std::vector<Parameter*>&)>;
+  void set_grad_ready_hook(GradReadyHook hook) { grad_ready_hook_ = std::move(hook); }
+  // With this hook, the token embedding's backward hands its rows to the hook (rows[n]
+  // belongs to row ids[n] of wte; ids [N] I32, rows [N,C] F32) instead of adding them into
+  // wte.grad. wte's gradient is then final right after the output layer, at the start of
+  // backward, and reported ready there: its large reduction overlaps the whole backward.
+  using EmbeddingGradHook =
+      std::function<void(Parameter& table, const Tensor& ids, const Tensor& rows)>;
+  void set_embedding_grad_hook(EmbeddingGradHook hook) { embedding_grad_hook_ = std::move(hook); }
+  // Every parameter, in the order the hooks report them (both hooks set).
+  std::vector<Parameter*> parameters_in_backward_order();
   const GPTConfig& config() const { return config_; }
   std::vector<TransformerLayer>& layers() { return layers_; }
   // Hugging Face GPT-2 names where the layer matches (transformer.wte.weight, ...).
@@ -90,6 +105,11 @@ class GPT : public Module {
   Tensor embed(const Tensor& ids, int64_t position_offset);
   // Final norm then the tied output layer: hidden [B,C] -> logits [B,V] F32.
   Tensor logits_of_last(const Tensor& hidden);
+  void grads_ready(std::vector<Parameter*> parameters) const {
+    if (grad_ready_hook_) grad_ready_hook_(parameters);
+  }
+  GradReadyHook grad_ready_hook_;
+  EmbeddingGradHook embedding_grad_hook_;
 
   GPTConfig config_;
   std::vector<TransformerLayer> layers_;

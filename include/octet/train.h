@@ -149,6 +149,13 @@ struct TrainOptions {
   uint64_t seed = 1234;
   double peak_gflops = 0;  // 0 = measure the BF16 GEMM peak at start-up
   bool quiet = false;
+  // Parallelism, under `mpirun -np N`: data-parallel size = N / (tensor * pipeline). Every
+  // data-parallel rank runs global_batch / (micro_batch * DP) micro-batches per step.
+  int64_t tensor_model_parallel_size = 1;
+  int64_t pipeline_model_parallel_size = 1;
+  bool use_distributed_optimizer = false;      // ZeRO-1: shard AdamW state and master weights
+  bool overlap_grad_reduce = true;             // reduce gradient buckets while backward runs
+  int64_t ddp_bucket_size = int64_t{1} << 22;  // elements per gradient bucket
 };
 
 struct TrainResult {
@@ -158,6 +165,11 @@ struct TrainResult {
   std::vector<float> losses;  // per iteration
   double tokens_per_second = 0;
   double mfu = 0;
+  int world_size = 1;
+  // Data-parallel gradient reduction over the run: wall time in flight, and the part the
+  // step waited for (the rest was hidden behind backward); plus ZeRO's parameter gathers.
+  double grad_comm_seconds = 0, grad_exposed_seconds = 0;
+  double param_gather_seconds = 0;
 };
 
 TrainResult train_gpt(const TrainOptions& options);

@@ -87,6 +87,16 @@ void GPT::collect_parameters(std::vector<Parameter*>& out) {
   final_norm_.collect_parameters(out);
 }
 
+std::vector<Parameter*> GPT::parameters_in_backward_order() {
+  std::vector<Parameter*> out = {&wte};
+  for (Parameter* p : final_norm_.parameters()) out.push_back(p);
+  for (size_t i = layers_.size(); i-- > 0;) {
+    for (Parameter* p : layers_[i].parameters()) out.push_back(p);
+  }
+  if (wpe.value.defined()) out.push_back(&wpe);
+  return out;
+}
+
 void GPT::on_parameters_updated() {
   wte_bf16_ = Tensor();
   wte_packed_.reset();
@@ -201,13 +211,20 @@ float GPT::train_step(const Tensor& ids, const Tensor& targets, DType dtype, flo
   Tensor dhidden;
   float loss = output_layer(hidden, targets.reshape({B * T}), dtype, grad_scale, &dhidden);
   hidden = Tensor();
+  if (embedding_grad_hook_) grads_ready({&wte});
   Tensor dx = final_norm_.backward(dhidden, final_context).reshape({B, T, C});
+  grads_ready(final_norm_.parameters());
   for (size_t i = layers_.size(); i-- > 0;) {
     dx = layers_[i].backward(dx, contexts[i]);
     contexts[i] = TransformerLayer::Context{};
+    grads_ready(layers_[i].parameters());
   }
   Tensor dx32 = (dx.dtype() == DType::F32 ? dx : dx.to(DType::F32)).reshape({B * T, C});
-  ops::embedding_backward(ids.reshape({B * T}), dx32, wte.grad);
+  if (embedding_grad_hook_) {
+    embedding_grad_hook_(wte, ids.reshape({B * T}), dx32);
+  } else {
+    ops::embedding_backward(ids.reshape({B * T}), dx32, wte.grad);
+  }
   if (wpe.value.defined()) {
     const float* d = dx32.data<float>();
     float* g = wpe.grad.data<float>();
@@ -218,6 +235,10 @@ float GPT::train_step(const Tensor& ids, const Tensor& targets, DType dtype, flo
       }
     }
   }
+  std::vector<Parameter*> embeddings;
+  if (!embedding_grad_hook_) embeddings.push_back(&wte);
+  if (wpe.value.defined()) embeddings.push_back(&wpe);
+  if (!embeddings.empty()) grads_ready(embeddings);
   return loss;
 }
 

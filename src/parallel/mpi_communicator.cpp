@@ -76,7 +76,10 @@ class MpiCommunicator final : public Communicator {
     check_gathered(input, output, what);
     if (size_ == 1) return identity_copy(input, output, what);
     const int count = checked_count(input.numel(), what);
-    const void* send = input.raw();
+    // The input may already be this rank's block of the output (ZeRO's parameter gather).
+    const bool in_place = static_cast<const char*>(input.raw()) ==
+                          static_cast<const char*>(output.raw()) + rank_ * input.nbytes();
+    const void* send = in_place ? MPI_IN_PLACE : input.raw();
     void* receive = output.raw();
     MPI_Datatype type = element_type(input.dtype());
     return submit(describe(what, input), [=, this] {

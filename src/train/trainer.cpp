@@ -6,8 +6,10 @@
 #include <memory>
 
 #include "octet/data.h"
+#include "octet/data_parallel.h"
 #include "octet/gemm.h"
 #include "octet/model.h"
+#include "octet/parallel.h"
 #include "octet/rng.h"
 #include "octet/train.h"
 
@@ -159,15 +161,34 @@ TrainResult train_gpt(const TrainOptions& o) {
   const DType dtype = compute_dtype(o.precision);
   const bool fp8 = o.precision == "fp8";
   const recipe::Recipe recipe = fp8 ? make_recipe(o) : recipe::Recipe{};
-  const int64_t accumulation = global_batch / o.micro_batch_size;
+
+  // Without a launcher the world is this process alone, and MPI is never started.
+  std::shared_ptr<Communicator> world =
+      launcher_world_size() > 1 ? world_communicator() : self_communicator();
+  ParallelState parallel(world, static_cast<int>(o.tensor_model_parallel_size),
+                         static_cast<int>(o.pipeline_model_parallel_size));
+  OCTET_CHECK(parallel.tensor_size() == 1 && parallel.pipeline_size() == 1,
+              "octet train runs data parallelism across processes; tensor- and "
+              "pipeline-parallel training are not implemented yet (got ",
+              parallel.describe(), ")");
+  const int64_t dp = parallel.data_size(), dp_rank = parallel.data_rank();
+  OCTET_CHECK(global_batch % (o.micro_batch_size * dp) == 0, "--global-batch-size (", global_batch,
+              ") must be a multiple of --micro-batch-size (", o.micro_batch_size,
+              ") x data-parallel size (", dp, ")");
+  const bool chief = parallel.rank() == 0;  // prints, writes metrics, plots, checkpoints
+  const bool quiet = o.quiet || !chief;
+  // Micro-batches per step on this rank; the step's k-th micro-batch of data-parallel rank d
+  // is the step's (k * DP + d)-th, so any DP size sees the same global batch.
+  const int64_t accumulation = global_batch / (o.micro_batch_size * dp);
+  const int64_t micro_batches_per_step = global_batch / o.micro_batch_size;
   OCTET_CHECK(!o.fp8_stats || fp8,
               "--fp8-stats measures FP8 GEMM inputs: it needs --precision "
               "fp8, got --precision ",
               o.precision);
 
   Batcher train_batches(o.train_data, o.mock_data, config.vocab_size, T, o.seed, 1);
-  const double entropy = o.mock_data ? NAN : unigram_entropy(o.train_data);
-  if (!o.quiet && std::isfinite(entropy)) {
+  const double entropy = o.mock_data || !chief ? NAN : unigram_entropy(o.train_data);
+  if (!quiet && std::isfinite(entropy)) {
     std::printf("training data: unigram entropy %.3f nats (a model below it uses context)\n",
                 entropy);
   }
@@ -179,9 +200,16 @@ TrainResult train_gpt(const TrainOptions& o) {
 
   GPT model(config, o.seed, o.recompute_activations);
   AdamWOptions adam{o.adam_beta1, o.adam_beta2, 1e-8f, o.weight_decay, o.clip_grad};
-  AdamW optimizer(model.parameters(), adam);
+  std::unique_ptr<AdamW> adamw;
+  std::unique_ptr<DistributedDataParallel> ddp;
+  std::unique_ptr<DistributedOptimizer> zero;
+  const bool data_parallel = dp > 1 || o.use_distributed_optimizer;
+  if (!data_parallel) adamw = std::make_unique<AdamW>(model.parameters(), adam);
+  auto optimizer_steps = [&] { return zero ? zero->steps() : adamw->steps(); };
   LrSchedule schedule{o.lr, o.min_lr, o.lr_warmup_iters, o.train_iters};
   int64_t start_iteration = 0;
+  TensorMap loaded_optimizer;
+  int64_t loaded_steps = 0;
   if (!o.load.empty()) {
     Checkpoint checkpoint = load_checkpoint(o.load);
     OCTET_CHECK(checkpoint.trainer.value("config", nlohmann::json()) == config.to_json(),
@@ -197,56 +225,93 @@ TrainResult train_gpt(const TrainOptions& o) {
       return trainer[key].get<int64_t>();
     };
     model.load_state_dict(from_hf_gpt2_names(checkpoint.model));
-    optimizer.load_state(checkpoint.optimizer, count("optimizer_steps"));
+    if (adamw) adamw->load_state(checkpoint.optimizer, count("optimizer_steps"));
+    loaded_optimizer = std::move(checkpoint.optimizer);
+    loaded_steps = count("optimizer_steps");
     start_iteration = count("iteration");
     if (fp8) {
       // Amax histories and scales continue where they were, so FP8 resumes exactly.
       std::vector<Fp8State*> states = fp8_states(model);
       for (size_t i = 0; i < states.size(); ++i) {
         std::string prefix = "fp8." + std::to_string(i) + ".";
-        if (checkpoint.optimizer.count(prefix + "calls")) {
-          states[i]->load_state(checkpoint.optimizer, prefix, recipe);
+        if (loaded_optimizer.count(prefix + "calls")) {
+          states[i]->load_state(loaded_optimizer, prefix, recipe);
         }
       }
+    }
+  }
+
+  if (data_parallel) {
+    // Buckets in the order backward finalizes gradients; parameters move into them.
+    DataParallelOptions options;
+    options.bucket_elements = o.ddp_bucket_size;
+    options.overlap_grad_reduce = o.overlap_grad_reduce;
+    options.distributed_optimizer = o.use_distributed_optimizer;
+    ddp = std::make_unique<DistributedDataParallel>(model.parameters_in_backward_order(),
+                                                    parallel.data(), options);
+    model.on_parameters_updated();
+    model.set_grad_ready_hook(
+        [&ddp](const std::vector<Parameter*>& parameters) { ddp->grads_ready(parameters); });
+    model.set_embedding_grad_hook([&ddp](Parameter& table, const Tensor& ids, const Tensor& rows) {
+      ddp->add_embedding_rows(table, ids, rows);
+    });
+    if (o.use_distributed_optimizer) {
+      zero = std::make_unique<DistributedOptimizer>(*ddp, adam);
+      if (!o.load.empty()) zero->load_state(loaded_optimizer, loaded_steps);
+    } else {
+      adamw = std::make_unique<AdamW>(model.parameters(), adam);
+      if (!o.load.empty()) adamw->load_state(loaded_optimizer, loaded_steps);
     }
   }
 
   const double peak = o.peak_gflops > 0 ? o.peak_gflops : measure_bf16_peak_gflops();
   const double flops_per_token = config.train_flops_per_token(T);
   const int64_t tokens_per_iteration = global_batch * T;
-  if (!o.quiet) {
+  if (!quiet) {
     std::printf("octet train: %s, %.2fM parameters, seq %lld, micro-batch %lld x %lld, %s%s\n",
                 config.name.c_str(), config.num_parameters() / 1e6, (long long)T,
                 (long long)o.micro_batch_size, (long long)accumulation, o.precision.c_str(),
                 fp8 ? (" (" + recipe::describe(recipe) + ")").c_str() : "");
+    if (parallel.world_size() > 1) {
+      std::printf("parallel: %d processes, TP=%d x DP=%d x PP=%d, %s, %zu gradient bucket(s)%s\n",
+                  parallel.world_size(), parallel.tensor_size(), parallel.data_size(),
+                  parallel.pipeline_size(),
+                  o.use_distributed_optimizer ? "distributed optimizer (ZeRO-1)" : "all-reduce",
+                  ddp ? ddp->buckets().size() : size_t{0},
+                  o.overlap_grad_reduce ? " reduced during backward" : "");
+    }
     std::printf("measured BF16 GEMM peak %.0f GFLOP/s; %.2f GFLOP per token\n", peak,
                 flops_per_token / 1e9);
   }
 
-  MetricsWriter metrics(o.metrics);
+  MetricsWriter metrics(chief ? o.metrics : std::string());
   Fp8StatsSummary fp8_summary;
   TrainResult result;
   std::vector<CurvePoint> train_curve, valid_curve;
   auto evaluate = [&]() {
     double sum = 0;
-    for (int64_t k = 0; k < o.eval_iters; ++k) {
+    for (int64_t k = dp_rank; k < o.eval_iters; k += dp) {
       Tensor ids, targets;
       valid_batches->fill(k, o.micro_batch_size, ids, targets);
       fp8_autocast scope(fp8, recipe);
       sum += model.evaluate(ids, targets, dtype);
     }
+    sum = parallel.data().all_reduce(sum, ReduceOp::Sum);
     return static_cast<float>(sum / static_cast<double>(o.eval_iters));
   };
   auto save = [&](int64_t iteration) {
+    // Written whole by rank 0 in the single-process layout, so it loads at any
+    // data-parallel size (ZeRO's shards are gathered first: collective).
     Checkpoint checkpoint;
+    checkpoint.optimizer = zero ? zero->state() : adamw->state();
+    if (!chief) return;
     checkpoint.model = to_hf_gpt2_names(model.state_dict());
-    checkpoint.optimizer = optimizer.state();
     std::vector<Fp8State*> states = fp8_states(model);
     for (size_t i = 0; i < states.size(); ++i) {
       states[i]->save_state(checkpoint.optimizer, "fp8." + std::to_string(i) + ".");
     }
     checkpoint.trainer = {{"iteration", iteration},
-                          {"optimizer_steps", optimizer.steps()},
+                          {"optimizer_steps", optimizer_steps()},
                           {"config", config.to_json()},
                           {"seed", o.seed},
                           {"precision", o.precision}};
@@ -258,27 +323,35 @@ TrainResult train_gpt(const TrainOptions& o) {
   for (int64_t iteration = start_iteration; iteration < o.train_iters; ++iteration) {
     const auto step_start = Clock::now();
     const float lr = schedule.at(iteration);
-    model.zero_grad();
+    if (ddp) {
+      ddp->zero_grad();
+    } else {
+      model.zero_grad();
+    }
     double loss = 0;
     {
       // Training micro-batches only: evaluation's forwards would overwrite the stats.
       fp8_stats_scope stats_scope(o.fp8_stats);
       for (int64_t micro = 0; micro < accumulation; ++micro) {
         Tensor ids, targets;
-        train_batches.fill(iteration * accumulation + micro, o.micro_batch_size, ids, targets);
+        train_batches.fill(iteration * micro_batches_per_step + micro * dp + dp_rank,
+                           o.micro_batch_size, ids, targets);
+        // Gradients start reducing in the last micro-batch's backward.
+        if (ddp) ddp->set_sync(micro + 1 == accumulation);
         fp8_autocast scope(fp8, recipe);
-        loss += model.train_step(ids, targets, dtype, 1.0f / static_cast<float>(accumulation));
+        loss += model.train_step(ids, targets, dtype, 1.0f / static_cast<float>(accumulation * dp));
       }
     }
-    loss /= static_cast<double>(accumulation);
+    if (ddp) ddp->finish_grad_sync();
+    loss = parallel.data().all_reduce(loss, ReduceOp::Sum) / static_cast<double>(accumulation * dp);
     // The step's last micro-batch, per quantized tensor.
     const nlohmann::json fp8_stats = o.fp8_stats ? take_fp8_stats(model) : nlohmann::json();
-    const double grad_norm = optimizer.step(lr);
+    const double grad_norm = zero ? zero->step(lr) : adamw->step(lr);
     model.on_parameters_updated();
     const double step_seconds = seconds_since(step_start);
     busy_seconds += step_seconds;
     const double tokens_per_second = tokens_per_iteration / step_seconds;
-    const double mfu = flops_per_token * tokens_per_second / (peak * 1e9);
+    const double mfu = flops_per_token * tokens_per_second / (peak * 1e9 * parallel.world_size());
     result.losses.push_back(static_cast<float>(loss));
     result.last_loss = static_cast<float>(loss);
     train_curve.push_back({static_cast<double>(iteration + 1), loss});
@@ -291,6 +364,18 @@ TrainResult train_gpt(const TrainOptions& o) {
                              {"grad_norm", grad_norm},
                              {"tokens_per_s", tokens_per_second},
                              {"mfu", mfu}};
+    if (ddp) {
+      const CommStats grads = ddp->take_stats();
+      record["grad_comm_s"] = grads.total_seconds;
+      record["grad_comm_exposed_s"] = grads.exposed_seconds;
+      result.grad_comm_seconds += grads.total_seconds;
+      result.grad_exposed_seconds += grads.exposed_seconds;
+    }
+    if (zero) {
+      const CommStats gathers = zero->take_stats();
+      record["param_gather_s"] = gathers.total_seconds;
+      result.param_gather_seconds += gathers.total_seconds;
+    }
     if (o.fp8_stats) {
       record["fp8"] = fp8_stats;
       fp8_summary.add(fp8_stats);
@@ -302,9 +387,9 @@ TrainResult train_gpt(const TrainOptions& o) {
       record["val_loss"] = result.last_val_loss;
       valid_curve.push_back({static_cast<double>(iteration + 1), result.last_val_loss});
     }
-    metrics.write(record);
+    if (chief) metrics.write(record);
     const int64_t done = iteration + 1 - start_iteration;
-    if (!o.quiet &&
+    if (!quiet &&
         (last || done == 1 || (o.log_interval > 0 && (iteration + 1) % o.log_interval == 0))) {
       const double eta = busy_seconds / done * static_cast<double>(o.train_iters - iteration - 1);
       std::printf(
@@ -325,9 +410,10 @@ TrainResult train_gpt(const TrainOptions& o) {
   const int64_t trained = result.iterations - start_iteration;
   if (trained > 0) {
     result.tokens_per_second = trained * tokens_per_iteration / busy_seconds;
-    result.mfu = flops_per_token * result.tokens_per_second / (peak * 1e9);
+    result.mfu = flops_per_token * result.tokens_per_second / (peak * 1e9 * parallel.world_size());
   }
-  if (!o.plot.empty()) {
+  result.world_size = parallel.world_size();
+  if (!o.plot.empty() && chief) {
     std::vector<std::pair<std::string, std::vector<CurvePoint>>> series = {{"train", train_curve}};
     if (!valid_curve.empty()) series.emplace_back("validation", valid_curve);
     if (std::isfinite(entropy) && !train_curve.empty()) {
@@ -337,7 +423,7 @@ TrainResult train_gpt(const TrainOptions& o) {
     }
     write_loss_svg(o.plot, config.name + " loss (" + o.precision + ")", series);
   }
-  if (!o.quiet) {
+  if (!quiet) {
     std::printf("done: %lld iterations in %s, %.0f tok/s, MFU %.1f%%, final loss %.4f",
                 (long long)trained, format_duration(seconds_since(run_start)).c_str(),
                 result.tokens_per_second, 100 * result.mfu, result.last_loss);
@@ -348,6 +434,18 @@ TrainResult train_gpt(const TrainOptions& o) {
                   gap >= 0 ? "below" : "above", entropy);
     }
     std::printf("\n");
+    if (ddp) {
+      std::printf(
+          "data-parallel gradient reduction: %.2f s in flight, %.2f s exposed (%.0f%% hidden "
+          "behind backward)%s\n",
+          result.grad_comm_seconds, result.grad_exposed_seconds,
+          100.0 * (result.grad_comm_seconds > 0
+                       ? 1.0 - result.grad_exposed_seconds / result.grad_comm_seconds
+                       : 1.0),
+          zero ? detail::concat("; parameter all-gathers ", result.param_gather_seconds, " s")
+                     .c_str()
+               : "");
+    }
     if (!fp8_summary.empty()) {
       std::printf("FP8 tensors over %lld steps (underflow: mean, saturated: max):\n%s",
                   (long long)trained, fp8_summary.table().c_str());
