@@ -108,9 +108,24 @@ class Fp8State {
   const std::vector<std::pair<std::string, Fp8TensorStats>>& stats() const { return stats_; }
   void clear_stats() { stats_.clear(); }
 
+  // The weight [out, in] of `gemm` quantized by weight_quantizer(gemm) and packed as the
+  // forward GEMM's B operand (used with trans). Quantized and packed once, then reused by
+  // every forward until drop_weight_cache() (after an optimizer step) or until the quantizer
+  // would quantize differently (another recipe, a new delayed-scaling scale). A reuse records
+  // the weight's amax (and stats under fp8_stats_scope) as a fresh quantization would.
+  struct QuantizedWeight {
+    Float8Tensor weight;  // per-tensor: rowwise only; block scaling: both usages
+    PackedWeight packed;
+    std::string key;  // the scaling it was made with
+  };
+  const QuantizedWeight& quantized_weight(int gemm, const Tensor& weight, const std::string& name,
+                                          const std::string& role = "weight");
+  void drop_weight_cache() { weights_.clear(); }
+
  private:
   void ensure_metas(const recipe::Recipe& recipe);
   std::vector<std::pair<std::string, Fp8TensorStats>> stats_;
+  std::vector<std::optional<QuantizedWeight>> weights_;  // per gemm
   int num_gemms_;
   recipe::Recipe recipe_;
   FP8Meta forward_meta_;
@@ -118,6 +133,12 @@ class Fp8State {
   int forward_calls_ = 0;
   int backward_calls_ = 0;
   bool recomputing_ = false;
+};
+
+// What an FP8 Linear forward keeps of its input for backward.
+enum class SavedInput {
+  Fp8,   // the quantized codes the weight gradient needs (the default)
+  None,  // nothing: the caller re-creates the input and calls restore_input() before backward
 };
 
 struct LinearOptions {
@@ -138,20 +159,37 @@ class Linear : public Module {
  public:
   struct Context {
     DType dtype = DType::F32;
-    Tensor input;             // high-precision input (non-FP8 runs)
-    Float8Tensor input_fp8;   // FP8 runs: the input's columnwise copy, for the weight gradient
-    Float8Tensor weight_fp8;  // FP8 runs: the weight's columnwise copy, for the input gradient
+    Tensor input;  // high-precision input (non-FP8 runs)
+    // FP8 runs: the input codes the weight gradient needs. Per-tensor scaling keeps the
+    // rowwise codes (the GEMMs read them transposed where they must); block scaling keeps the
+    // columnwise copy, whose blocks lie along N. Empty with SavedInput::None until
+    // restore_input().
+    Float8Tensor input_fp8;
+    std::optional<Quantizer> input_requantizer;  // SavedInput::None: the forward's scaling
+    // FP8 runs: the quantized weight and its packed copy that the forward used (shared with
+    // the module's cache, not copies).
+    Float8Tensor weight_fp8;
+    std::optional<PackedWeight> packed_weight_fp8;
     bool fp8 = false;
     int64_t rows = 0;
   };
 
   explicit Linear(const LinearOptions& options);
-  // x [N, in] -> y [N, out] in x's dtype.
-  Tensor forward(const Tensor& x, Context& ctx);
+  // x [N, in] -> y [N, out] in x's dtype. `saved` matters under fp8_autocast only.
+  Tensor forward(const Tensor& x, Context& ctx, SavedInput saved = SavedInput::Fp8);
   // dy [N, out] -> dx [N, in]; accumulates weight.grad and bias.grad.
   Tensor backward(const Tensor& dy, Context& ctx);
-  // Parts of forward/backward that LayerNormLinear and LayerNormMLP reuse.
-  Tensor forward_fp8_input(const Float8Tensor& x, DType out_dtype, Context& ctx);
+  // Parts of forward/backward that LayerNormLinear and LayerNormMLP reuse: the GEMM on an
+  // input already quantized by `quantizer` (this module's input quantizer for this forward).
+  Tensor forward_fp8_input(const Float8Tensor& x, const Quantizer& quantizer, DType out_dtype,
+                           Context& ctx, SavedInput saved = SavedInput::Fp8);
+  // After a forward with SavedInput::None: x [N, in], the tensor that forward quantized,
+  // re-quantized with the forward's scaling (the same codes) into what backward needs.
+  void restore_input(const Tensor& x, Context& ctx);
+  // FP8 contexts keeping rowwise input codes (per-tensor scaling): the forward's output
+  // [N, out] computed again, bit for bit, from the kept codes and weight.
+  bool can_replay(const Context& ctx) const { return ctx.fp8 && ctx.input_fp8.has_rowwise(); }
+  Tensor replay_forward(const Context& ctx);
 
   void collect_parameters(std::vector<Parameter*>& out) override;
   void on_parameters_updated() override;
@@ -162,6 +200,7 @@ class Linear : public Module {
   Parameter bias;  // undefined value without bias
 
  private:
+  Epilogue forward_epilogue() const;
   PackedWeight& packed_weight(DType dtype);
   const Tensor& weight_as(DType dtype);
   LinearOptions options_;
@@ -250,7 +289,9 @@ class LayerNormMLP : public Module {
     Norm::Context norm;
     Linear::Context fc1, fc2;
     Tensor fc1_output;  // pre-activation (absent with checkpoint)
-    Tensor activation;  // FC2 input (absent with checkpoint)
+    // FC2 input (absent with checkpoint). FP8 runs do not keep it: backward recomputes it
+    // from fc1_output and re-quantizes it with the forward's scale (the same codes).
+    Tensor activation;
   };
   explicit LayerNormMLP(const LayerNormMLPOptions& options);
   Tensor forward(const Tensor& x, Context& ctx);
@@ -370,6 +411,9 @@ class MultiheadAttention : public Module {
     DotProductAttention::Context core;
     Linear::Context proj;
     Shape x_shape, encoder_shape;
+    // FP8 self-attention with per-tensor scaling: q, k, v (and the QK-norm inputs) are not
+    // kept; backward recomputes them from the QKV projection's kept FP8 input, bit for bit.
+    bool replay_qkv = false;
   };
   explicit MultiheadAttention(const MultiheadAttentionOptions& options);
   // x [B,T,C], encoder_output [B,S,C] (cross-attention only), F32|BF16 -> [B,T,C].
@@ -401,6 +445,10 @@ class MultiheadAttention : public Module {
   Linear proj;
 
  private:
+  // fused [B*T, (H + 2 Hkv) D] -> q [B,T,H,D], k and v [B,T,Hkv,D], QK-norm and RoPE applied.
+  void split_qkv(const Tensor& fused, Context& ctx, Tensor& q, Tensor& k, Tensor& v);
+  void position_qk(Context& ctx, Tensor& q, Tensor& k);  // QK-norm and RoPE, in their order
+  bool qkv_projection_can_replay(const Context& ctx) const;
   MultiheadAttentionOptions options_;
   int64_t heads_, kv_heads_, head_dim_;
 };

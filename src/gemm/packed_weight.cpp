@@ -38,7 +38,9 @@ PackedWeight::PackedWeight(const Float8Tensor& weight, bool trans)
   s.n = trans ? weight.rows : weight.cols;
   s.is_fp8 = true;
   s.fp8 = weight;
-  s.operand = gemm_detail::select_b_operand(weight, trans, "PackedWeight: FP8 weight");
+  // From the state's own copy: the operand points at its scale tensor, which must outlive
+  // the caller's Float8Tensor.
+  s.operand = gemm_detail::select_b_operand(s.fp8, trans, "PackedWeight: FP8 weight");
   s.foldable = gemm_detail::bf16_foldable(s.operand.matrix);
 }
 

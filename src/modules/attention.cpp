@@ -264,6 +264,32 @@ Tensor norm_heads_backward(Norm& norm, const Tensor& dy, Norm::Context& ctx) {
 
 }  // namespace
 
+void MultiheadAttention::split_qkv(const Tensor& fused, Context& ctx, Tensor& q, Tensor& k,
+                                   Tensor& v) {
+  const int64_t batch = ctx.x_shape[0], seq = ctx.x_shape[1];
+  q = Tensor::empty({batch, seq, heads_, head_dim_}, fused.dtype());
+  k = Tensor::empty({batch, seq, kv_heads_, head_dim_}, fused.dtype());
+  v = Tensor::empty({batch, seq, kv_heads_, head_dim_}, fused.dtype());
+  split_columns(fused, {&q, &k, &v});
+  position_qk(ctx, q, k);
+}
+
+void MultiheadAttention::position_qk(Context& ctx, Tensor& q, Tensor& k) {
+  const auto& o = options_;
+  if (o.qk_norm && o.qk_norm_before_rope) {
+    q = norm_heads(*q_norm, q, ctx.q_norm);
+    k = norm_heads(*k_norm, k, ctx.k_norm);
+  }
+  if (o.rope) {
+    ops::rope_forward(q, rope_options(o));  // q and k are fresh tensors: rotate in place
+    ops::rope_forward(k, rope_options(o));
+  }
+  if (o.qk_norm && !o.qk_norm_before_rope) {
+    q = norm_heads(*q_norm, q, ctx.q_norm);
+    k = norm_heads(*k_norm, k, ctx.k_norm);
+  }
+}
+
 Tensor MultiheadAttention::forward(const Tensor& x, Context& ctx, const Tensor* encoder_output,
                                    const Tensor* q_lengths, const Tensor* kv_lengths) {
   const auto& o = options_;
@@ -276,10 +302,7 @@ Tensor MultiheadAttention::forward(const Tensor& x, Context& ctx, const Tensor* 
   if (o.attention_type == AttentionType::Self) {
     Tensor fused =
         layernorm_qkv ? layernorm_qkv->forward(x, ctx.layernorm_input) : qkv->forward(x, ctx.input);
-    q = Tensor::empty({batch, seq, heads_, head_dim_}, x.dtype());
-    k = Tensor::empty({batch, seq, kv_heads_, head_dim_}, x.dtype());
-    v = Tensor::empty({batch, seq, kv_heads_, head_dim_}, x.dtype());
-    split_columns(fused, {&q, &k, &v});
+    split_qkv(fused, ctx, q, k, v);
   } else {
     OCTET_CHECK(encoder_output != nullptr, o.name, ": cross-attention needs encoder_output");
     const Tensor& e = *encoder_output;
@@ -295,21 +318,22 @@ Tensor MultiheadAttention::forward(const Tensor& x, Context& ctx, const Tensor* 
     k = Tensor::empty({batch, e.dim(1), kv_heads_, head_dim_}, x.dtype());
     v = Tensor::empty({batch, e.dim(1), kv_heads_, head_dim_}, x.dtype());
     split_columns(fused, {&k, &v});
-  }
-  if (o.qk_norm && o.qk_norm_before_rope) {
-    q = norm_heads(*q_norm, q, ctx.q_norm);
-    k = norm_heads(*k_norm, k, ctx.k_norm);
-  }
-  if (o.rope) {
-    ops::rope_forward(q, rope_options(o));  // q and k are fresh tensors: rotate in place
-    ops::rope_forward(k, rope_options(o));
-  }
-  if (o.qk_norm && !o.qk_norm_before_rope) {
-    q = norm_heads(*q_norm, q, ctx.q_norm);
-    k = norm_heads(*k_norm, k, ctx.k_norm);
+    position_qk(ctx, q, k);
   }
   Tensor out = core_attention.forward(q, k, v, ctx.core, q_lengths, kv_lengths);
+  if (o.attention_type == AttentionType::Self && qkv_projection_can_replay(ctx)) {
+    // The projection kept its FP8 input (a third of q, k and v's bytes, and needed for the
+    // weight gradient anyway): backward recomputes q, k, v from it instead.
+    ctx.replay_qkv = true;
+    ctx.core.q = ctx.core.k = ctx.core.v = Tensor();
+    ctx.q_norm = ctx.k_norm = Norm::Context{};
+  }
   return proj.forward(out.reshape({batch, seq, heads_ * head_dim_}), ctx.proj);
+}
+
+bool MultiheadAttention::qkv_projection_can_replay(const Context& ctx) const {
+  return layernorm_qkv ? layernorm_qkv->linear.can_replay(ctx.layernorm_input.linear)
+                       : qkv->can_replay(ctx.input);
 }
 
 namespace {
@@ -408,6 +432,11 @@ Tensor MultiheadAttention::backward(const Tensor& dy, Context& ctx, Tensor* d_en
   OCTET_CHECK(!ctx.x_shape.empty(), o.name, ": backward called without a forward context");
   const int64_t batch = ctx.x_shape[0], seq = ctx.x_shape[1];
   Tensor d_out = proj.backward(dy, ctx.proj).reshape({batch, seq, heads_, head_dim_});
+  if (ctx.replay_qkv) {
+    Tensor fused = layernorm_qkv ? layernorm_qkv->linear.replay_forward(ctx.layernorm_input.linear)
+                                 : qkv->replay_forward(ctx.input);
+    split_qkv(fused, ctx, ctx.core.q, ctx.core.k, ctx.core.v);
+  }
   Tensor dq, dk, dv;
   core_attention.backward(d_out, ctx.core, dq, dk, dv);
   if (o.qk_norm && !o.qk_norm_before_rope) {

@@ -9,7 +9,8 @@
 namespace octet {
 
 using modules_detail::add_column_sums;
-using modules_detail::columnwise_only;
+using modules_detail::kept_for_backward;
+using modules_detail::needs_columnwise;
 
 GroupedLinear::GroupedLinear(const GroupedLinearOptions& options)
     : options_(options), fp8_(options.num_gemms) {
@@ -41,6 +42,7 @@ void GroupedLinear::collect_parameters(std::vector<Parameter*>& out) {
 
 void GroupedLinear::on_parameters_updated() {
   for (auto& p : packed_) p.reset();
+  fp8_.drop_weight_cache();
 }
 
 PackedWeight& GroupedLinear::packed_weight(int gemm, DType dtype) {
@@ -85,16 +87,15 @@ Tensor GroupedLinear::forward(const Tensor& x, const std::vector<int64_t>& m_spl
     Epilogue epilogue;
     if (o.bias && !o.return_bias) epilogue.bias = &biases[i].value;
     if (ctx.fp8) {
-      Float8Tensor xq = fp8_.input_quantizer(i).quantize(xs, true, true);
-      Float8Tensor wq = fp8_.weight_quantizer(i).quantize(weights[i].value, true, true);
-      if (fp8_stats_enabled()) {
-        fp8_.record_stats(o.name, "input" + std::to_string(i), xs, xq);
-        fp8_.record_stats(o.name, "weight" + std::to_string(i), weights[i].value, wq);
-      }
-      PackedWeight packed(wq, /*trans=*/true);
+      const Quantizer quantizer = fp8_.input_quantizer(i);
+      Float8Tensor xq = quantizer.quantize(xs, true, needs_columnwise(quantizer));
+      if (fp8_stats_enabled()) fp8_.record_stats(o.name, "input" + std::to_string(i), xs, xq);
+      const Fp8State::QuantizedWeight& w =
+          fp8_.quantized_weight(i, weights[i].value, o.name, "weight" + std::to_string(i));
+      PackedWeight packed = w.packed;
       gemm(xq, packed, ys, /*trans_a=*/false, 1.0f, 0.0f, epilogue);
-      ctx.input_fp8[i] = columnwise_only(std::move(xq));
-      ctx.weight_fp8[i] = columnwise_only(std::move(wq));
+      ctx.input_fp8[i] = kept_for_backward(std::move(xq));
+      ctx.weight_fp8[i] = w.weight;
     } else {
       gemm(xs, packed_weight(i, x.dtype()), ys, /*trans_a=*/false, 1.0f, 0.0f, epilogue);
     }
@@ -122,7 +123,8 @@ Tensor GroupedLinear::backward(const Tensor& dy_in, Context& ctx) {
     Tensor dxs = dx.slice_rows(begin, end);
     if (o.bias && !o.return_bias) add_column_sums(dys, biases[i].grad);
     if (ctx.fp8) {
-      Float8Tensor dyq = fp8_.grad_output_quantizer(i).quantize(dys, true, true);
+      const Quantizer quantizer = fp8_.grad_output_quantizer(i);
+      Float8Tensor dyq = quantizer.quantize(dys, true, needs_columnwise(quantizer));
       if (fp8_stats_enabled()) {
         fp8_.record_stats(o.name, "grad_output" + std::to_string(i), dys, dyq);
       }

@@ -1,7 +1,7 @@
 // LayerNormLinear: norm then Linear. Under delayed scaling the GEMM's input scale is known
 // before the norm runs, so the norm kernel writes FP8 codes directly (no high-precision copy
-// of its output) and reports their amax to the Linear's FP8 metadata.
-#include "fp8/transpose.h"
+// of its output) and reports their amax to the Linear's FP8 metadata. LayerNormMLP's norm and
+// FC1 share the same path (norm_to_fp8).
 #include "modules/common.h"
 
 namespace octet {
@@ -20,30 +20,52 @@ void LayerNormLinear::collect_parameters(std::vector<Parameter*>& out) {
 
 namespace {
 
-// Norm output written as per-tensor FP8 by the norm kernel, plus its transpose.
-Float8Tensor fused_norm_fp8(Norm& norm, Fp8State& fp8, const Tensor& x, Norm::Context& ctx) {
+// The norm output written as per-tensor FP8 codes by the norm kernel itself (rowwise only:
+// per-tensor codes serve every GEMM).
+Float8Tensor fused_norm_fp8(Norm& norm, Fp8State& fp8, int gemm, const Tensor& x,
+                            Norm::Context& ctx) {
   const int64_t rows = x.rows(), cols = x.cols();
-  Quantizer quantizer = fp8.input_quantizer(0);
+  Quantizer quantizer = fp8.input_quantizer(gemm);
   Float8Tensor out;
   out.format = quantizer.format();
   out.mode = ScalingMode::PerTensor;
   out.rows = rows;
   out.cols = cols;
-  out.scale = fp8.input_scale(0);
+  out.scale = fp8.input_scale(gemm);
   out.data = Tensor::empty({rows, cols}, out.format);
-  out.data_t = Tensor::empty({cols, rows}, out.format);
   ops::Fp8Store store{out.format, out.scale, static_cast<uint8_t*>(out.data.raw()), 0.0f};
   norm.forward_fp8(x, ctx, store);
-  detail::transpose_matrix(static_cast<const uint8_t*>(out.data.raw()), rows, cols,
-                           static_cast<uint8_t*>(out.data_t.raw()));
   out.amax = store.amax;
   out.scale_inv = Tensor::from_floats({1}, {1.0f / out.scale});
-  out.scale_inv_t = out.scale_inv;
-  fp8.record_input_amax(0, store.amax);
+  fp8.record_input_amax(gemm, store.amax);
   return out;
 }
 
 }  // namespace
+
+namespace modules_detail {
+
+Float8Tensor norm_to_fp8(Norm& norm, Fp8State& fp8, const Tensor& x, Norm::Context& ctx,
+                         const std::string& name) {
+  if (fp8.input_scale_known()) {
+    Float8Tensor xq = fused_norm_fp8(norm, fp8, 0, x, ctx);
+    if (fp8_stats_enabled()) {
+      // The fused kernel kept no high-precision output: recompute it (in F32, as the
+      // kernel computes before scaling) to measure the codes against.
+      Norm::Context scratch;
+      const Tensor x32 = x.dtype() == DType::F32 ? x : x.to(DType::F32);
+      fp8.record_stats(name, "input", norm.forward(x32, scratch), xq);
+    }
+    return xq;
+  }
+  const Tensor normalized = norm.forward(x, ctx).reshape({x.rows(), x.cols()});
+  const Quantizer quantizer = fp8.input_quantizer(0);
+  Float8Tensor xq = quantizer.quantize(normalized, true, needs_columnwise(quantizer));
+  if (fp8_stats_enabled()) fp8.record_stats(name, "input", normalized, xq);
+  return xq;
+}
+
+}  // namespace modules_detail
 
 Tensor LayerNormLinear::forward(const Tensor& x, Context& ctx) {
   ctx = Context{};
@@ -52,23 +74,10 @@ Tensor LayerNormLinear::forward(const Tensor& x, Context& ctx) {
   if (fp8_enabled() && !options_.return_layernorm_output) {
     Fp8State& fp8 = linear.fp8_state();
     fp8.begin_forward(fp8_recipe());
-    Float8Tensor xq;
-    const std::string& name = linear.options().name;
-    if (fp8.input_scale_known()) {
-      xq = fused_norm_fp8(norm, fp8, x, ctx.norm);
-      if (fp8_stats_enabled()) {
-        // The fused kernel kept no high-precision output: recompute it (in F32, as the
-        // kernel computes before scaling) to measure the codes against.
-        Norm::Context scratch;
-        const Tensor x32 = x.dtype() == DType::F32 ? x : x.to(DType::F32);
-        fp8.record_stats(name, "input", norm.forward(x32, scratch), xq);
-      }
-    } else {
-      Tensor normalized = norm.forward(x, ctx.norm).reshape({x.rows(), x.cols()});
-      xq = fp8.input_quantizer(0).quantize(normalized, true, true);
-      if (fp8_stats_enabled()) fp8.record_stats(name, "input", normalized, xq);
-    }
-    return linear.forward_fp8_input(xq, x.dtype(), ctx.linear).reshape(out_shape);
+    const Float8Tensor xq =
+        modules_detail::norm_to_fp8(norm, fp8, x, ctx.norm, linear.options().name);
+    return linear.forward_fp8_input(xq, fp8.input_quantizer(0), x.dtype(), ctx.linear)
+        .reshape(out_shape);
   }
   ctx.norm_output = norm.forward(x, ctx.norm);
   return linear.forward(ctx.norm_output, ctx.linear);

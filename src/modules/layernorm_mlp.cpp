@@ -1,6 +1,8 @@
 // LayerNormMLP: norm -> FC1 -> activation (FC1's bias fused into it) -> FC2 (bias in the GEMM
 // epilogue). With `checkpoint`, FC1's output and the activation are recomputed in backward
-// from the saved block input instead of being kept.
+// from the saved block input instead of being kept. Under FP8 the norm writes FC1's FP8 input
+// itself, and the activation (FC2's input) is not kept: backward recomputes it from FC1's
+// output, which the activation's backward needs anyway (TransformerEngine keeps both).
 #include "modules/common.h"
 
 namespace octet {
@@ -43,15 +45,27 @@ void LayerNormMLP::on_parameters_updated() {
 }
 
 void LayerNormMLP::run_forward(const Tensor& x, Context& ctx, Tensor& out) {
-  Tensor normalized = norm.forward(x, ctx.norm);
-  Tensor h = fc1.forward(normalized, ctx.fc1);
+  Tensor h;
+  if (fp8_enabled()) {
+    // The norm writes FC1's FP8 input directly (delayed scaling), as in LayerNormLinear.
+    Fp8State& fp8 = fc1.fp8_state();
+    fp8.begin_forward(fp8_recipe());
+    const Float8Tensor xq = modules_detail::norm_to_fp8(norm, fp8, x, ctx.norm, fc1.options().name);
+    Shape h_shape = x.shape();
+    h_shape.back() = fc1.options().out_features;
+    h = fc1.forward_fp8_input(xq, fp8.input_quantizer(0), x.dtype(), ctx.fc1).reshape(h_shape);
+  } else {
+    h = fc1.forward(norm.forward(x, ctx.norm), ctx.fc1);
+  }
   Shape act_shape = h.shape();
   act_shape.back() = options_.ffn_hidden;
   Tensor a = Tensor::empty(act_shape, x.dtype());
   ops::activation_forward(options_.activation, h, options_.bias ? &fc1.bias.value : nullptr, a);
-  out = fc2.forward(a, ctx.fc2);
+  // FP8: FC2 keeps no copy of its input; backward recomputes it from fc1_output.
+  const bool fp8 = fp8_enabled();
+  out = fc2.forward(a, ctx.fc2, fp8 ? SavedInput::None : SavedInput::Fp8);
   ctx.fc1_output = h;
-  ctx.activation = a;
+  if (!fp8) ctx.activation = a;
 }
 
 Tensor LayerNormMLP::forward(const Tensor& x, Context& ctx) {
@@ -84,6 +98,15 @@ Tensor LayerNormMLP::backward(const Tensor& dy, Context& ctx) {
     run_forward(input, ctx, unused);
     fc1.fp8_state().set_recomputing(false);
     fc2.fp8_state().set_recomputing(false);
+  }
+  if (ctx.fc2.input_requantizer) {
+    // The activation again, bit for bit, and its FP8 codes with the forward's scale.
+    Shape act_shape = ctx.fc1_output.shape();
+    act_shape.back() = options_.ffn_hidden;
+    Tensor a = Tensor::empty(act_shape, ctx.fc1_output.dtype());
+    ops::activation_forward(options_.activation, ctx.fc1_output,
+                            options_.bias ? &fc1.bias.value : nullptr, a);
+    fc2.restore_input(a, ctx.fc2);
   }
   Tensor da = fc2.backward(dy, ctx.fc2);
   Tensor dh = Tensor::empty(ctx.fc1_output.shape(), da.dtype());

@@ -1,12 +1,15 @@
 // Linear: y = x W^T + b. BF16 / F32 GEMMs on a weight packed once per optimizer step; under
-// fp8_autocast the input, weight and output gradient are quantized per the active recipe,
-// and only the columnwise FP8 copies the backward GEMMs need are kept.
+// fp8_autocast the input, weight and output gradient are quantized per the active recipe
+// (the weight once per optimizer step and scale, see Fp8State::quantized_weight), and only
+// the FP8 codes the backward GEMMs need are kept.
 #include "modules/common.h"
 
 namespace octet {
 
 using modules_detail::add_column_sums;
-using modules_detail::columnwise_only;
+using modules_detail::kept_for_backward;
+using modules_detail::needs_columnwise;
+using modules_detail::requantizer_for;
 
 Linear::Linear(const LinearOptions& options)
     : weight(modules_detail::make_parameter(options.name + ".weight",
@@ -32,6 +35,7 @@ void Linear::collect_parameters(std::vector<Parameter*>& out) {
 void Linear::on_parameters_updated() {
   packed_.reset();
   weight_bf16_ = Tensor();
+  fp8_.drop_weight_cache();
 }
 
 const Tensor& Linear::weight_as(DType dtype) {
@@ -58,7 +62,13 @@ Shape with_last(const Shape& shape, int64_t last) {
 
 }  // namespace
 
-Tensor Linear::forward(const Tensor& x, Context& ctx) {
+Epilogue Linear::forward_epilogue() const {
+  Epilogue epilogue;
+  if (options_.bias && !options_.return_bias) epilogue.bias = &bias.value;
+  return epilogue;
+}
+
+Tensor Linear::forward(const Tensor& x, Context& ctx, SavedInput saved) {
   check_dtype_in(x, {DType::F32, DType::BF16}, options_.name + ": input");
   OCTET_CHECK(x.ndim() >= 1 && x.cols() == options_.in_features, options_.name,
               ": input expected [..., in_features=", options_.in_features, "], got ",
@@ -66,40 +76,63 @@ Tensor Linear::forward(const Tensor& x, Context& ctx) {
   const Tensor flat = x.reshape({x.rows(), options_.in_features});
   if (fp8_enabled()) {
     fp8_.begin_forward(fp8_recipe());
-    Float8Tensor xq = fp8_.input_quantizer(0).quantize(flat, true, true);
+    const Quantizer quantizer = fp8_.input_quantizer(0);
+    // Without a saved input the weight gradient gets its codes from restore_input().
+    const bool columnwise = saved == SavedInput::Fp8 && needs_columnwise(quantizer);
+    Float8Tensor xq = quantizer.quantize(flat, true, columnwise);
     if (fp8_stats_enabled()) fp8_.record_stats(options_.name, "input", flat, xq);
-    return forward_fp8_input(xq, x.dtype(), ctx)
+    return forward_fp8_input(xq, quantizer, x.dtype(), ctx, saved)
         .reshape(with_last(x.shape(), options_.out_features));
   }
   ctx = Context{};
   ctx.dtype = x.dtype();
   ctx.rows = flat.rows();
   Tensor y = Tensor::empty({ctx.rows, options_.out_features}, x.dtype());
-  Epilogue epilogue;
-  if (options_.bias && !options_.return_bias) epilogue.bias = &bias.value;
-  gemm(flat, packed_weight(x.dtype()), y, /*trans_a=*/false, 1.0f, 0.0f, epilogue);
+  gemm(flat, packed_weight(x.dtype()), y, /*trans_a=*/false, 1.0f, 0.0f, forward_epilogue());
   ctx.input = flat;
   return y.reshape(with_last(x.shape(), options_.out_features));
 }
 
-Tensor Linear::forward_fp8_input(const Float8Tensor& xq, DType out_dtype, Context& ctx) {
+Tensor Linear::forward_fp8_input(const Float8Tensor& xq, const Quantizer& quantizer,
+                                 DType out_dtype, Context& ctx, SavedInput saved) {
   OCTET_CHECK(xq.cols == options_.in_features, options_.name, ": FP8 input expected ",
               options_.in_features, " columns, got ", xq.cols);
   ctx = Context{};
   ctx.fp8 = true;
   ctx.dtype = out_dtype;
   ctx.rows = xq.rows;
-  Float8Tensor wq = fp8_.weight_quantizer(0).quantize(weight.value, true, true);
-  if (fp8_stats_enabled()) fp8_.record_stats(options_.name, "weight", weight.value, wq);
-  PackedWeight packed(wq, /*trans=*/true);
+  const Fp8State::QuantizedWeight& w = fp8_.quantized_weight(0, weight.value, options_.name);
+  ctx.weight_fp8 = w.weight;
+  ctx.packed_weight_fp8 = w.packed;
   Tensor y = Tensor::empty({xq.rows, options_.out_features}, out_dtype);
-  Epilogue epilogue;
-  if (options_.bias && !options_.return_bias) epilogue.bias = &bias.value;
-  gemm(xq, packed, y, /*trans_a=*/false, 1.0f, 0.0f, epilogue);
-  // The weight gradient needs the input with blocks along N (columnwise); the input
-  // gradient needs the weight with blocks along out_features (columnwise).
-  ctx.input_fp8 = columnwise_only(xq);
-  ctx.weight_fp8 = columnwise_only(std::move(wq));
+  gemm(xq, *ctx.packed_weight_fp8, y, /*trans_a=*/false, 1.0f, 0.0f, forward_epilogue());
+  if (saved == SavedInput::Fp8) {
+    ctx.input_fp8 = kept_for_backward(xq);
+  } else {
+    ctx.input_requantizer = requantizer_for(xq, quantizer);
+  }
+  return y;
+}
+
+void Linear::restore_input(const Tensor& x, Context& ctx) {
+  OCTET_CHECK(ctx.fp8 && ctx.input_requantizer.has_value(), options_.name,
+              ": restore_input expects an FP8 context whose forward kept no input");
+  OCTET_CHECK(x.numel() == ctx.rows * options_.in_features, options_.name,
+              ": restore_input expected [", ctx.rows, ",", options_.in_features, "], got ",
+              shape_str(x.shape()));
+  const Quantizer& quantizer = *ctx.input_requantizer;
+  const bool columnwise = needs_columnwise(quantizer);
+  ctx.input_fp8 = kept_for_backward(
+      quantizer.quantize(x.reshape({ctx.rows, options_.in_features}), !columnwise, columnwise));
+  ctx.input_requantizer.reset();
+}
+
+Tensor Linear::replay_forward(const Context& ctx) {
+  OCTET_CHECK(can_replay(ctx), options_.name,
+              ": replay_forward needs an FP8 context with rowwise input codes");
+  Tensor y = Tensor::empty({ctx.rows, options_.out_features}, ctx.dtype);
+  PackedWeight packed = *ctx.packed_weight_fp8;
+  gemm(ctx.input_fp8, packed, y, /*trans_a=*/false, 1.0f, 0.0f, forward_epilogue());
   return y;
 }
 
@@ -108,6 +141,9 @@ Tensor Linear::backward(const Tensor& dy_in, Context& ctx) {
               ": backward called without a forward context");
   OCTET_CHECK(dy_in.numel() == ctx.rows * options_.out_features, options_.name, ": dy expected [",
               ctx.rows, ",", options_.out_features, "], got ", shape_str(dy_in.shape()));
+  OCTET_CHECK(!ctx.fp8 || ctx.input_fp8.has_rowwise() || ctx.input_fp8.has_columnwise(),
+              options_.name,
+              ": the forward kept no FP8 input (SavedInput::None): call restore_input first");
   Tensor dy = dy_in.reshape({ctx.rows, options_.out_features});
   if (dy.dtype() != ctx.dtype) dy = dy.to(ctx.dtype);
   // With return_bias the caller added the bias (fused into its own kernel) and owns its
@@ -116,7 +152,8 @@ Tensor Linear::backward(const Tensor& dy_in, Context& ctx) {
   Tensor dx = Tensor::empty({ctx.rows, options_.in_features}, ctx.dtype);
   if (ctx.fp8) {
     fp8_.begin_backward(fp8_.recipe());
-    Float8Tensor dyq = fp8_.grad_output_quantizer(0).quantize(dy, true, true);
+    const Quantizer quantizer = fp8_.grad_output_quantizer(0);
+    Float8Tensor dyq = quantizer.quantize(dy, true, needs_columnwise(quantizer));
     if (fp8_stats_enabled()) fp8_.record_stats(options_.name, "grad_output", dy, dyq);
     gemm(dyq, ctx.weight_fp8, dx, /*trans_a=*/false, /*trans_b=*/false);
     gemm(dyq, ctx.input_fp8, weight.grad, /*trans_a=*/true, /*trans_b=*/false, 1.0f, 1.0f);

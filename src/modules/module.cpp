@@ -128,6 +128,29 @@ void Fp8State::record_input_amax(int gemm, float amax) {
   forward_meta_.record_amax(2 * gemm, amax);
 }
 
+const Fp8State::QuantizedWeight& Fp8State::quantized_weight(int gemm, const Tensor& weight,
+                                                            const std::string& name,
+                                                            const std::string& role) {
+  if (weights_.size() != static_cast<size_t>(num_gemms_)) weights_.resize(num_gemms_);
+  // Everything the quantization depends on besides the weight itself: the recipe and, under
+  // delayed scaling, this step's scale (current and block scales follow from the weight).
+  std::string key = recipe::describe(recipe_);
+  const bool delayed = std::holds_alternative<recipe::DelayedScaling>(recipe_);
+  if (delayed)
+    key += " scale=" + std::to_string(std::bit_cast<uint32_t>(forward_meta_.scale(2 * gemm + 1)));
+  std::optional<QuantizedWeight>& cached = weights_[static_cast<size_t>(gemm)];
+  if (!cached || cached->key != key) {
+    const Quantizer quantizer = weight_quantizer(gemm);
+    Float8Tensor q = quantizer.quantize(weight, true, modules_detail::needs_columnwise(quantizer));
+    PackedWeight packed(q, /*trans=*/true);
+    cached = QuantizedWeight{std::move(q), std::move(packed), std::move(key)};
+  } else if (delayed) {
+    forward_meta_.record_amax(2 * gemm + 1, cached->weight.amax);
+  }
+  if (fp8_stats_enabled()) record_stats(name, role, weight, cached->weight);
+  return *cached;
+}
+
 namespace {
 
 thread_local bool stats_enabled = false;
@@ -285,6 +308,18 @@ Float8Tensor columnwise_only(Float8Tensor x) {
   x.data = Tensor();
   x.scale_inv = Tensor();
   return x;
+}
+
+bool needs_columnwise(const Quantizer& quantizer) {
+  return quantizer.mode() != ScalingMode::PerTensor;
+}
+
+Float8Tensor kept_for_backward(Float8Tensor x) {
+  return x.mode == ScalingMode::PerTensor ? x : columnwise_only(std::move(x));
+}
+
+Quantizer requantizer_for(const Float8Tensor& x, const Quantizer& quantizer) {
+  return x.mode == ScalingMode::PerTensor ? Quantizer::fixed(x.format, x.scale) : quantizer;
 }
 
 }  // namespace modules_detail

@@ -307,6 +307,82 @@ TEST(Fp8Linear, EveryRecipeRunsAndStaysClose) {
   }
 }
 
+std::vector<uint8_t> codes_of(const Tensor& t) {
+  const auto* p = static_cast<const uint8_t*>(t.raw());
+  return std::vector<uint8_t>(p, p + t.nbytes());
+}
+
+TEST(Fp8Linear, WeightQuantizedOncePerStepAndScale) {
+  LinearOptions o;
+  o.in_features = 64;
+  o.out_features = 32;
+  Linear linear(o);
+  randomize(linear, 15);
+  recipe::DelayedScaling recipe;
+  recipe.amax_history_len = 2;
+  Tensor x = random_tensor({16, 64}, DType::BF16, 80);
+  float weight_amax = 0;
+  for (float v : linear.weight.value.to_floats()) weight_amax = std::max(weight_amax, std::fabs(v));
+  auto forward = [&](Linear::Context& ctx) {
+    fp8_autocast scope(true, recipe);
+    return linear.forward(x, ctx);
+  };
+  Linear::Context first, second, third, updated;
+  forward(first);   // scale 1
+  forward(second);  // scale 448 / amax: quantized again
+  forward(third);   // the same scale: reused
+  EXPECT_NE(first.weight_fp8.data.raw(), second.weight_fp8.data.raw());
+  EXPECT_EQ(second.weight_fp8.data.raw(), third.weight_fp8.data.raw());
+  // A reuse records the weight's amax as a fresh quantization would.
+  EXPECT_EQ(linear.fp8_state().forward_meta().amax_history(0, 1), weight_amax);
+  linear.on_parameters_updated();
+  forward(updated);
+  EXPECT_NE(third.weight_fp8.data.raw(), updated.weight_fp8.data.raw());
+  EXPECT_EQ(codes_of(third.weight_fp8.data), codes_of(updated.weight_fp8.data));
+}
+
+TEST(Fp8Linear, ReplayAndRestoredInputEqualTheForward) {
+  const recipe::Recipe recipes[] = {recipe::DelayedScaling{}, recipe::Float8CurrentScaling{},
+                                    recipe::MXFP8BlockScaling{}, recipe::Float8BlockScaling{}};
+  LinearOptions o;
+  o.in_features = 128;
+  o.out_features = 64;
+  Linear kept(o), restored(o);
+  randomize(kept, 17);
+  randomize(restored, 17);
+  Tensor x = random_tensor({32, 128}, DType::BF16, 90);
+  Tensor dy = random_tensor({32, 64}, DType::BF16, 91);
+  for (const recipe::Recipe& r : recipes) {
+    SCOPED_TRACE(recipe::describe(r));
+    for (int step = 0; step < 2; ++step) {  // step 2: delayed scaling has a real scale
+      Linear::Context a, b;
+      Tensor ya, yb;
+      {
+        fp8_autocast scope(true, r);
+        ya = kept.forward(x, a);
+        yb = restored.forward(x, b, SavedInput::None);
+      }
+      EXPECT_EQ(ya.to_floats(), yb.to_floats());
+      // Per-tensor scaling keeps the rowwise codes, from which the forward can be replayed.
+      const bool per_tensor = a.input_fp8.mode == ScalingMode::PerTensor;
+      EXPECT_EQ(kept.can_replay(a), per_tensor);
+      if (per_tensor) {
+        EXPECT_EQ(kept.replay_forward(a).to_floats(), ya.to_floats());
+      }
+      EXPECT_FALSE(b.input_fp8.has_rowwise() || b.input_fp8.has_columnwise());
+      EXPECT_THROW(restored.backward(dy, b), Error);
+      restored.restore_input(x, b);
+      const Tensor& codes = per_tensor ? a.input_fp8.data : a.input_fp8.data_t;
+      const Tensor& restored_codes = per_tensor ? b.input_fp8.data : b.input_fp8.data_t;
+      EXPECT_EQ(codes_of(codes), codes_of(restored_codes));
+      kept.zero_grad();
+      restored.zero_grad();
+      EXPECT_EQ(kept.backward(dy, a).to_floats(), restored.backward(dy, b).to_floats());
+      EXPECT_EQ(kept.weight.grad.to_floats(), restored.weight.grad.to_floats());
+    }
+  }
+}
+
 TEST(Modules, BadInputIsNamed) {
   LinearOptions o;
   o.in_features = 8;

@@ -588,8 +588,13 @@ TEST(TransformerLayer, Fp8DelayedScalingMatchesQuantizedReference) {
     const int64_t N = 14;
     auto input_scale = [](Linear& l) { return l.fp8_state().forward_meta().scale(0); };
     auto weight_scale = [](Linear& l) { return l.fp8_state().forward_meta().scale(1); };
+    // FP8 keeps neither q, k, v nor the activation: backward recomputes them bit for bit (q, k,
+    // v from the projection's kept FP8 input, the activation from FC1's output).
     const auto& core = ctx.self_attention.core;
-    Tensor fused = modules_detail::join_columns({&core.q, &core.k, &core.v}, N);
+    EXPECT_TRUE(ctx.self_attention.replay_qkv);
+    EXPECT_FALSE(core.q.defined() || core.k.defined() || core.v.defined());
+    EXPECT_FALSE(ctx.mlp.activation.defined());
+    Tensor fused = qkv.linear.replay_forward(ctx.self_attention.layernorm_input.linear);
     Tensor expected_qkv = quantized_linear(ln1, input_scale(qkv.linear), qkv.linear.weight.value,
                                            weight_scale(qkv.linear), &qkv.linear.bias.value);
     EXPECT_LE(scaled_error(fused, expected_qkv), 1e-5);
@@ -603,7 +608,9 @@ TEST(TransformerLayer, Fp8DelayedScalingMatchesQuantizedReference) {
     Tensor expected_fc1 =
         quantized_linear(ln2, input_scale(fc1), fc1.weight.value, weight_scale(fc1), nullptr);
     EXPECT_LE(scaled_error(ctx.mlp.fc1_output.reshape({N, 80}), expected_fc1), 1e-5);
-    Tensor activation = ctx.mlp.activation.reshape({N, 80});
+    Tensor activation = Tensor::empty({N, 80}, DType::F32);
+    ops::activation_forward(o.activation, ctx.mlp.fc1_output.reshape({N, 80}), &fc1.bias.value,
+                            activation);
     Tensor expected_y =
         modules_detail::add(quantized_linear(activation, input_scale(fc2), fc2.weight.value,
                                              weight_scale(fc2), &fc2.bias.value),
