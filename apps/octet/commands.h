@@ -14,5 +14,6 @@ void register_schedule(CLI::App& app);
 void register_bench_gemm(CLI::App& bench);
 void register_bench_ops(CLI::App& bench);
 void register_bench_train(CLI::App& bench);
+void register_bench_parallel(CLI::App& bench);
 
 }  // namespace octet::cli

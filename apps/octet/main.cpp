@@ -20,6 +20,7 @@ int main(int argc, char** argv) {
   octet::cli::register_bench_gemm(*bench);
   octet::cli::register_bench_ops(*bench);
   octet::cli::register_bench_train(*bench);
+  octet::cli::register_bench_parallel(*bench);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& error) {
