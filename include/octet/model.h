@@ -44,6 +44,16 @@ struct GPTConfig {
   double train_flops_per_token(int64_t seq_len) const;
 };
 
+// The tied output layer's caches, kept across steps: wte in BF16 and packed for the GEMM (both
+// rebuilt after a parameter update) and the logits workspaces.
+struct TiedOutputCache {
+  Tensor wte_bf16;
+  std::optional<PackedWeight> packed;
+  DType packed_dtype = DType::F32;
+  Tensor logits, dlogits;
+  void invalidate();  // after the parameters changed
+};
+
 class GPT : public Module {
  public:
   // recompute_activations: each layer keeps only its input and recomputes in backward.
@@ -114,10 +124,71 @@ class GPT : public Module {
   GPTConfig config_;
   std::vector<TransformerLayer> layers_;
   Norm final_norm_;
-  Tensor wte_bf16_;
-  std::optional<PackedWeight> wte_packed_;  // the tied output layer, packed once per step
-  DType wte_packed_dtype_ = DType::F32;
-  Tensor logits_workspace_, dlogits_workspace_;
+  TiedOutputCache output_cache_;
+};
+
+// A pipeline-parallel part of a GPT: the model chunks one rank holds. Chunk c holds pipeline
+// stage stage_of_chunk[c] of `stages`: layers [s*L/stages, (s+1)*L/stages), plus the
+// embeddings (wte, wpe) when s is the first stage and the final norm + tied output layer (wte
+// again) + loss when s is the last. Every parameter is named and initialized exactly as in
+// GPT(config, seed), so a stage's parameters equal the single-process model's. A rank that
+// holds the first stage and another that holds the last each keep a copy of wte; their
+// gradients are summed between them after backward (the pipeline executor does it).
+class GPTStage : public Module {
+ public:
+  GPTStage(const GPTConfig& config, uint64_t seed, int stages, std::vector<int> stage_of_chunk,
+           bool recompute_activations = false);
+
+  // What backward needs of one (micro-batch, chunk) forward.
+  struct Context {
+    std::vector<TransformerLayer::Context> layers;
+    Norm::Context final_norm;
+    Tensor ids;      // [B,T] I32: the micro-batch's shape; the embedding backward's rows
+    Tensor doutput;  // last stage: gradient at the final norm's output [B*T,C], from the loss
+    float loss = 0.0f;
+  };
+
+  // First stage: ids [B,T] I32 (input unused); otherwise input [B,T,C] in dtype (F32 / BF16).
+  // Returns the chunk's output [B,T,C] in dtype. On the last stage it also runs the final
+  // norm, the loss (ctx.loss, the micro-batch's mean) and the output layer's backward
+  // (wte.grad += grad_scale x its gradient), and returns an undefined tensor.
+  Tensor forward(int chunk, const Tensor& input, const Tensor& ids, const Tensor& targets,
+                 DType dtype, float grad_scale, Context& ctx);
+  // doutput [B,T,C] in dtype (ignored on the last stage, which kept its own) -> the gradient
+  // of the chunk's input [B,T,C] in dtype; on the first stage the embeddings' gradients are
+  // accumulated instead and the result is undefined. Weight gradients accumulate (the loss
+  // gradient already carries grad_scale). Frees ctx.
+  Tensor backward(int chunk, const Tensor& doutput, Context& ctx);
+
+  int chunks() const { return static_cast<int>(stage_of_chunk_.size()); }
+  int stages() const { return stages_; }
+  int stage_of_chunk(int chunk) const { return stage_of_chunk_.at(static_cast<size_t>(chunk)); }
+  bool holds_first_stage() const { return has_first_; }
+  bool holds_last_stage() const { return has_last_; }
+  std::vector<TransformerLayer>& layers(int chunk) {
+    return layers_.at(static_cast<size_t>(chunk));
+  }
+  // This chunk's parameters (layers; embeddings, final norm where the chunk holds them).
+  std::vector<Parameter*> chunk_parameters(int chunk);
+  const GPTConfig& config() const { return config_; }
+
+  void collect_parameters(std::vector<Parameter*>& out) override;
+  void on_parameters_updated() override;
+
+  Parameter wte;  // [V,C] where the first or the last stage is held, else undefined
+  Parameter wpe;  // [max_seq_len, C] on the first stage (learned positions only)
+
+ private:
+  bool is_first(int chunk) const { return stage_of_chunk(chunk) == 0; }
+  bool is_last(int chunk) const { return stage_of_chunk(chunk) == stages_ - 1; }
+
+  GPTConfig config_;
+  int stages_ = 1;
+  std::vector<int> stage_of_chunk_;
+  bool has_first_ = false, has_last_ = false;
+  std::vector<std::vector<TransformerLayer>> layers_;  // [chunk][layer of that stage]
+  std::optional<Norm> final_norm_;                     // last stage only
+  TiedOutputCache output_cache_;
 };
 
 // Checkpoint names: a state_dict() renamed to Hugging Face GPT-2's names where the layer

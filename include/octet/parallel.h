@@ -131,11 +131,16 @@ class ParallelState {
   Communicator& tensor_and_data() { return *tensor_and_data_; }
   // Tensor x pipeline ranks of one data replica: a model's gradient norm sums over it.
   Communicator& model() { return *model_; }
+  // Megatron's embedding group: the first and the last pipeline rank of this rank's pipeline
+  // (they both hold the tied word embedding and sum its gradient). A middle stage's group is
+  // itself alone; with one stage, the group is that rank.
+  Communicator& embedding() { return *embedding_; }
   std::string describe() const;  // "TP=2 x DP=1 x PP=2 (rank 3: tp 1, dp 0, pp 1)"
 
  private:
   ParallelState() = default;
-  std::shared_ptr<Communicator> world_, tensor_, data_, pipeline_, tensor_and_data_, model_;
+  std::shared_ptr<Communicator> world_, tensor_, data_, pipeline_, tensor_and_data_, model_,
+      embedding_;
   int tensor_size_ = 1, data_size_ = 1, pipeline_size_ = 1;
   int tensor_rank_ = 0, data_rank_ = 0, pipeline_rank_ = 0;
 };

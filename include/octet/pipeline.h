@@ -12,8 +12,17 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
+
+#include "octet/dtype.h"
+
+namespace octet {
+class GPTStage;
+class ParallelState;
+class Tensor;
+}  // namespace octet
 
 namespace octet::pipeline {
 
@@ -133,6 +142,57 @@ struct SimulationReport {
 SimulationReport simulate(const Schedule& schedule, const Costs& costs);
 // Pre-flight check for the executor: simulate with unit costs, throw on any defect.
 void check_schedule(const Schedule& schedule);
+
+// The executor: runs one training step of a schedule on this rank with the real model.
+//
+// Each action in order: Forward receives nothing on the first stage, otherwise the input
+// [B,T,C] in the compute dtype (from RecvForward, or from the chunk before it on this rank),
+// runs the chunk and keeps its context per (micro-batch, chunk); on the last stage it also
+// computes the loss and the output layer's gradient. Backward takes the output gradient (from
+// RecvBackward, the chunk after it on this rank, or the loss) and runs the chunk's backward.
+// Sends are isends waited at the end of the step; receives are irecv + wait with a timeout,
+// so a deadlock or a mismatched message is an error naming the action, never a hang.
+//
+// Not executed as scheduled: our modules compute input and weight gradients in one backward,
+// so BackwardInput runs the whole backward and BackwardWeight does nothing (the W split of
+// ZB1P / DualPipe is simulated, not executed; gradients are the same). ForwardBackward runs
+// its forward, then its backward, one after the other (no overlap).
+struct ExecutorOptions {
+  DType dtype = DType::F32;              // compute dtype: F32 or BF16
+  double receive_timeout_seconds = 300;  // a receive pending this long is an error
+  bool check = true;                     // check_schedule before the first step
+};
+
+// The pipeline stage each chunk of `rank` holds (GPTStage's stage_of_chunk); Schedule::stages
+// is the number of stages the model is cut into.
+std::vector<int> stages_of_rank(const Schedule& schedule, int rank);
+
+class PipelineExecutor {
+ public:
+  // The model must be GPTStage(config, seed, schedule.stages, stages_of_rank(schedule,
+  // pipeline rank)); schedule.ranks must equal the pipeline group's size. Collective over the
+  // pipeline group (DualPipe splits it into pairs r, ranks-1-r).
+  PipelineExecutor(Schedule schedule, GPTStage& model, ParallelState& state,
+                   ExecutorOptions options = {});
+  ~PipelineExecutor();
+  PipelineExecutor(const PipelineExecutor&) = delete;
+  PipelineExecutor& operator=(const PipelineExecutor&) = delete;
+
+  // One step over schedule.micro_batches micro-batches: ids[m], targets[m] [B,T] I32 (every
+  // rank passes all of them; the first stage reads ids, the last ids and targets, the others
+  // only their shape). Gradients accumulate (+=) scaled by grad_scale per micro-batch, as
+  // GPT::train_step; then the tied embedding's gradient is summed over the embedding group
+  // (first + last stage) and, for DualPipe, every gradient over the two model copies (ranks
+  // r and ranks-1-r) - so gradients must be zero before the step. Returns the mean loss over
+  // the micro-batches, on every pipeline rank.
+  float train_step(const std::vector<Tensor>& ids, const std::vector<Tensor>& targets,
+                   float grad_scale);
+  const Schedule& schedule() const;
+
+ private:
+  struct State;
+  std::unique_ptr<State> state_;
+};
 
 // The published closed forms, at latency 0, in the same cost units as simulate().
 struct PublishedFigures {

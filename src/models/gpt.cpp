@@ -6,77 +6,21 @@
 #include <random>
 
 #include "core/convert.h"
+#include "models/gpt_parts.h"
 #include "octet/model.h"
 #include "octet/ops/embedding.h"
 #include "octet/ops/loss.h"
 
 namespace octet {
 
-namespace {
-
-// Rows of logits computed at once: bounds the [rows, V] F32 buffer to ~64 MB.
-int64_t logits_chunk_rows(int64_t vocab) {
-  return std::max<int64_t>(16, (16 << 20) / vocab);
-}
-
-TransformerLayerOptions layer_options(const GPTConfig& c, int64_t index, uint64_t seed,
-                                      bool recompute) {
-  TransformerLayerOptions o;
-  o.checkpoint = recompute;
-  o.hidden_size = c.hidden;
-  o.ffn_hidden_size = c.ffn();
-  o.num_attention_heads = c.num_heads;
-  o.num_gqa_groups = c.num_gqa_groups;
-  o.layernorm_epsilon = c.layernorm_eps;
-  o.hidden_dropout = c.dropout;
-  o.attention_dropout = c.dropout;
-  o.normalization = c.normalization == "rmsnorm" ? NormKind::RMSNorm : NormKind::LayerNorm;
-  o.activation = ops::parse_activation(c.activation);
-  o.layer_type = LayerType::Encoder;
-  o.self_attn_mask_type = AttnMaskType::Causal;
-  o.rope = c.position_embedding == "rope";
-  o.rope_theta = c.rope_theta;
-  o.bias = c.bias;
-  o.init_std = c.init_std;
-  // GPT-2: residual projections scaled by 1/sqrt(2 * layers).
-  o.output_init_std = c.init_std / std::sqrt(2.0f * static_cast<float>(c.num_layers));
-  o.seed = seed * 1000 + static_cast<uint64_t>(index) + 1;
-  o.name = "transformer.h." + std::to_string(index);
-  return o;
-}
-
-NormOptions final_norm_options(const GPTConfig& c) {
-  NormOptions o;
-  o.hidden = c.hidden;
-  o.kind = c.normalization == "rmsnorm" ? NormKind::RMSNorm : NormKind::LayerNorm;
-  o.eps = c.layernorm_eps;
-  o.name = "transformer.ln_f";
-  return o;
-}
-
-Parameter normal_parameter(std::string name, Shape shape, float std, uint64_t seed) {
-  Parameter p{std::move(name), Tensor::empty(shape, DType::F32), Tensor::zeros(shape, DType::F32)};
-  std::mt19937_64 rng(seed);
-  std::normal_distribution<float> normal(0.0f, std);
-  float* v = p.value.data<float>();
-  for (int64_t i = 0; i < p.value.numel(); ++i) v[i] = normal(rng);
-  return p;
-}
-
-}  // namespace
-
 GPT::GPT(const GPTConfig& config, uint64_t seed, bool recompute_activations)
-    : wte(normal_parameter("transformer.wte.weight", {config.vocab_size, config.hidden},
-                           config.init_std, seed * 7919 + 1)),
+    : wte(gpt_parts::token_embedding(config, seed)),
+      wpe(gpt_parts::position_embedding(config, seed)),
       config_(config),
-      final_norm_(final_norm_options(config)) {
-  if (config.position_embedding == "learned") {
-    wpe = normal_parameter("transformer.wpe.weight", {config.max_seq_len, config.hidden},
-                           config.init_std / 2, seed * 7919 + 2);
-  }
+      final_norm_(gpt_parts::final_norm_options(config)) {
   layers_.reserve(static_cast<size_t>(config.num_layers));
   for (int64_t i = 0; i < config.num_layers; ++i) {
-    layers_.emplace_back(layer_options(config, i, seed, recompute_activations));
+    layers_.emplace_back(gpt_parts::layer_options(config, i, seed, recompute_activations));
   }
 }
 
@@ -98,15 +42,12 @@ std::vector<Parameter*> GPT::parameters_in_backward_order() {
 }
 
 void GPT::on_parameters_updated() {
-  wte_bf16_ = Tensor();
-  wte_packed_.reset();
+  output_cache_.invalidate();
   for (TransformerLayer& layer : layers_) layer.on_parameters_updated();
 }
 
 const Tensor& GPT::wte_as(DType dtype) {
-  if (dtype == DType::F32) return wte.value;
-  if (!wte_bf16_.defined()) wte_bf16_ = wte.value.to(DType::BF16);
-  return wte_bf16_;
+  return gpt_parts::tied_weight_as(wte, dtype, output_cache_);
 }
 
 Tensor GPT::forward_hidden(const Tensor& ids, DType dtype,
@@ -137,69 +78,13 @@ Tensor GPT::forward_hidden(const Tensor& ids, DType dtype,
 }
 
 Tensor GPT::embed(const Tensor& ids, int64_t position_offset) {
-  const int64_t B = ids.dim(0), T = ids.dim(1), C = config_.hidden;
-  Tensor x = Tensor::empty({B * T, C}, DType::F32);
-  ops::embedding_forward(ids.reshape({B * T}), wte.value, x);
-  if (wpe.value.defined()) {
-    float* xs = x.data<float>();
-    const float* pos = wpe.value.data<float>() + position_offset * C;
-#pragma omp parallel for schedule(static)
-    for (int64_t row = 0; row < B * T; ++row) {
-      const float* p = pos + (row % T) * C;
-      for (int64_t c = 0; c < C; ++c) xs[row * C + c] += p[c];
-    }
-  }
-  return x;
+  return gpt_parts::embed(ids, wte, wpe, position_offset);
 }
 
 float GPT::output_layer(const Tensor& hidden, const Tensor& targets, DType dtype, float grad_scale,
                         Tensor* dhidden) {
-  const int64_t N = hidden.dim(0), V = config_.vocab_size;
-  const Tensor& weight = wte_as(dtype);
-  const int64_t valid = ops::count_valid_targets(targets);
-  OCTET_CHECK(valid > 0, "gpt: every target is ignore_index; nothing to learn from");
-  if (dhidden) *dhidden = Tensor::empty(hidden.shape(), dtype);
-  // Equal chunks (no small tail GEMM), each at most logits_chunk_rows(V) rows.
-  const int64_t chunks = (N + logits_chunk_rows(V) - 1) / logits_chunk_rows(V);
-  const int64_t chunk = (N + chunks - 1) / chunks;
-  // The workspaces live across steps: fresh 60+ MB buffers every step cost page faults.
-  if (!logits_workspace_.defined() || logits_workspace_.dim(0) < chunk) {
-    logits_workspace_ = Tensor::empty({chunk, V}, DType::F32);
-    dlogits_workspace_ = Tensor();
-  }
-  if (dhidden && dtype == DType::BF16 && !dlogits_workspace_.defined()) {
-    dlogits_workspace_ = Tensor::empty({chunk, V}, DType::BF16);
-  }
-  if (!wte_packed_ || wte_packed_dtype_ != dtype) {
-    wte_packed_.emplace(weight, /*trans=*/true);
-    wte_packed_dtype_ = dtype;
-  }
-  double loss_sum = 0.0;
-  Tensor losses_buffer = Tensor::empty({chunk}, DType::F32);
-  for (int64_t r0 = 0; r0 < N; r0 += chunk) {
-    const int64_t r1 = std::min(N, r0 + chunk), rows = r1 - r0;
-    Tensor h = hidden.slice_rows(r0, r1);
-    Tensor logits = logits_workspace_.slice_rows(0, rows);
-    gemm(h, *wte_packed_, logits, /*trans_a=*/false);
-    Tensor losses = losses_buffer.slice_rows(0, rows);
-    ops::CrossEntropyOptions options;
-    options.grad_scale = grad_scale / static_cast<float>(valid);
-    Tensor target_rows = targets.slice_rows(r0, r1);
-    ops::cross_entropy_forward_backward(logits, target_rows, losses, dhidden ? &logits : nullptr,
-                                        options);
-    for (float l : losses.to_floats()) loss_sum += l;
-    if (!dhidden) continue;
-    Tensor dlogits = logits;
-    if (dtype == DType::BF16) {
-      dlogits = dlogits_workspace_.slice_rows(0, rows);
-      convert_f32_to_bf16(logits.data<float>(), dlogits.data<bfloat16>(),
-                          static_cast<size_t>(rows * V));
-    }
-    Tensor dh = dhidden->slice_rows(r0, r1);
-    gemm(dlogits, weight, dh, /*trans_a=*/false, /*trans_b=*/false);
-    gemm(dlogits, h, wte.grad, /*trans_a=*/true, /*trans_b=*/false, 1.0f, 1.0f);
-  }
-  return static_cast<float>(loss_sum / static_cast<double>(valid));
+  return gpt_parts::tied_output_loss(hidden, targets, wte, dtype, grad_scale, dhidden,
+                                     output_cache_);
 }
 
 float GPT::train_step(const Tensor& ids, const Tensor& targets, DType dtype, float grad_scale) {
@@ -225,16 +110,7 @@ float GPT::train_step(const Tensor& ids, const Tensor& targets, DType dtype, flo
   } else {
     ops::embedding_backward(ids.reshape({B * T}), dx32, wte.grad);
   }
-  if (wpe.value.defined()) {
-    const float* d = dx32.data<float>();
-    float* g = wpe.grad.data<float>();
-#pragma omp parallel for schedule(static)
-    for (int64_t t = 0; t < T; ++t) {
-      for (int64_t b = 0; b < B; ++b) {
-        for (int64_t c = 0; c < C; ++c) g[t * C + c] += d[(b * T + t) * C + c];
-      }
-    }
-  }
+  if (wpe.value.defined()) gpt_parts::position_embedding_backward(dx32, B, T, wpe);
   std::vector<Parameter*> embeddings;
   if (!embedding_grad_hook_) embeddings.push_back(&wte);
   if (wpe.value.defined()) embeddings.push_back(&wpe);

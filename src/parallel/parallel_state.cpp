@@ -27,13 +27,17 @@ ParallelState::ParallelState(std::shared_ptr<Communicator> world, int tensor_siz
   pipeline_ = world_->split(tensor_rank_ + tensor_size * data_rank_, pipeline_rank_, "pipeline");
   tensor_and_data_ = world_->split(pipeline_rank_, r, "tensor+data");
   model_ = world_->split(data_rank_, tensor_rank_ + tensor_size * pipeline_rank_, "model");
+  const bool holds_embedding = pipeline_rank_ == 0 || pipeline_rank_ == pipeline_size - 1;
+  const int model_replica = tensor_rank_ + tensor_size * data_rank_;
+  embedding_ = world_->split(holds_embedding ? model_replica : tensor_size * data_size_ + r,
+                             pipeline_rank_, "embedding");
 }
 
 ParallelState ParallelState::single() {
   ParallelState state;
   std::shared_ptr<Communicator> self = self_communicator();
   state.world_ = state.tensor_ = state.data_ = state.pipeline_ = self;
-  state.tensor_and_data_ = state.model_ = self;
+  state.tensor_and_data_ = state.model_ = state.embedding_ = self;
   return state;
 }
 

@@ -1,0 +1,171 @@
+// GPT's shared pieces: layer options and seeds, embeddings, the fused tied output layer.
+#include "models/gpt_parts.h"
+
+#include <algorithm>
+#include <cmath>
+#include <random>
+
+#include "core/convert.h"
+#include "octet/ops/embedding.h"
+#include "octet/ops/loss.h"
+
+namespace octet {
+
+void TiedOutputCache::invalidate() {
+  wte_bf16 = Tensor();
+  packed.reset();
+}
+
+namespace gpt_parts {
+
+namespace {
+
+// Rows of logits computed at once: bounds the [rows, V] F32 buffer to ~64 MB.
+int64_t logits_chunk_rows(int64_t vocab) {
+  return std::max<int64_t>(16, (16 << 20) / vocab);
+}
+
+Parameter normal_parameter(std::string name, Shape shape, float std, uint64_t seed) {
+  Parameter p{std::move(name), Tensor::empty(shape, DType::F32), Tensor::zeros(shape, DType::F32)};
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> normal(0.0f, std);
+  float* v = p.value.data<float>();
+  for (int64_t i = 0; i < p.value.numel(); ++i) v[i] = normal(rng);
+  return p;
+}
+
+}  // namespace
+
+TransformerLayerOptions layer_options(const GPTConfig& c, int64_t index, uint64_t seed,
+                                      bool recompute) {
+  TransformerLayerOptions o;
+  o.checkpoint = recompute;
+  o.hidden_size = c.hidden;
+  o.ffn_hidden_size = c.ffn();
+  o.num_attention_heads = c.num_heads;
+  o.num_gqa_groups = c.num_gqa_groups;
+  o.layernorm_epsilon = c.layernorm_eps;
+  o.hidden_dropout = c.dropout;
+  o.attention_dropout = c.dropout;
+  o.normalization = c.normalization == "rmsnorm" ? NormKind::RMSNorm : NormKind::LayerNorm;
+  o.activation = ops::parse_activation(c.activation);
+  o.layer_type = LayerType::Encoder;
+  o.self_attn_mask_type = AttnMaskType::Causal;
+  o.rope = c.position_embedding == "rope";
+  o.rope_theta = c.rope_theta;
+  o.bias = c.bias;
+  o.init_std = c.init_std;
+  // GPT-2: residual projections scaled by 1/sqrt(2 * layers).
+  o.output_init_std = c.init_std / std::sqrt(2.0f * static_cast<float>(c.num_layers));
+  o.seed = seed * 1000 + static_cast<uint64_t>(index) + 1;
+  o.name = "transformer.h." + std::to_string(index);
+  return o;
+}
+
+NormOptions final_norm_options(const GPTConfig& c) {
+  NormOptions o;
+  o.hidden = c.hidden;
+  o.kind = c.normalization == "rmsnorm" ? NormKind::RMSNorm : NormKind::LayerNorm;
+  o.eps = c.layernorm_eps;
+  o.name = "transformer.ln_f";
+  return o;
+}
+
+Parameter token_embedding(const GPTConfig& c, uint64_t seed) {
+  return normal_parameter("transformer.wte.weight", {c.vocab_size, c.hidden}, c.init_std,
+                          seed * 7919 + 1);
+}
+
+Parameter position_embedding(const GPTConfig& c, uint64_t seed) {
+  if (c.position_embedding != "learned") return Parameter{};
+  return normal_parameter("transformer.wpe.weight", {c.max_seq_len, c.hidden}, c.init_std / 2,
+                          seed * 7919 + 2);
+}
+
+Tensor embed(const Tensor& ids, const Parameter& wte, const Parameter& wpe,
+             int64_t position_offset) {
+  const int64_t B = ids.dim(0), T = ids.dim(1), C = wte.value.dim(1);
+  Tensor x = Tensor::empty({B * T, C}, DType::F32);
+  ops::embedding_forward(ids.reshape({B * T}), wte.value, x);
+  if (wpe.value.defined()) {
+    float* xs = x.data<float>();
+    const float* pos = wpe.value.data<float>() + position_offset * C;
+#pragma omp parallel for schedule(static)
+    for (int64_t row = 0; row < B * T; ++row) {
+      const float* p = pos + (row % T) * C;
+      for (int64_t c = 0; c < C; ++c) xs[row * C + c] += p[c];
+    }
+  }
+  return x;
+}
+
+void position_embedding_backward(const Tensor& dx, int64_t B, int64_t T, Parameter& wpe) {
+  const int64_t C = wpe.value.dim(1);
+  const float* d = dx.data<float>();
+  float* g = wpe.grad.data<float>();
+#pragma omp parallel for schedule(static)
+  for (int64_t t = 0; t < T; ++t) {
+    for (int64_t b = 0; b < B; ++b) {
+      for (int64_t c = 0; c < C; ++c) g[t * C + c] += d[(b * T + t) * C + c];
+    }
+  }
+}
+
+const Tensor& tied_weight_as(Parameter& wte, DType dtype, TiedOutputCache& cache) {
+  if (dtype == DType::F32) return wte.value;
+  if (!cache.wte_bf16.defined()) cache.wte_bf16 = wte.value.to(DType::BF16);
+  return cache.wte_bf16;
+}
+
+float tied_output_loss(const Tensor& hidden, const Tensor& targets, Parameter& wte, DType dtype,
+                       float grad_scale, Tensor* dhidden, TiedOutputCache& cache) {
+  const int64_t N = hidden.dim(0), V = wte.value.dim(0);
+  const Tensor& weight = tied_weight_as(wte, dtype, cache);
+  const int64_t valid = ops::count_valid_targets(targets);
+  OCTET_CHECK(valid > 0, "gpt: every target is ignore_index; nothing to learn from");
+  if (dhidden) *dhidden = Tensor::empty(hidden.shape(), dtype);
+  // Equal chunks (no small tail GEMM), each at most logits_chunk_rows(V) rows.
+  const int64_t chunks = (N + logits_chunk_rows(V) - 1) / logits_chunk_rows(V);
+  const int64_t chunk = (N + chunks - 1) / chunks;
+  // The workspaces live across steps: fresh 60+ MB buffers every step cost page faults.
+  if (!cache.logits.defined() || cache.logits.dim(0) < chunk) {
+    cache.logits = Tensor::empty({chunk, V}, DType::F32);
+    cache.dlogits = Tensor();
+  }
+  if (dhidden && dtype == DType::BF16 && !cache.dlogits.defined()) {
+    cache.dlogits = Tensor::empty({chunk, V}, DType::BF16);
+  }
+  if (!cache.packed || cache.packed_dtype != dtype) {
+    cache.packed.emplace(weight, /*trans=*/true);
+    cache.packed_dtype = dtype;
+  }
+  double loss_sum = 0.0;
+  Tensor losses_buffer = Tensor::empty({chunk}, DType::F32);
+  for (int64_t r0 = 0; r0 < N; r0 += chunk) {
+    const int64_t r1 = std::min(N, r0 + chunk), rows = r1 - r0;
+    Tensor h = hidden.slice_rows(r0, r1);
+    Tensor logits = cache.logits.slice_rows(0, rows);
+    gemm(h, *cache.packed, logits, /*trans_a=*/false);
+    Tensor losses = losses_buffer.slice_rows(0, rows);
+    ops::CrossEntropyOptions options;
+    options.grad_scale = grad_scale / static_cast<float>(valid);
+    Tensor target_rows = targets.slice_rows(r0, r1);
+    ops::cross_entropy_forward_backward(logits, target_rows, losses, dhidden ? &logits : nullptr,
+                                        options);
+    for (float l : losses.to_floats()) loss_sum += l;
+    if (!dhidden) continue;
+    Tensor dlogits = logits;
+    if (dtype == DType::BF16) {
+      dlogits = cache.dlogits.slice_rows(0, rows);
+      convert_f32_to_bf16(logits.data<float>(), dlogits.data<bfloat16>(),
+                          static_cast<size_t>(rows * V));
+    }
+    Tensor dh = dhidden->slice_rows(r0, r1);
+    gemm(dlogits, weight, dh, /*trans_a=*/false, /*trans_b=*/false);
+    gemm(dlogits, h, wte.grad, /*trans_a=*/true, /*trans_b=*/false, 1.0f, 1.0f);
+  }
+  return static_cast<float>(loss_sum / static_cast<double>(valid));
+}
+
+}  // namespace gpt_parts
+}  // namespace octet

@@ -1,0 +1,31 @@
+// The pieces GPT and GPTStage share, so a pipeline stage builds and runs its layers exactly as
+// the single-process GPT does (same seeds, same kernels, same output layer).
+#pragma once
+
+#include "octet/model.h"
+
+namespace octet::gpt_parts {
+
+// Layer `index` (0 .. num_layers-1, global) of a GPT seeded with `seed`.
+TransformerLayerOptions layer_options(const GPTConfig& config, int64_t index, uint64_t seed,
+                                      bool recompute);
+NormOptions final_norm_options(const GPTConfig& config);
+Parameter token_embedding(const GPTConfig& config, uint64_t seed);     // wte [V,C]
+Parameter position_embedding(const GPTConfig& config, uint64_t seed);  // wpe [max_seq_len,C]
+
+// Token + learned position embeddings of ids [B,T] at positions offset + t: [B*T, C] F32.
+// wpe may be undefined (RoPE).
+Tensor embed(const Tensor& ids, const Parameter& wte, const Parameter& wpe,
+             int64_t position_offset);
+// wpe.grad[t] += sum over b of dx [B*T, C] F32 row b*T + t.
+void position_embedding_backward(const Tensor& dx, int64_t B, int64_t T, Parameter& wpe);
+
+// wte in the compute dtype (F32: the master itself; BF16: a copy cached until invalidate()).
+const Tensor& tied_weight_as(Parameter& wte, DType dtype, TiedOutputCache& cache);
+// The fused, chunked output layer + cross-entropy: hidden [N,C] (after the final norm, in
+// dtype), targets [N] I32. Returns the mean loss over valid targets; with dhidden, writes
+// dhidden [N,C] in dtype and adds grad_scale x the output layer's gradient into wte.grad.
+float tied_output_loss(const Tensor& hidden, const Tensor& targets, Parameter& wte, DType dtype,
+                       float grad_scale, Tensor* dhidden, TiedOutputCache& cache);
+
+}  // namespace octet::gpt_parts

@@ -1,0 +1,129 @@
+// One pipeline rank's chunks of a GPT: the same layers, seeds and output layer as GPT, cut at
+// stage boundaries, with forward and backward per (micro-batch, chunk) for the executor.
+#include <algorithm>
+
+#include "models/gpt_parts.h"
+#include "octet/model.h"
+#include "octet/ops/embedding.h"
+
+namespace octet {
+
+GPTStage::GPTStage(const GPTConfig& config, uint64_t seed, int stages,
+                   std::vector<int> stage_of_chunk, bool recompute_activations)
+    : config_(config), stages_(stages), stage_of_chunk_(std::move(stage_of_chunk)) {
+  OCTET_CHECK(stages >= 1 && config.num_layers % stages == 0, "gpt stage: num_layers (",
+              config.num_layers, ") expected a multiple of the pipeline stages (", stages,
+              ": ranks x chunks per rank)");
+  OCTET_CHECK(!stage_of_chunk_.empty(), "gpt stage: a rank must hold at least one chunk");
+  const int64_t per_stage = config.num_layers / stages;
+  for (int stage : stage_of_chunk_) {
+    OCTET_CHECK(stage >= 0 && stage < stages, "gpt stage: stage ", stage, " outside 0..",
+                stages - 1);
+    has_first_ = has_first_ || stage == 0;
+    has_last_ = has_last_ || stage == stages - 1;
+    std::vector<TransformerLayer> layers;
+    layers.reserve(static_cast<size_t>(per_stage));
+    for (int64_t i = stage * per_stage; i < (stage + 1) * per_stage; ++i) {
+      layers.emplace_back(gpt_parts::layer_options(config, i, seed, recompute_activations));
+    }
+    layers_.push_back(std::move(layers));
+  }
+  if (has_first_ || has_last_) wte = gpt_parts::token_embedding(config, seed);
+  if (has_first_) wpe = gpt_parts::position_embedding(config, seed);
+  if (has_last_) final_norm_.emplace(gpt_parts::final_norm_options(config));
+}
+
+std::vector<Parameter*> GPTStage::chunk_parameters(int chunk) {
+  std::vector<Parameter*> out;
+  if (is_first(chunk)) {
+    out.push_back(&wte);
+    if (wpe.value.defined()) out.push_back(&wpe);
+  }
+  for (TransformerLayer& layer : layers(chunk)) layer.collect_parameters(out);
+  if (is_last(chunk)) {
+    if (!is_first(chunk)) out.push_back(&wte);
+    final_norm_->collect_parameters(out);
+  }
+  return out;
+}
+
+void GPTStage::collect_parameters(std::vector<Parameter*>& out) {
+  // GPT's order (wte, wpe, layers by index, final norm), wte once.
+  if (wte.value.defined()) out.push_back(&wte);
+  if (wpe.value.defined()) out.push_back(&wpe);
+  std::vector<int> order(stage_of_chunk_.size());
+  for (size_t c = 0; c < order.size(); ++c) order[c] = static_cast<int>(c);
+  std::sort(order.begin(), order.end(),
+            [&](int a, int b) { return stage_of_chunk(a) < stage_of_chunk(b); });
+  for (int chunk : order) {
+    for (TransformerLayer& layer : layers(chunk)) layer.collect_parameters(out);
+  }
+  if (final_norm_) final_norm_->collect_parameters(out);
+}
+
+void GPTStage::on_parameters_updated() {
+  output_cache_.invalidate();
+  for (std::vector<TransformerLayer>& chunk : layers_) {
+    for (TransformerLayer& layer : chunk) layer.on_parameters_updated();
+  }
+}
+
+Tensor GPTStage::forward(int chunk, const Tensor& input, const Tensor& ids, const Tensor& targets,
+                         DType dtype, float grad_scale, Context& ctx) {
+  OCTET_CHECK(dtype == DType::F32 || dtype == DType::BF16,
+              "gpt stage: compute dtype expected f32 or bf16, got ", dtype_name(dtype));
+  check_dtype(ids, DType::I32, "gpt stage: ids");
+  OCTET_CHECK(ids.ndim() == 2, "gpt stage: ids expected [B,T], got ", shape_str(ids.shape()));
+  const int64_t B = ids.dim(0), T = ids.dim(1), C = config_.hidden;
+  OCTET_CHECK(T <= config_.max_seq_len, "gpt stage: sequence length ", T, " exceeds max_seq_len ",
+              config_.max_seq_len);
+  ctx.ids = ids;
+  Tensor h;
+  if (is_first(chunk)) {
+    Tensor x = gpt_parts::embed(ids, wte, wpe, 0);
+    h = (dtype == DType::F32 ? x : x.to(dtype)).reshape({B, T, C});
+  } else {
+    check_shape(input, {B, T, C}, "gpt stage: input of chunk " + std::to_string(chunk), "B,T,C");
+    check_dtype(input, dtype, "gpt stage: input of chunk " + std::to_string(chunk));
+    h = input;
+  }
+  std::vector<TransformerLayer>& stack = layers(chunk);
+  ctx.layers.assign(stack.size(), TransformerLayer::Context{});
+  for (size_t i = 0; i < stack.size(); ++i) h = stack[i].forward(h, ctx.layers[i]);
+  if (!is_last(chunk)) return h;
+  check_shape(targets, ids.shape(), "gpt stage: targets", "B,T");
+  Tensor hidden = final_norm_->forward(h, ctx.final_norm).reshape({B * T, C});
+  ctx.loss = gpt_parts::tied_output_loss(hidden, targets.reshape({B * T}), wte, dtype, grad_scale,
+                                         &ctx.doutput, output_cache_);
+  return Tensor();
+}
+
+Tensor GPTStage::backward(int chunk, const Tensor& doutput, Context& ctx) {
+  Tensor dx;
+  if (is_last(chunk)) {
+    OCTET_CHECK(ctx.doutput.defined(), "gpt stage: backward of the last stage before its forward");
+    const int64_t B = ctx.ids.dim(0), T = ctx.ids.dim(1), C = config_.hidden;
+    dx = final_norm_->backward(ctx.doutput, ctx.final_norm).reshape({B, T, C});
+  } else {
+    dx = doutput;
+  }
+  std::vector<TransformerLayer>& stack = layers(chunk);
+  OCTET_CHECK(ctx.layers.size() == stack.size(), "gpt stage: backward of chunk ", chunk,
+              " before its forward");
+  for (size_t i = stack.size(); i-- > 0;) {
+    dx = stack[i].backward(dx, ctx.layers[i]);
+    ctx.layers[i] = TransformerLayer::Context{};
+  }
+  if (!is_first(chunk)) {
+    ctx = Context{};
+    return dx;
+  }
+  const int64_t B = ctx.ids.dim(0), T = ctx.ids.dim(1), C = config_.hidden;
+  Tensor dx32 = (dx.dtype() == DType::F32 ? dx : dx.to(DType::F32)).reshape({B * T, C});
+  ops::embedding_backward(ctx.ids.reshape({B * T}), dx32, wte.grad);
+  if (wpe.value.defined()) gpt_parts::position_embedding_backward(dx32, B, T, wpe);
+  ctx = Context{};
+  return Tensor();
+}
+
+}  // namespace octet

@@ -1,0 +1,250 @@
+// The pipeline executor: one training step of any schedule, action by action, with the real
+// model (GPTStage) and point-to-point messages over the pipeline group.
+#include <map>
+#include <utility>
+
+#include "octet/error.h"
+#include "octet/model.h"
+#include "octet/parallel.h"
+#include "octet/pipeline.h"
+
+namespace octet::pipeline {
+
+std::vector<int> stages_of_rank(const Schedule& schedule, int rank) {
+  std::vector<int> stages(static_cast<size_t>(schedule.chunks_per_rank), -1);
+  for (int chunk = 0; chunk < schedule.chunks_per_rank; ++chunk) {
+    for (int m = 0; m < schedule.micro_batches && stages[chunk] < 0; ++m) {
+      stages[chunk] = schedule.stage_of(m, rank, chunk);
+    }
+    OCTET_CHECK(stages[chunk] >= 0, "pipeline: no micro-batch passes rank ", rank, " chunk ",
+                chunk);
+  }
+  return stages;
+}
+
+namespace {
+
+using Key = std::pair<int, int>;  // (micro-batch, chunk)
+
+// Takes the tensor stored under key, or throws naming what is missing.
+Tensor take(std::map<Key, Tensor>& tensors, const Key& key, const char* what) {
+  auto it = tensors.find(key);
+  OCTET_CHECK(it != tensors.end(), "no ", what, " for micro-batch ", key.first, " chunk ",
+              key.second, " (a missing receive, or out of order?)");
+  Tensor tensor = std::move(it->second);
+  tensors.erase(it);
+  return tensor;
+}
+
+}  // namespace
+
+struct PipelineExecutor::State {
+  Schedule schedule;
+  GPTStage& model;
+  ParallelState& parallel;
+  ExecutorOptions options;
+  int rank = 0;
+  bool reduce_embedding = false;         // wte on two ranks: sum its gradient after
+  std::shared_ptr<Communicator> copies;  // DualPipe: ranks r and ranks-1-r
+  std::vector<Tensor> abandoned;         // buffers of receives that timed out
+
+  // One step's bookkeeping, keyed by (micro-batch, chunk).
+  std::map<Key, GPTStage::Context> contexts;
+  std::map<Key, Tensor> inputs;    // a Forward's input activation
+  std::map<Key, Tensor> outputs;   // a Forward's output, until SendForward
+  std::map<Key, Tensor> doutputs;  // a Backward's output gradient
+  std::map<Key, Tensor> dinputs;   // a Backward's input gradient, until SendBackward
+  std::vector<std::pair<Work, Tensor>> sends;
+  const std::vector<Tensor>* ids = nullptr;
+  const std::vector<Tensor>* targets = nullptr;
+  float grad_scale = 1.0f;
+  double loss_sum = 0.0;
+
+  State(Schedule s, GPTStage& m, ParallelState& p, ExecutorOptions o)
+      : schedule(std::move(s)), model(m), parallel(p), options(o) {}
+
+  int stage(const Key& key) const {
+    const int stage = schedule.stage_of(key.first, rank, key.second);
+    OCTET_CHECK(stage >= 0, "micro-batch ", key.first, " does not pass rank ", rank, " chunk ",
+                key.second);
+    return stage;
+  }
+  // Each boundary between stage s and s+1 of a micro-batch has a forward and a backward tag.
+  int tag(int micro_batch, int boundary, bool backward) const {
+    return (micro_batch * schedule.stages + boundary) * 2 + (backward ? 1 : 0);
+  }
+  Tensor activation_buffer(int micro_batch) const {
+    const Tensor& mb = (*ids)[static_cast<size_t>(micro_batch)];
+    return Tensor::empty({mb.dim(0), mb.dim(1), model.config().hidden}, options.dtype);
+  }
+
+  void forward(const Key& key) {
+    const int s = stage(key);
+    Tensor input = s > 0 ? take(inputs, key, "input activation") : Tensor();
+    GPTStage::Context& ctx = contexts[key];
+    const size_t m = static_cast<size_t>(key.first);
+    Tensor out =
+        model.forward(key.second, input, (*ids)[m], (*targets)[m], options.dtype, grad_scale, ctx);
+    if (s == schedule.stages - 1) {
+      loss_sum += ctx.loss;
+      return;
+    }
+    const Place& next = schedule.place(key.first, s + 1);
+    if (next.rank == rank) {
+      inputs[{key.first, next.chunk}] = out;
+    } else {
+      outputs[key] = out;
+    }
+  }
+
+  void backward(const Key& key) {
+    const int s = stage(key);
+    Tensor doutput = s < schedule.stages - 1 ? take(doutputs, key, "output gradient") : Tensor();
+    auto it = contexts.find(key);
+    OCTET_CHECK(it != contexts.end(), "backward before its forward");
+    Tensor dinput = model.backward(key.second, doutput, it->second);
+    contexts.erase(it);
+    if (s == 0) return;
+    const Place& previous = schedule.place(key.first, s - 1);
+    if (previous.rank == rank) {
+      doutputs[{key.first, previous.chunk}] = dinput;
+    } else {
+      dinputs[key] = dinput;
+    }
+  }
+
+  void receive(const Action& action, std::map<Key, Tensor>& into, bool backward) {
+    const Key key{action.micro_batch, action.chunk};
+    const int s = stage(key);
+    Tensor buffer = activation_buffer(action.micro_batch);
+    Work work = parallel.pipeline().irecv(buffer, action.peer,
+                                          tag(action.micro_batch, backward ? s : s - 1, backward));
+    try {
+      work.wait(options.receive_timeout_seconds);
+    } catch (...) {
+      abandoned.push_back(buffer);  // MPI may still write into it
+      throw;
+    }
+    into[key] = buffer;
+  }
+
+  void send(const Action& action, std::map<Key, Tensor>& from, bool backward) {
+    const Key key{action.micro_batch, action.chunk};
+    const int s = stage(key);
+    Tensor tensor = take(from, key, backward ? "input gradient to send" : "activation to send");
+    Work work = parallel.pipeline().isend(tensor, action.peer,
+                                          tag(action.micro_batch, backward ? s - 1 : s, backward));
+    sends.emplace_back(std::move(work), std::move(tensor));
+  }
+
+  void run(const Action& action) {
+    const Key key{action.micro_batch, action.chunk};
+    switch (action.kind) {
+      case ActionKind::Forward:
+        forward(key);
+        break;
+      case ActionKind::Backward:
+      case ActionKind::BackwardInput:  // the whole backward: see ExecutorOptions' comment
+        backward(key);
+        break;
+      case ActionKind::BackwardWeight:
+        break;
+      case ActionKind::ForwardBackward:
+        forward(key);
+        backward({action.backward_micro_batch, action.backward_chunk});
+        break;
+      case ActionKind::SendForward:
+        send(action, outputs, false);
+        break;
+      case ActionKind::RecvForward:
+        receive(action, inputs, false);
+        break;
+      case ActionKind::SendBackward:
+        send(action, dinputs, true);
+        break;
+      case ActionKind::RecvBackward:
+        receive(action, doutputs, true);
+        break;
+    }
+  }
+
+  void reduce_gradients() {
+    if (copies) {
+      // Both ranks of a pair hold the same stages (r and ranks-1-r), listed in stage order.
+      for (Parameter* p : model.parameters()) copies->all_reduce(p->grad);
+    }
+    if (reduce_embedding && model.wte.value.defined()) {
+      parallel.embedding().all_reduce(model.wte.grad);
+    }
+  }
+};
+
+PipelineExecutor::PipelineExecutor(Schedule schedule, GPTStage& model, ParallelState& parallel,
+                                   ExecutorOptions options)
+    : state_(std::make_unique<State>(std::move(schedule), model, parallel, options)) {
+  State& s = *state_;
+  const Schedule& sc = s.schedule;
+  s.rank = parallel.pipeline().rank();
+  OCTET_CHECK(sc.ranks == parallel.pipeline().size(), "pipeline executor: ", schedule_name(sc.kind),
+              " schedule for ", sc.ranks, " ranks, pipeline group has ",
+              parallel.pipeline().size());
+  if (options.check) check_schedule(sc);
+  const std::vector<int> stages = stages_of_rank(sc, s.rank);
+  bool matches = model.stages() == sc.stages && model.chunks() == sc.chunks_per_rank;
+  for (int c = 0; matches && c < model.chunks(); ++c) {
+    matches = model.stage_of_chunk(c) == stages[static_cast<size_t>(c)];
+  }
+  OCTET_CHECK(matches, "pipeline executor: rank ", s.rank, " of ", schedule_name(sc.kind),
+              " expects a GPTStage of ", sc.stages, " stages holding stages_of_rank() per chunk");
+  if (sc.model_copies == 2) {
+    const int pair = std::min(s.rank, sc.ranks - 1 - s.rank);
+    s.copies = parallel.pipeline().split(pair, s.rank, "pipeline-copies");
+  } else {
+    const int first = sc.place(0, 0).rank, last = sc.place(0, sc.stages - 1).rank;
+    s.reduce_embedding = first != last;
+    OCTET_CHECK(!s.reduce_embedding || (first == 0 && last == sc.ranks - 1),
+                "pipeline executor: the embedding group is pipeline ranks 0 and ", sc.ranks - 1,
+                ", the schedule puts the first stage on ", first, " and the last on ", last);
+  }
+}
+
+PipelineExecutor::~PipelineExecutor() = default;
+
+const Schedule& PipelineExecutor::schedule() const {
+  return state_->schedule;
+}
+
+float PipelineExecutor::train_step(const std::vector<Tensor>& ids,
+                                   const std::vector<Tensor>& targets, float grad_scale) {
+  State& s = *state_;
+  const size_t micro_batches = static_cast<size_t>(s.schedule.micro_batches);
+  OCTET_CHECK(ids.size() == micro_batches && targets.size() == micro_batches,
+              "pipeline executor: expected ", micro_batches,
+              " micro-batches of ids and targets, got ", ids.size(), " and ", targets.size());
+  s.ids = &ids;
+  s.targets = &targets;
+  s.grad_scale = grad_scale;
+  s.loss_sum = 0.0;
+  const std::vector<Action>& actions = s.schedule.actions[static_cast<size_t>(s.rank)];
+  for (size_t i = 0; i < actions.size(); ++i) {
+    try {
+      s.run(actions[i]);
+    } catch (const Error& e) {
+      fail(detail::concat("pipeline executor (", schedule_name(s.schedule.kind), "), rank ", s.rank,
+                          ", action ", i, " ", describe(actions[i]), ": ", e.what()));
+    }
+  }
+  for (auto& [work, tensor] : s.sends) work.wait(s.options.receive_timeout_seconds);
+  s.sends.clear();
+  OCTET_CHECK(s.contexts.empty() && s.inputs.empty() && s.outputs.empty() && s.doutputs.empty() &&
+                  s.dinputs.empty(),
+              "pipeline executor: rank ", s.rank, " ends the step with ", s.contexts.size(),
+              " forwards without backward and ",
+              s.inputs.size() + s.outputs.size() + s.doutputs.size() + s.dinputs.size(),
+              " tensors never used");
+  s.reduce_gradients();
+  const double loss = s.parallel.pipeline().all_reduce(s.loss_sum, ReduceOp::Sum);
+  return static_cast<float>(loss / static_cast<double>(micro_batches));
+}
+
+}  // namespace octet::pipeline

@@ -1,0 +1,182 @@
+// The pipeline executor against the single-process GPT: every schedule at PP = world size (2
+// and 4 under mpiexec), two steps of plain SGD on the same micro-batches; the step's loss and
+// every parameter gradient this rank holds equal the reference computed in this process. A
+// broken schedule is an error (pre-flight check, or a receive timeout at run time), not a hang.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <map>
+#include <random>
+
+#include "octet/error.h"
+#include "octet/model.h"
+#include "octet/parallel.h"
+#include "octet/pipeline.h"
+
+namespace octet {
+namespace {
+
+using pipeline::Schedule;
+
+// 8 layers: 8 stages at PP=4 with two chunks per rank (interleaved, DualPipeV).
+GPTConfig tiny_config() {
+  GPTConfig c;
+  c.name = "gpt-pipeline-test";
+  c.vocab_size = 64;
+  c.max_seq_len = 8;
+  c.num_layers = 8;
+  c.hidden = 32;
+  c.num_heads = 2;
+  return c;
+}
+
+constexpr int64_t kBatch = 2, kSeqLen = 8;
+constexpr uint64_t kSeed = 7;
+
+void make_micro_batches(int step, int count, std::vector<Tensor>& ids,
+                        std::vector<Tensor>& targets) {
+  std::mt19937 rng(static_cast<unsigned>(1000 + step));
+  std::uniform_int_distribution<int32_t> token(0, 63);
+  ids.clear();
+  targets.clear();
+  for (int m = 0; m < count; ++m) {
+    Tensor x = Tensor::empty({kBatch, kSeqLen}, DType::I32);
+    Tensor y = Tensor::empty({kBatch, kSeqLen}, DType::I32);
+    for (int64_t i = 0; i < x.numel(); ++i) {
+      x.data<int32_t>()[i] = token(rng);
+      y.data<int32_t>()[i] = token(rng);
+    }
+    ids.push_back(x);
+    targets.push_back(y);
+  }
+}
+
+void zero_grads(Module& module) {
+  for (Parameter* p : module.parameters()) p->grad.zero_();
+}
+
+void sgd(Module& module, float lr) {
+  for (Parameter* p : module.parameters()) {
+    float* v = p->value.data<float>();
+    const float* g = p->grad.data<float>();
+    for (int64_t i = 0; i < p->value.numel(); ++i) v[i] -= lr * g[i];
+  }
+  module.on_parameters_updated();
+}
+
+// Runs `steps` steps of the schedule and of the single-process GPT on the same micro-batches.
+// Tolerance: the same kernels run on the same inputs in the same order per micro-batch, so
+// layer gradients agree to rounding; what differs is the order in which FP32 sums are formed:
+// the tied wte gradient adds all output-layer contributions on the last stage and all
+// embedding rows on the first, then sums the two (the reference interleaves them per
+// micro-batch), and DualPipe sums the two model copies' gradients. Each reorders a sum of
+// 2P micro-batch terms, an error of a few ulp of the gradient's magnitude: we allow 1e-5 of
+// the tensor's largest reference gradient (about 80 ulp), and 1e-5 relative on the loss.
+void expect_matches_single_process(const Schedule& schedule, int steps = 2) {
+  std::shared_ptr<Communicator> world = world_communicator();
+  ParallelState parallel(world, 1, world->size());
+  const GPTConfig config = tiny_config();
+  const int rank = parallel.pipeline_rank();
+  GPT reference(config, kSeed);
+  GPTStage stage(config, kSeed, schedule.stages, pipeline::stages_of_rank(schedule, rank));
+  pipeline::PipelineExecutor executor(schedule, stage, parallel);
+  std::map<std::string, Parameter*> by_name;
+  for (Parameter* p : reference.parameters()) by_name[p->name] = p;
+  for (Parameter* p : stage.parameters()) {
+    ASSERT_TRUE(by_name.count(p->name)) << p->name;
+    ASSERT_EQ(p->value.to_floats(), by_name[p->name]->value.to_floats()) << p->name;
+  }
+  const int M = schedule.micro_batches;
+  std::vector<Tensor> ids, targets;
+  for (int step = 0; step < steps; ++step) {
+    make_micro_batches(step, M, ids, targets);
+    zero_grads(reference);
+    zero_grads(stage);
+    double reference_loss = 0.0;
+    for (int m = 0; m < M; ++m) {
+      reference_loss += reference.train_step(ids[m], targets[m], DType::F32, 1.0f / M);
+    }
+    reference_loss /= M;
+    const float loss = executor.train_step(ids, targets, 1.0f / M);
+    EXPECT_NEAR(loss, reference_loss, 1e-5 * std::abs(reference_loss))
+        << pipeline::schedule_name(schedule.kind) << " step " << step << " rank " << rank;
+    for (Parameter* p : stage.parameters()) {
+      const std::vector<float> ours = p->grad.to_floats();
+      const std::vector<float> theirs = by_name[p->name]->grad.to_floats();
+      float scale = 0.0f, worst = 0.0f;
+      for (size_t i = 0; i < ours.size(); ++i) {
+        scale = std::max(scale, std::abs(theirs[i]));
+        worst = std::max(worst, std::abs(ours[i] - theirs[i]));
+      }
+      EXPECT_GT(scale, 0.0f) << p->name;
+      EXPECT_LE(worst, 1e-5f * scale) << pipeline::schedule_name(schedule.kind) << " step " << step
+                                      << " rank " << rank << " " << p->name << " scale " << scale;
+    }
+    sgd(reference, 0.1f);
+    sgd(stage, 0.1f);
+  }
+}
+
+int pipeline_size() {
+  return world_communicator()->size();
+}
+
+TEST(Pipeline, OneFOneBMatchesSingleProcess) {
+  expect_matches_single_process(pipeline::schedule_1f1b(pipeline_size(), 2 * pipeline_size()));
+}
+
+TEST(Pipeline, InterleavedMatchesSingleProcess) {
+  expect_matches_single_process(
+      pipeline::schedule_interleaved_1f1b(pipeline_size(), 2 * pipeline_size(), 2));
+}
+
+TEST(Pipeline, ZeroBubbleMatchesSingleProcess) {
+  expect_matches_single_process(
+      pipeline::schedule_zero_bubble_h1(pipeline_size(), 2 * pipeline_size()));
+}
+
+TEST(Pipeline, DualPipeVMatchesSingleProcess) {
+  expect_matches_single_process(pipeline::schedule_dualpipev(pipeline_size(), 2 * pipeline_size()));
+}
+
+TEST(Pipeline, DualPipeMatchesSingleProcess) {
+  expect_matches_single_process(pipeline::schedule_dualpipe(pipeline_size(), 2 * pipeline_size()));
+}
+
+// Last: the timed-out receives stay posted until exit.
+TEST(Pipeline, BrokenScheduleIsAnErrorNotAHang) {
+  const int P = pipeline_size();
+  if (P < 2) GTEST_SKIP() << "needs two ranks";
+  Schedule broken = pipeline::schedule_1f1b(P, 2);
+  std::vector<pipeline::Action>& first = broken.actions[0];
+  first.erase(std::find_if(first.begin(), first.end(), [](const pipeline::Action& a) {
+    return a.kind == pipeline::ActionKind::SendForward && a.micro_batch == 0;
+  }));
+  std::shared_ptr<Communicator> world = world_communicator();
+  ParallelState parallel(world, 1, P);
+  const int rank = parallel.pipeline_rank();
+  const GPTConfig config = tiny_config();
+  GPTStage stage(config, kSeed, broken.stages, pipeline::stages_of_rank(broken, rank));
+  // Pre-flight: check_schedule finds the receive without a send.
+  EXPECT_THROW(pipeline::PipelineExecutor(broken, stage, parallel), Error);
+  // At run time (check off): every rank's first receive times out, naming the action. Leaked
+  // on purpose: MPI may still touch its abandoned buffers until exit.
+  pipeline::ExecutorOptions options;
+  options.check = false;
+  options.receive_timeout_seconds = 2;
+  auto* executor = new pipeline::PipelineExecutor(broken, stage, parallel, options);
+  std::vector<Tensor> ids, targets;
+  make_micro_batches(0, 2, ids, targets);
+  try {
+    executor->train_step(ids, targets, 0.5f);
+    ADD_FAILURE() << "rank " << rank << ": the broken schedule ran to the end";
+  } catch (const Error& e) {
+    const std::string message = e.what();
+    EXPECT_NE(message.find(rank == 0 ? "RecvB(mb 0" : "RecvF(mb 0"), std::string::npos) << message;
+    EXPECT_NE(message.find("still pending"), std::string::npos) << message;
+  }
+}
+
+}  // namespace
+}  // namespace octet
