@@ -132,62 +132,99 @@ int64_t saved_activation_bytes(GPT& model, int64_t B, int64_t T, DType dtype, bo
   return memory_stats().current_bytes - before;
 }
 
-Result measure_octet(const GPTConfig& config, const std::string& precision, const Options& o) {
-  const bool fp8 = precision == "fp8";
-  const DType dtype = precision == "fp32" ? DType::F32 : DType::BF16;
-  recipe::DelayedScaling delayed;  // trainer.cpp's make_recipe: delayed, HYBRID, history 16
-  delayed.fp8_format = recipe::Format::HYBRID;
-  delayed.amax_history_len = 16;
-  const recipe::Recipe recipe = delayed;
-
-  GPT model(config, o.seed);
-  AdamW optimizer(model.parameters(), AdamWOptions{});
-  const int64_t B = o.micro_batch_size, T = o.seq_length;
-  std::vector<std::pair<Tensor, Tensor>> batches(4);
-  for (size_t i = 0; i < batches.size(); ++i) {
-    mock_batch(B, T, config.vocab_size, o.seed + i, batches[i].first, batches[i].second);
+// One precision's model, optimizer and mock batches, timed one training step at a time.
+class OctetRun {
+ public:
+  OctetRun(const GPTConfig& config, const std::string& precision, const Options& o)
+      : constructed_from_bytes_(memory_stats().current_bytes),
+        fp8_(precision == "fp8"),
+        dtype_(precision == "fp32" ? DType::F32 : DType::BF16),
+        model_(config, o.seed),
+        optimizer_(model_.parameters(), AdamWOptions{}),
+        batches_(4) {
+    recipe::DelayedScaling delayed;  // trainer.cpp's make_recipe: delayed, HYBRID, history 16
+    delayed.fp8_format = recipe::Format::HYBRID;
+    delayed.amax_history_len = 16;
+    recipe_ = delayed;
+    for (size_t i = 0; i < batches_.size(); ++i) {
+      mock_batch(o.micro_batch_size, o.seq_length, config.vocab_size, o.seed + i, batches_[i].first,
+                 batches_[i].second);
+    }
+    result_.impl = "octet";
+    result_.precision = precision;
+    result_.micro_batch_size = o.micro_batch_size;
+    result_.steps = o.steps;
+    result_.warmup = o.warmup;
+    held_bytes_ = memory_stats().current_bytes - constructed_from_bytes_;
   }
 
-  Result r;
-  r.impl = "octet";
-  r.precision = precision;
-  r.micro_batch_size = B;
-  r.steps = o.steps;
-  r.warmup = o.warmup;
-  int64_t peak = 0, step_peak = 0;
-  std::vector<double> seconds, cpu_seconds;
-  for (int i = 0; i < o.warmup + o.steps; ++i) {
-    const auto& [ids, targets] = batches[static_cast<size_t>(i) % batches.size()];
+  // zero_grad + train_step + AdamW + on_parameters_updated; timed unless `warmup`.
+  void step(bool warmup) {
+    const auto& [ids, targets] = batches_[static_cast<size_t>(step_++) % batches_.size()];
     const int64_t start_bytes = memory_stats().current_bytes;
     reset_peak_memory();
     const auto start = std::chrono::steady_clock::now();
     const double cpu_start = process_cpu_seconds();
-    model.zero_grad();
+    model_.zero_grad();
     float loss = 0;
     {
-      fp8_autocast scope(fp8, recipe);
-      loss = model.train_step(ids, targets, dtype, 1.0f);
+      fp8_autocast scope(fp8_, recipe_);
+      loss = model_.train_step(ids, targets, dtype_, 1.0f);
     }
     const int64_t train_step_peak = memory_stats().peak_bytes - start_bytes;
-    optimizer.step(6e-4f);
-    model.on_parameters_updated();
+    optimizer_.step(6e-4f);
+    model_.on_parameters_updated();
     const double elapsed =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     const double cpu_elapsed = process_cpu_seconds() - cpu_start;
-    if (i < o.warmup) continue;
-    seconds.push_back(elapsed);
-    cpu_seconds.push_back(cpu_elapsed);
-    peak = std::max(peak, memory_stats().peak_bytes);
-    step_peak = std::max(step_peak, train_step_peak);
-    r.loss = loss;
+    // The other precisions' models are alive too: count only this run's bytes.
+    const int64_t others_bytes = start_bytes - held_bytes_;
+    const int64_t peak = memory_stats().peak_bytes - others_bytes;
+    held_bytes_ = memory_stats().current_bytes - others_bytes;
+    if (warmup) return;
+    seconds_.push_back(elapsed);
+    cpu_seconds_.push_back(cpu_elapsed);
+    result_.peak_bytes = std::max(result_.peak_bytes, peak);
+    result_.step_peak_bytes = std::max(result_.step_peak_bytes, train_step_peak);
+    result_.loss = loss;
   }
-  r.step_ms = bench::median(seconds) * 1e3;
-  r.cpu_ms = bench::median(cpu_seconds) * 1e3;
-  r.tokens_per_s = static_cast<double>(B * T) / (r.step_ms / 1e3);
-  r.peak_bytes = peak;
-  r.step_peak_bytes = step_peak;
-  r.saved_activation_bytes = saved_activation_bytes(model, B, T, dtype, fp8, recipe);
-  return r;
+
+  Result finish(int64_t B, int64_t T) {
+    result_.step_ms = bench::median(seconds_) * 1e3;
+    result_.cpu_ms = bench::median(cpu_seconds_) * 1e3;
+    result_.tokens_per_s = static_cast<double>(B * T) / (result_.step_ms / 1e3);
+    result_.saved_activation_bytes = saved_activation_bytes(model_, B, T, dtype_, fp8_, recipe_);
+    return result_;
+  }
+
+ private:
+  int64_t constructed_from_bytes_;
+  int64_t held_bytes_ = 0;  // what this run keeps between steps (model, optimizer, caches)
+  bool fp8_;
+  DType dtype_;
+  recipe::Recipe recipe_;
+  GPT model_;
+  AdamW optimizer_;
+  std::vector<std::pair<Tensor, Tensor>> batches_;
+  Result result_;
+  std::vector<double> seconds_, cpu_seconds_;
+  int step_ = 0;
+};
+
+// Every octet precision, their steps interleaved (bf16 step, fp8 step, bf16 step ...), so
+// that load from other work on the machine falls on all of them alike and their ratios hold.
+std::vector<Result> measure_octet(const GPTConfig& config,
+                                  const std::vector<std::string>& precisions, const Options& o) {
+  std::vector<std::unique_ptr<OctetRun>> runs;
+  for (const std::string& precision : precisions) {
+    runs.push_back(std::make_unique<OctetRun>(config, precision, o));
+  }
+  for (int i = 0; i < o.warmup + o.steps; ++i) {
+    for (auto& run : runs) run->step(i < o.warmup);
+  }
+  std::vector<Result> results;
+  for (auto& run : runs) results.push_back(run->finish(o.micro_batch_size, o.seq_length));
+  return results;
 }
 
 // One peer process per precision, so that its resident-memory high-water mark is that
@@ -366,17 +403,19 @@ void print_table(const std::vector<Result>& results, const GPTConfig& config, co
       verdict(q.fp8_vs_bf16_saved, 0.6, false), 100 * best_mfu, verdict(best_mfu, 0.4, true));
   std::printf(
       "step: zero_grad + train_step (forward, fused chunked cross-entropy, backward) + AdamW\n"
-      "  (clip 1.0) + on_parameters_updated; step_ms: median over the timed steps after %d\n"
-      "  warm-up; tok/cpu_s: tokens per second of process CPU time (2 busy threads count\n"
-      "  twice), steadier than wall time on a shared machine. torch times %d steps; torch fp32 "
-      "runs B=%lld sequences (Debian's torch has a\n"
-      "  generic-BLAS FP32 GEMM, ~2 GFLOP/s): tokens/s is per token. fp8: DelayedScaling\n"
-      "  HYBRID, amax history 16. MFU: train_flops_per_token x tokens/s over the best of the\n"
-      "  BF16 GEMM peaks measured before and after each octet run.\n"
+      "  (clip 1.0) + on_parameters_updated. octet's precisions take their steps in turn (one\n"
+      "  of each), so the load of other work falls on all alike; step_ms: median over the\n"
+      "  timed steps after %d warm-up; tok/cpu_s: tokens per second of process CPU time (2\n"
+      "  busy threads count twice), steadier than wall time on a shared machine. torch times\n"
+      "  %d steps; torch fp32 runs B=%lld sequences (Debian's torch has a generic-BLAS FP32\n"
+      "  GEMM, ~2 GFLOP/s): tokens/s is per token. fp8: DelayedScaling HYBRID, amax history\n"
+      "  16. MFU: train_flops_per_token x tokens/s over the best of the BF16 GEMM peaks\n"
+      "  measured before and after the octet runs.\n"
       "peak_MB: octet: Tensor storage (params, grads, AdamW state, activations, workspaces);\n"
       "  torch: the peer process's resident-memory growth from before the model was built.\n"
       "step_MB: octet's peak during train_step above the bytes held before it.\n"
-      "saved_MB: octet: what the layer stack's contexts hold after one forward; torch: the\n"
+      "saved_MB: octet: what the layer stack's contexts hold after one forward (the BF16 or\n"
+      "  FP8 weight copies, made once per optimizer step, are not counted); torch: the\n"
       "  distinct storages autograd saved in one forward (parameters excluded).\n",
       o.warmup, o.torch_steps,
       (long long)std::min(o.torch_fp32_micro_batch_size, o.micro_batch_size));
@@ -407,14 +446,13 @@ void run_bench(const Options& o) {
     if (o.peak_gflops <= 0) peak_gflops = std::max(peak_gflops, measure_bf16_peak_gflops());
   };
   measure_peak();
-  std::vector<Result> results;
-  // Each octet precision, then its torch counterpart (bf16 for fp8) right after it, so that
-  // both see the same machine load; each torch precision runs once.
+  if (!o.json)
+    std::fprintf(stderr, "bench train: octet %s, steps interleaved ...\n", o.precision.c_str());
+  std::vector<Result> results = measure_octet(config, precisions, o);
+  measure_peak();
+  // Then each torch precision once (bf16 for fp8).
   std::vector<std::string> torch_done;
   for (const std::string& precision : precisions) {
-    if (!o.json) std::fprintf(stderr, "bench train: octet %s ...\n", precision.c_str());
-    results.push_back(measure_octet(config, precision, o));
-    measure_peak();
     const std::string peer = precision == "fp8" ? "bf16" : precision;
     if (o.no_torch || std::find(torch_done.begin(), torch_done.end(), peer) != torch_done.end()) {
       continue;
