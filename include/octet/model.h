@@ -171,6 +171,11 @@ class GPTStage : public Module {
   // This chunk's parameters (layers; embeddings, final norm where the chunk holds them).
   std::vector<Parameter*> chunk_parameters(int chunk);
   const GPTConfig& config() const { return config_; }
+  // This rank's parameters under GPT's names (a subset of GPT::state_dict()).
+  TensorMap state_dict();
+  // Loads this rank's parameters from a whole-model (or this stage's) state dict; tensors of
+  // other stages are ignored. Missing or mismatched tensors are errors.
+  void load_state_dict(const TensorMap& tensors);
 
   void collect_parameters(std::vector<Parameter*>& out) override;
   void on_parameters_updated() override;

@@ -68,6 +68,24 @@ void GPTStage::on_parameters_updated() {
   }
 }
 
+TensorMap GPTStage::state_dict() {
+  TensorMap out;
+  for (Parameter* p : parameters()) out[p->name] = p->value;
+  return out;
+}
+
+void GPTStage::load_state_dict(const TensorMap& tensors) {
+  for (Parameter* p : parameters()) {
+    auto it = tensors.find(p->name);
+    OCTET_CHECK(it != tensors.end(), "checkpoint: missing tensor '", p->name,
+                "' (does the checkpoint match this model config?)");
+    check_shape(it->second, p->value.shape(), "checkpoint: tensor '" + p->name + "'");
+    check_dtype(it->second, DType::F32, "checkpoint: tensor '" + p->name + "'");
+    p->value.copy_from(it->second);
+  }
+  on_parameters_updated();
+}
+
 Tensor GPTStage::forward(int chunk, const Tensor& input, const Tensor& ids, const Tensor& targets,
                          DType dtype, float grad_scale, Context& ctx) {
   OCTET_CHECK(dtype == DType::F32 || dtype == DType::BF16,
