@@ -98,6 +98,9 @@ class Fp8State {
   void load_state(const TensorMap& in, const std::string& prefix, const recipe::Recipe& recipe);
   const FP8Meta& forward_meta() const { return forward_meta_; }
   const FP8Meta& backward_meta() const { return backward_meta_; }
+  // For the amax reduction across tensor- and data-parallel ranks (reduce_fp8_amax).
+  FP8Meta& mutable_forward_meta() { return forward_meta_; }
+  FP8Meta& mutable_backward_meta() { return backward_meta_; }
   const recipe::Recipe& recipe() const { return recipe_; }
   // Under fp8_stats_enabled(): measures q against its source x and keeps the result as the
   // latest stats of tensor `module + "." + role` (role: input, weight, grad_output, with the

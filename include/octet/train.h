@@ -90,6 +90,11 @@ class GPT;
 // fp8_stats_scope.
 // Every FP8 state of the model: each Linear inside its layers.
 std::vector<Fp8State*> fp8_states(GPT& model);
+// Delayed scaling across ranks: the amaxes recorded since the last scale update (history
+// row 0 of every meta) become their maximum over `group` (tensor x data parallel), so every
+// rank derives the same scales. Collective; call after each micro-batch's backward.
+class Communicator;
+void reduce_fp8_amax(GPT& model, Communicator& group);
 // {tensor name: {amax, scale, underflow, saturated}} (fractions in [0, 1]) of every tensor
 // measured since the last call (keys sorted by name); clears the stats.
 nlohmann::json take_fp8_stats(GPT& model);

@@ -4,6 +4,7 @@
 #include <cstdio>
 
 #include "octet/model.h"
+#include "octet/parallel.h"
 #include "octet/train.h"
 
 namespace octet {
@@ -19,6 +20,27 @@ std::vector<Fp8State*> fp8_states(GPT& model) {
     out.push_back(&layer.layernorm_mlp.fc2.fp8_state());
   }
   return out;
+}
+
+void reduce_fp8_amax(GPT& model, Communicator& group) {
+  if (group.size() == 1) return;
+  std::vector<FP8Meta*> metas;
+  for (Fp8State* state : fp8_states(model)) {
+    for (FP8Meta* meta : {&state->mutable_forward_meta(), &state->mutable_backward_meta()}) {
+      if (meta->num_tensors() > 0 && meta->history_len() > 0) metas.push_back(meta);
+    }
+  }
+  std::vector<float> amax;
+  for (FP8Meta* meta : metas) {
+    for (int i = 0; i < meta->num_tensors(); ++i) amax.push_back(meta->amax_history(0, i));
+  }
+  if (amax.empty()) return;
+  Tensor buffer = Tensor::from_floats({static_cast<int64_t>(amax.size())}, amax);
+  group.all_reduce(buffer, ReduceOp::Max);  // NaN anywhere stays NaN everywhere
+  const float* reduced = buffer.data<float>();
+  for (FP8Meta* meta : metas) {
+    for (int i = 0; i < meta->num_tensors(); ++i) meta->record_amax(i, *reduced++);
+  }
 }
 
 nlohmann::json take_fp8_stats(GPT& model) {

@@ -289,14 +289,17 @@ TrainResult train_gpt(const TrainOptions& o) {
   TrainResult result;
   std::vector<CurvePoint> train_curve, valid_curve;
   auto evaluate = [&]() {
+    // Data-parallel ranks split the batches; under FP8 every rank runs them all, so the
+    // amaxes these forwards record (and the scales they lead to) stay equal across ranks.
+    const int64_t first = fp8 ? 0 : dp_rank, stride = fp8 ? 1 : dp;
     double sum = 0;
-    for (int64_t k = dp_rank; k < o.eval_iters; k += dp) {
+    for (int64_t k = first; k < o.eval_iters; k += stride) {
       Tensor ids, targets;
       valid_batches->fill(k, o.micro_batch_size, ids, targets);
       fp8_autocast scope(fp8, recipe);
       sum += model.evaluate(ids, targets, dtype);
     }
-    sum = parallel.data().all_reduce(sum, ReduceOp::Sum);
+    if (!fp8) sum = parallel.data().all_reduce(sum, ReduceOp::Sum);
     return static_cast<float>(sum / static_cast<double>(o.eval_iters));
   };
   auto save = [&](int64_t iteration) {
@@ -340,6 +343,9 @@ TrainResult train_gpt(const TrainOptions& o) {
         if (ddp) ddp->set_sync(micro + 1 == accumulation);
         fp8_autocast scope(fp8, recipe);
         loss += model.train_step(ids, targets, dtype, 1.0f / static_cast<float>(accumulation * dp));
+        if (fp8 && std::holds_alternative<recipe::DelayedScaling>(recipe)) {
+          reduce_fp8_amax(model, parallel.tensor_and_data());
+        }
       }
     }
     if (ddp) ddp->finish_grad_sync();
