@@ -21,6 +21,7 @@
 namespace octet {
 class GPTStage;
 class ParallelState;
+struct Parameter;
 class Tensor;
 }  // namespace octet
 
@@ -188,6 +189,12 @@ class PipelineExecutor {
   float train_step(const std::vector<Tensor>& ids, const std::vector<Tensor>& targets,
                    float grad_scale);
   const Schedule& schedule() const;
+  // The parameters this rank counts once for the whole model: summing a per-parameter
+  // quantity (the squared gradient norm for clipping) over them on every pipeline rank counts
+  // each model parameter exactly once. Leaves out the last stage's wte copy (when the first
+  // stage is on another rank) and, for DualPipe, everything on ranks >= ranks/2 (their pair
+  // partner holds the same stages with the same, summed gradients).
+  std::vector<Parameter*> owned_parameters();
 
  private:
   struct State;

@@ -74,14 +74,17 @@ void sgd(Module& module, float lr) {
 // in step 1; the SGD update carries it into every parameter, so step 2's gradients differ
 // everywhere by a few ulp more. Measured at PP=2 and 4: at most 9.5e-7 of the tensor's
 // largest gradient (DualPipe, PP=4); we allow 1e-5 (10x), and 1e-5 relative on the loss.
-void expect_matches_single_process(const Schedule& schedule, int steps = 2) {
+void expect_matches_single_process(const Schedule& schedule, int steps = 2,
+                                   DType dtype = DType::F32) {
   std::shared_ptr<Communicator> world = world_communicator();
   ParallelState parallel(world, 1, world->size());
   const GPTConfig config = tiny_config();
   const int rank = parallel.pipeline_rank();
   GPT reference(config, kSeed);
   GPTStage stage(config, kSeed, schedule.stages, pipeline::stages_of_rank(schedule, rank));
-  pipeline::PipelineExecutor executor(schedule, stage, parallel);
+  pipeline::ExecutorOptions options;
+  options.dtype = dtype;
+  pipeline::PipelineExecutor executor(schedule, stage, parallel, options);
   std::map<std::string, Parameter*> by_name;
   for (Parameter* p : reference.parameters()) by_name[p->name] = p;
   for (Parameter* p : stage.parameters()) {
@@ -97,7 +100,7 @@ void expect_matches_single_process(const Schedule& schedule, int steps = 2) {
     zero_grads(stage);
     double reference_loss = 0.0;
     for (int m = 0; m < M; ++m) {
-      reference_loss += reference.train_step(ids[m], targets[m], DType::F32, 1.0f / M);
+      reference_loss += reference.train_step(ids[m], targets[m], dtype, 1.0f / M);
     }
     reference_loss /= M;
     const float loss = executor.train_step(ids, targets, 1.0f / M);
@@ -116,6 +119,17 @@ void expect_matches_single_process(const Schedule& schedule, int steps = 2) {
       EXPECT_LE(worst, 1e-5f * scale) << pipeline::schedule_name(schedule.kind) << " step " << step
                                       << " rank " << rank << " " << p->name << " scale " << scale;
     }
+    // The owned parameters count each model parameter once: the squared gradient norm summed
+    // over the pipeline equals the whole model's.
+    double squares = 0.0, reference_squares = 0.0;
+    for (Parameter* p : executor.owned_parameters()) {
+      for (float g : p->grad.to_floats()) squares += static_cast<double>(g) * g;
+    }
+    for (Parameter* p : reference.parameters()) {
+      for (float g : p->grad.to_floats()) reference_squares += static_cast<double>(g) * g;
+    }
+    squares = parallel.pipeline().all_reduce(squares);
+    EXPECT_NEAR(squares, reference_squares, 1e-5 * reference_squares) << "step " << step;
     sgd(reference, 0.1f);
     sgd(stage, 0.1f);
   }
@@ -154,6 +168,13 @@ int pipeline_size() {
 
 TEST(Pipeline, OneFOneBMatchesSingleProcess) {
   expect_matches_single_process(pipeline::schedule_1f1b(pipeline_size(), 2 * pipeline_size()));
+}
+
+// BF16 activations and gradients cross the pipeline as BF16, as the reference keeps them: the
+// same kernels on the same values, so the FP32 tolerance holds.
+TEST(Pipeline, OneFOneBInBF16MatchesSingleProcess) {
+  expect_matches_single_process(pipeline::schedule_1f1b(pipeline_size(), 2 * pipeline_size()), 1,
+                                DType::BF16);
 }
 
 TEST(Pipeline, InterleavedMatchesSingleProcess) {

@@ -214,6 +214,17 @@ const Schedule& PipelineExecutor::schedule() const {
   return state_->schedule;
 }
 
+std::vector<Parameter*> PipelineExecutor::owned_parameters() {
+  State& s = *state_;
+  if (s.copies && 2 * s.rank >= s.schedule.ranks) return {};
+  std::vector<Parameter*> owned;
+  for (Parameter* p : s.model.parameters()) {
+    const bool duplicate_wte = p == &s.model.wte && s.reduce_embedding && s.rank != 0;
+    if (!duplicate_wte) owned.push_back(p);
+  }
+  return owned;
+}
+
 float PipelineExecutor::train_step(const std::vector<Tensor>& ids,
                                    const std::vector<Tensor>& targets, float grad_scale) {
   State& s = *state_;
@@ -221,6 +232,12 @@ float PipelineExecutor::train_step(const std::vector<Tensor>& ids,
   OCTET_CHECK(ids.size() == micro_batches && targets.size() == micro_batches,
               "pipeline executor: expected ", micro_batches,
               " micro-batches of ids and targets, got ", ids.size(), " and ", targets.size());
+  // A step that failed part-way leaves its bookkeeping behind: start clean.
+  s.contexts.clear();
+  s.inputs.clear();
+  s.outputs.clear();
+  s.doutputs.clear();
+  s.dinputs.clear();
   s.ids = &ids;
   s.targets = &targets;
   s.grad_scale = grad_scale;
