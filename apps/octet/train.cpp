@@ -52,6 +52,10 @@ void register_train(CLI::App& app) {
                   "Tensor-parallel ranks (consecutive ranks)");
   cmd->add_option("--pipeline-model-parallel-size", o->pipeline_model_parallel_size,
                   "Pipeline stages");
+  cmd->add_option("--pipeline-schedule", o->pipeline_schedule,
+                  "1f1b | interleaved | zb1p | dualpipe | dualpipev");
+  cmd->add_option("--virtual-pipeline-model-parallel-size", o->virtual_stages,
+                  "Chunks per rank of the interleaved schedule");
   cmd->add_flag("--use-distributed-optimizer", o->use_distributed_optimizer,
                 "ZeRO-1: shard AdamW state and master weights across data-parallel ranks");
   cmd->add_flag("--overlap-grad-reduce,!--no-overlap-grad-reduce", o->overlap_grad_reduce,

@@ -158,6 +158,10 @@ struct TrainOptions {
   // data-parallel rank runs global_batch / (micro_batch * DP) micro-batches per step.
   int64_t tensor_model_parallel_size = 1;
   int64_t pipeline_model_parallel_size = 1;
+  // Pipeline schedule (--pipeline-model-parallel-size > 1): 1f1b | interleaved | zb1p |
+  // dualpipe | dualpipev; micro-batches per step = global batch / micro batch.
+  std::string pipeline_schedule = "1f1b";
+  int64_t virtual_stages = 2;                  // chunks per rank of the interleaved schedule
   bool use_distributed_optimizer = false;      // ZeRO-1: shard AdamW state and master weights
   bool overlap_grad_reduce = true;             // reduce gradient buckets while backward runs
   int64_t ddp_bucket_size = int64_t{1} << 22;  // elements per gradient bucket
