@@ -87,6 +87,10 @@ class Fp8State {
   bool input_scale_known() const;
   float input_scale(int gemm) const;
   void record_input_amax(int gemm, float amax);
+  // The same for the output gradient (after begin_backward): a kernel producing it (an
+  // activation's backward) can write its FP8 codes directly.
+  float grad_output_scale(int gemm) const;
+  void record_grad_output_amax(int gemm, float amax);
   // While recomputing a forward for activation checkpointing, begin_forward neither updates
   // the scales nor counts a step: the recomputation quantizes exactly as the forward did.
   void set_recomputing(bool recomputing) { recomputing_ = recomputing; }
@@ -182,6 +186,10 @@ class Linear : public Module {
   Tensor forward(const Tensor& x, Context& ctx, SavedInput saved = SavedInput::Fp8);
   // dy [N, out] -> dx [N, in]; accumulates weight.grad and bias.grad.
   Tensor backward(const Tensor& dy, Context& ctx);
+  // FP8 contexts: backward from dy [N, out] already quantized by grad_output_quantizer(0)
+  // (the caller ran begin_backward). Without bias, or with return_bias (the caller owns the
+  // bias gradient): the codes alone cannot give it. -> dx [N, in] in the forward's dtype.
+  Tensor backward_fp8_grad(const Float8Tensor& dyq, Context& ctx);
   // Parts of forward/backward that LayerNormLinear and LayerNormMLP reuse: the GEMM on an
   // input already quantized by `quantizer` (this module's input quantizer for this forward).
   Tensor forward_fp8_input(const Float8Tensor& x, const Quantizer& quantizer, DType out_dtype,
@@ -189,6 +197,8 @@ class Linear : public Module {
   // After a forward with SavedInput::None: x [N, in], the tensor that forward quantized,
   // re-quantized with the forward's scaling (the same codes) into what backward needs.
   void restore_input(const Tensor& x, Context& ctx);
+  // The same from codes a kernel wrote with the forward's scale (xq per-tensor, rowwise).
+  void restore_input(Float8Tensor xq, Context& ctx);
   // FP8 contexts keeping rowwise input codes (per-tensor scaling): the forward's output
   // [N, out] computed again, bit for bit, from the kept codes and weight.
   bool can_replay(const Context& ctx) const { return ctx.fp8 && ctx.input_fp8.has_rowwise(); }
@@ -204,6 +214,7 @@ class Linear : public Module {
 
  private:
   Epilogue forward_epilogue() const;
+  void fp8_gradients(const Float8Tensor& dyq, const Context& ctx, Tensor& dx);
   PackedWeight& packed_weight(DType dtype);
   const Tensor& weight_as(DType dtype);
   LinearOptions options_;
@@ -295,6 +306,9 @@ class LayerNormMLP : public Module {
     // FC2 input (absent with checkpoint). FP8 runs do not keep it: backward recomputes it
     // from fc1_output and re-quantizes it with the forward's scale (the same codes).
     Tensor activation;
+    // Delayed scaling: the activation kernel wrote FC2's FP8 input itself with this scale
+    // (0: it did not), and backward recomputes it the same way.
+    float activation_fp8_scale = 0.0f;
   };
   explicit LayerNormMLP(const LayerNormMLPOptions& options);
   Tensor forward(const Tensor& x, Context& ctx);

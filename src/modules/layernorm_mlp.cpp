@@ -22,6 +22,25 @@ LinearOptions fc_options(const LayerNormMLPOptions& o, bool first) {
   return l;
 }
 
+// act(h + bias) [N, F] written as per-tensor FP8 codes by the activation kernel (no
+// high-precision copy); h [N, F_in].
+Float8Tensor activation_fp8(ops::ActivationKind kind, const Tensor& h, const Tensor* bias,
+                            int64_t ffn_hidden, DType format, float scale) {
+  Float8Tensor out;
+  out.format = format;
+  out.mode = ScalingMode::PerTensor;
+  out.rows = h.rows();
+  out.cols = ffn_hidden;
+  out.scale = scale;
+  out.data = Tensor::empty({out.rows, out.cols}, format);
+  ops::Fp8Store store{format, scale, static_cast<uint8_t*>(out.data.raw()), 0.0f};
+  Tensor none;
+  ops::activation_forward(kind, h.reshape({h.rows(), h.cols()}), bias, none, &store);
+  out.amax = store.amax;
+  out.scale_inv = Tensor::from_floats({1}, {1.0f / scale});
+  return out;
+}
+
 }  // namespace
 
 LayerNormMLP::LayerNormMLP(const LayerNormMLPOptions& options)
@@ -57,14 +76,31 @@ void LayerNormMLP::run_forward(const Tensor& x, Context& ctx, Tensor& out) {
   } else {
     h = fc1.forward(norm.forward(x, ctx.norm), ctx.fc1);
   }
+  ctx.fc1_output = h;
+  const Tensor* fc1_bias = options_.bias ? &fc1.bias.value : nullptr;
+  Shape out_shape = x.shape();
+  out_shape.back() = options_.hidden;
+  Fp8State& fc2_fp8 = fc2.fp8_state();
+  if (fp8_enabled() && std::holds_alternative<recipe::DelayedScaling>(fp8_recipe()) &&
+      !fp8_stats_enabled()) {
+    // Delayed scaling: the activation kernel writes FC2's FP8 input; FC2 keeps none of it.
+    fc2_fp8.begin_forward(fp8_recipe());
+    const Quantizer quantizer = fc2_fp8.input_quantizer(0);
+    ctx.activation_fp8_scale = fc2_fp8.input_scale(0);
+    const Float8Tensor aq = activation_fp8(options_.activation, h, fc1_bias, options_.ffn_hidden,
+                                           quantizer.format(), ctx.activation_fp8_scale);
+    fc2_fp8.record_input_amax(0, aq.amax);
+    out = fc2.forward_fp8_input(aq, quantizer, x.dtype(), ctx.fc2, SavedInput::None)
+              .reshape(out_shape);
+    return;
+  }
   Shape act_shape = h.shape();
   act_shape.back() = options_.ffn_hidden;
   Tensor a = Tensor::empty(act_shape, x.dtype());
-  ops::activation_forward(options_.activation, h, options_.bias ? &fc1.bias.value : nullptr, a);
+  ops::activation_forward(options_.activation, h, fc1_bias, a);
   // FP8: FC2 keeps no copy of its input; backward recomputes it from fc1_output.
   const bool fp8 = fp8_enabled();
   out = fc2.forward(a, ctx.fc2, fp8 ? SavedInput::None : SavedInput::Fp8);
-  ctx.fc1_output = h;
   if (!fp8) ctx.activation = a;
 }
 
@@ -99,23 +135,54 @@ Tensor LayerNormMLP::backward(const Tensor& dy, Context& ctx) {
     fc1.fp8_state().set_recomputing(false);
     fc2.fp8_state().set_recomputing(false);
   }
+  const Tensor* fc1_bias = options_.bias ? &fc1.bias.value : nullptr;
   if (ctx.fc2.input_requantizer) {
-    // The activation again, bit for bit, and its FP8 codes with the forward's scale.
-    Shape act_shape = ctx.fc1_output.shape();
-    act_shape.back() = options_.ffn_hidden;
-    Tensor a = Tensor::empty(act_shape, ctx.fc1_output.dtype());
-    ops::activation_forward(options_.activation, ctx.fc1_output,
-                            options_.bias ? &fc1.bias.value : nullptr, a);
-    fc2.restore_input(a, ctx.fc2);
+    // The activation's FP8 codes again, bit for bit, with the forward's scale.
+    if (ctx.activation_fp8_scale > 0.0f) {
+      fc2.restore_input(
+          activation_fp8(options_.activation, ctx.fc1_output, fc1_bias, options_.ffn_hidden,
+                         ctx.fc2.input_requantizer->format(), ctx.activation_fp8_scale),
+          ctx.fc2);
+    } else {
+      Shape act_shape = ctx.fc1_output.shape();
+      act_shape.back() = options_.ffn_hidden;
+      Tensor a = Tensor::empty(act_shape, ctx.fc1_output.dtype());
+      ops::activation_forward(options_.activation, ctx.fc1_output, fc1_bias, a);
+      fc2.restore_input(a, ctx.fc2);
+    }
   }
   Tensor da = fc2.backward(dy, ctx.fc2);
-  Tensor dh = Tensor::empty(ctx.fc1_output.shape(), da.dtype());
   Tensor dbias = Tensor::empty({fc1.options().out_features}, DType::F32);
-  ops::activation_backward(options_.activation, da, ctx.fc1_output,
-                           options_.bias ? &fc1.bias.value : nullptr, dh,
-                           options_.bias ? &dbias : nullptr);
+  Fp8State& fc1_fp8 = fc1.fp8_state();
+  Tensor dnorm;
+  if (ctx.fc1.fp8 && fc1_fp8.input_scale_known() && !fp8_stats_enabled()) {
+    // Delayed scaling: the activation's backward writes FC1's FP8 output gradient itself.
+    fc1_fp8.begin_backward(fc1_fp8.recipe());
+    Float8Tensor dhq;
+    dhq.format = fc1_fp8.grad_output_quantizer(0).format();
+    dhq.mode = ScalingMode::PerTensor;
+    dhq.rows = ctx.fc1_output.rows();
+    dhq.cols = ctx.fc1_output.cols();
+    dhq.scale = fc1_fp8.grad_output_scale(0);
+    dhq.data = Tensor::empty({dhq.rows, dhq.cols}, dhq.format);
+    ops::Fp8Store store{dhq.format, dhq.scale, static_cast<uint8_t*>(dhq.data.raw()), 0.0f};
+    Tensor none;
+    ops::activation_backward(options_.activation, da.reshape({da.rows(), da.cols()}),
+                             ctx.fc1_output.reshape({dhq.rows, dhq.cols}), fc1_bias, none,
+                             options_.bias ? &dbias : nullptr, &store);
+    dhq.amax = store.amax;
+    dhq.scale_inv = Tensor::from_floats({1}, {1.0f / dhq.scale});
+    fc1_fp8.record_grad_output_amax(0, store.amax);
+    Shape dnorm_shape = ctx.fc1_output.shape();
+    dnorm_shape.back() = options_.hidden;
+    dnorm = fc1.backward_fp8_grad(dhq, ctx.fc1).reshape(dnorm_shape);
+  } else {
+    Tensor dh = Tensor::empty(ctx.fc1_output.shape(), da.dtype());
+    ops::activation_backward(options_.activation, da, ctx.fc1_output, fc1_bias, dh,
+                             options_.bias ? &dbias : nullptr);
+    dnorm = fc1.backward(dh, ctx.fc1);
+  }
   if (options_.bias) modules_detail::add_into(dbias, fc1.bias.grad);
-  Tensor dnorm = fc1.backward(dh, ctx.fc1);
   Tensor dx = norm.backward(dnorm, ctx.norm);
   ctx = Context{};
   return dx;

@@ -127,6 +127,17 @@ void Linear::restore_input(const Tensor& x, Context& ctx) {
   ctx.input_requantizer.reset();
 }
 
+void Linear::restore_input(Float8Tensor xq, Context& ctx) {
+  OCTET_CHECK(ctx.fp8 && ctx.input_requantizer.has_value(), options_.name,
+              ": restore_input expects an FP8 context whose forward kept no input");
+  OCTET_CHECK(xq.mode == ScalingMode::PerTensor && xq.has_rowwise() && xq.rows == ctx.rows &&
+                  xq.cols == options_.in_features,
+              options_.name, ": restore_input expected per-tensor rowwise codes [", ctx.rows, ",",
+              options_.in_features, "], got [", xq.rows, ",", xq.cols, "]");
+  ctx.input_fp8 = std::move(xq);
+  ctx.input_requantizer.reset();
+}
+
 Tensor Linear::replay_forward(const Context& ctx) {
   OCTET_CHECK(can_replay(ctx), options_.name,
               ": replay_forward needs an FP8 context with rowwise input codes");
@@ -155,14 +166,32 @@ Tensor Linear::backward(const Tensor& dy_in, Context& ctx) {
     const Quantizer quantizer = fp8_.grad_output_quantizer(0);
     Float8Tensor dyq = quantizer.quantize(dy, true, needs_columnwise(quantizer));
     if (fp8_stats_enabled()) fp8_.record_stats(options_.name, "grad_output", dy, dyq);
-    gemm(dyq, ctx.weight_fp8, dx, /*trans_a=*/false, /*trans_b=*/false);
-    gemm(dyq, ctx.input_fp8, weight.grad, /*trans_a=*/true, /*trans_b=*/false, 1.0f, 1.0f);
+    fp8_gradients(dyq, ctx, dx);
   } else {
     gemm(dy, weight_as(ctx.dtype), dx, /*trans_a=*/false, /*trans_b=*/false);
     gemm(dy, ctx.input, weight.grad, /*trans_a=*/true, /*trans_b=*/false, 1.0f, 1.0f);
   }
   ctx = Context{};
   return dx.reshape(with_last(dy_in.shape(), options_.in_features));
+}
+
+void Linear::fp8_gradients(const Float8Tensor& dyq, const Context& ctx, Tensor& dx) {
+  gemm(dyq, ctx.weight_fp8, dx, /*trans_a=*/false, /*trans_b=*/false);
+  gemm(dyq, ctx.input_fp8, weight.grad, /*trans_a=*/true, /*trans_b=*/false, 1.0f, 1.0f);
+}
+
+Tensor Linear::backward_fp8_grad(const Float8Tensor& dyq, Context& ctx) {
+  OCTET_CHECK(ctx.fp8 && (ctx.input_fp8.has_rowwise() || ctx.input_fp8.has_columnwise()),
+              options_.name, ": backward_fp8_grad expects an FP8 context holding its input");
+  OCTET_CHECK(!options_.bias || options_.return_bias, options_.name,
+              ": backward_fp8_grad cannot give the bias gradient from FP8 codes");
+  OCTET_CHECK(dyq.rows == ctx.rows && dyq.cols == options_.out_features, options_.name,
+              ": dy expected [", ctx.rows, ",", options_.out_features, "], got [", dyq.rows, ",",
+              dyq.cols, "]");
+  Tensor dx = Tensor::empty({ctx.rows, options_.in_features}, ctx.dtype);
+  fp8_gradients(dyq, ctx, dx);
+  ctx = Context{};
+  return dx;
 }
 
 }  // namespace octet

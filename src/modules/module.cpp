@@ -128,6 +128,14 @@ void Fp8State::record_input_amax(int gemm, float amax) {
   forward_meta_.record_amax(2 * gemm, amax);
 }
 
+float Fp8State::grad_output_scale(int gemm) const {
+  return backward_meta_.scale(gemm);
+}
+
+void Fp8State::record_grad_output_amax(int gemm, float amax) {
+  backward_meta_.record_amax(gemm, amax);
+}
+
 const Fp8State::QuantizedWeight& Fp8State::quantized_weight(int gemm, const Tensor& weight,
                                                             const std::string& name,
                                                             const std::string& role) {
