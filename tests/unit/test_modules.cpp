@@ -174,6 +174,42 @@ TEST(LayerNormMLP, CheckpointRecomputesExactly) {
   }
 }
 
+TEST(Fp8LayerNormMLP, FusedActivationCastsEqualUnfused) {
+  // Delayed scaling: the activation kernel writes FC2's FP8 input and the activation's
+  // backward FC1's FP8 gradient. Under fp8_stats_scope the module takes the unfused path
+  // (high-precision tensors, then the quantizers). In F32 both round each value once.
+  for (ops::ActivationKind act : {ops::ActivationKind::GeluTanh, ops::ActivationKind::SwiGlu}) {
+    SCOPED_TRACE(std::string(ops::activation_name(act)));
+    LayerNormMLP fused(mlp_options(act, false));
+    LayerNormMLP unfused(mlp_options(act, false));
+    randomize(fused, 21);
+    randomize(unfused, 21);
+    for (int step = 0; step < 3; ++step) {  // later steps: real delayed scales
+      Tensor x = random_tensor({2, 9, 32}, DType::F32, 100 + step);
+      Tensor dy = random_tensor({2, 9, 32}, DType::F32, 110 + step, 0.0f, 1e-2f);
+      LayerNormMLP::Context a, b;
+      Tensor ya, yb, dxa, dxb;
+      {
+        fp8_autocast scope(true, recipe::DelayedScaling{});
+        ya = fused.forward(x, a);
+        EXPECT_GT(a.activation_fp8_scale, 0.0f);  // the kernel wrote the codes
+        dxa = fused.backward(dy, a);
+        fp8_stats_scope stats;
+        yb = unfused.forward(x, b);
+        EXPECT_EQ(b.activation_fp8_scale, 0.0f);
+        dxb = unfused.backward(dy, b);
+      }
+      EXPECT_EQ(ya.to_floats(), yb.to_floats());
+      EXPECT_EQ(dxa.to_floats(), dxb.to_floats());
+      std::vector<Parameter*> pa = fused.parameters(), pb = unfused.parameters();
+      for (size_t i = 0; i < pa.size(); ++i) {
+        SCOPED_TRACE(pa[i]->name);
+        EXPECT_EQ(pa[i]->grad.to_floats(), pb[i]->grad.to_floats());
+      }
+    }
+  }
+}
+
 // Dequantized copy of what a quantizer produces: the explicit quantize-dequantize reference.
 Tensor fake_quantize(const Tensor& x, DType format, float scale) {
   Float8Tensor q = Quantizer::fixed(format, scale).quantize(x.reshape({x.rows(), x.cols()}));
