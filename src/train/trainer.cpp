@@ -176,9 +176,9 @@ TrainResult train_gpt(const TrainOptions& o) {
   const bool pipelined = parallel.pipeline_size() > 1;
   if (pipelined) {
     // What the pipeline path does not cover yet: each is a clear error, not a silent skip.
-    OCTET_CHECK(parallel.data_size() == 1,
-                "octet train: pipeline parallelism combined with data "
-                "parallelism is not implemented yet (got ",
+    OCTET_CHECK(!o.use_distributed_optimizer,
+                "octet train: --use-distributed-optimizer with pipeline parallelism is not "
+                "implemented yet (got ",
                 parallel.describe(), ")");
     OCTET_CHECK(o.save.empty() && o.load.empty() && !o.fp8_stats &&
                     (o.eval_iters == 0 || (!o.mock_data && o.valid_data.empty())),
@@ -294,7 +294,15 @@ TrainResult train_gpt(const TrainOptions& o) {
     return norm;
   };
 
-  if (data_parallel) {
+  if (pipelined && dp > 1) {
+    // Pipeline x data: each stage's gradients are all-reduced over its data-parallel
+    // replicas after the pipeline step (GPTStage has no grad-ready hooks yet: no overlap).
+    DataParallelOptions options;
+    options.bucket_elements = o.ddp_bucket_size;
+    options.overlap_grad_reduce = false;
+    ddp = std::make_unique<DistributedDataParallel>(stage->parameters(), parallel.data(), options);
+    stage->on_parameters_updated();
+  } else if (data_parallel) {
     // Buckets in the order backward finalizes gradients; parameters move into them.
     DataParallelOptions options;
     options.bucket_elements = o.ddp_bucket_size;
@@ -331,7 +339,7 @@ TrainResult train_gpt(const TrainOptions& o) {
                   parallel.pipeline_size(),
                   o.use_distributed_optimizer ? "distributed optimizer (ZeRO-1)" : "all-reduce",
                   ddp ? ddp->buckets().size() : size_t{0},
-                  o.overlap_grad_reduce ? " reduced during backward" : "");
+                  ddp && ddp->options().overlap_grad_reduce ? " reduced during backward" : "");
     }
     std::printf("measured BF16 GEMM peak %.0f GFLOP/s; %.2f GFLOP per token\n", peak,
                 flops_per_token / 1e9);
@@ -391,11 +399,11 @@ TrainResult train_gpt(const TrainOptions& o) {
       // The whole step's micro-batches go through the pipeline schedule at once.
       std::vector<Tensor> ids(static_cast<size_t>(accumulation)), targets(ids.size());
       for (int64_t micro = 0; micro < accumulation; ++micro) {
-        train_batches.fill(iteration * micro_batches_per_step + micro, o.micro_batch_size,
-                           ids[micro], targets[micro]);
+        train_batches.fill(iteration * micro_batches_per_step + micro * dp + dp_rank,
+                           o.micro_batch_size, ids[micro], targets[micro]);
       }
       fp8_autocast scope(fp8, recipe);
-      loss = executor->train_step(ids, targets, 1.0f / static_cast<float>(accumulation)) *
+      loss = executor->train_step(ids, targets, 1.0f / static_cast<float>(accumulation * dp)) *
              static_cast<double>(accumulation);
     } else {
       // Training micro-batches only: evaluation's forwards would overwrite the stats.
