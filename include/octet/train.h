@@ -58,7 +58,17 @@ struct Checkpoint {
   nlohmann::json trainer;  // config, step, rng state, data position ...
 };
 void save_checkpoint(const std::string& dir, const Checkpoint& checkpoint);
-Checkpoint load_checkpoint(const std::string& dir);  // clear errors for missing/corrupt parts
+// Sharded by pipeline stage (collective over the world): the first tensor- and data-parallel
+// rank of each stage writes model-pp{S}.safetensors and optimizer-pp{S}.safetensors with its
+// part (GPT names), rank 0 writes trainer.json listing the shards and the layout, then swaps
+// the directory in. Tensors keep their whole-model names, so the checkpoint loads at any
+// layout.
+class ParallelState;
+void save_checkpoint_sharded(const std::string& dir, const Checkpoint& part,
+                             ParallelState& parallel);
+// Either form; a sharded checkpoint comes back merged into whole-model maps. Clear errors for
+// missing / corrupt parts.
+Checkpoint load_checkpoint(const std::string& dir);
 
 // Appends one JSON object per line; flushes each line so a crash loses nothing.
 class MetricsWriter {

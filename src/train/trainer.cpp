@@ -180,10 +180,10 @@ TrainResult train_gpt(const TrainOptions& o) {
                 "octet train: --use-distributed-optimizer with pipeline parallelism is not "
                 "implemented yet (got ",
                 parallel.describe(), ")");
-    OCTET_CHECK(o.save.empty() && o.load.empty() && !o.fp8_stats &&
+    OCTET_CHECK(!o.fp8_stats && (!fp8 || (o.save.empty() && o.load.empty())) &&
                     (o.eval_iters == 0 || (!o.mock_data && o.valid_data.empty())),
-                "octet train: with --pipeline-model-parallel-size > 1, --save, --load, "
-                "--fp8-stats and validation (--eval-iters > 0) are not implemented yet");
+                "octet train: with --pipeline-model-parallel-size > 1, --fp8-stats, FP8 "
+                "checkpoints and validation (--eval-iters > 0) are not implemented yet");
   }
   const int64_t dp = parallel.data_size(), dp_rank = parallel.data_rank();
   OCTET_CHECK(global_batch % (o.micro_batch_size * dp) == 0, "--global-batch-size (", global_batch,
@@ -222,7 +222,7 @@ TrainResult train_gpt(const TrainOptions& o) {
   auto optimizer_steps = [&] { return zero ? zero->steps() : adamw->steps(); };
   LrSchedule schedule{o.lr, o.min_lr, o.lr_warmup_iters, o.train_iters};
   int64_t start_iteration = 0;
-  TensorMap loaded_optimizer;
+  TensorMap loaded_model, loaded_optimizer;
   int64_t loaded_steps = 0;
   if (!o.load.empty()) {
     Checkpoint checkpoint = load_checkpoint(o.load);
@@ -238,7 +238,8 @@ TrainResult train_gpt(const TrainOptions& o) {
                   "', got ", trainer.contains(key) ? trainer[key].dump() : "none");
       return trainer[key].get<int64_t>();
     };
-    model.load_state_dict(from_hf_gpt2_names(checkpoint.model));
+    loaded_model = from_hf_gpt2_names(checkpoint.model);
+    model.load_state_dict(loaded_model);
     if (adamw) adamw->load_state(checkpoint.optimizer, count("optimizer_steps"));
     loaded_optimizer = std::move(checkpoint.optimizer);
     loaded_steps = count("optimizer_steps");
@@ -274,6 +275,11 @@ TrainResult train_gpt(const TrainOptions& o) {
     AdamWOptions unclipped = adam;
     unclipped.clip_grad = 0;
     adamw = std::make_unique<AdamW>(stage->parameters(), unclipped);
+    if (!o.load.empty()) {
+      // Whole-model names: a checkpoint of any layout holds this stage's tensors.
+      stage->load_state_dict(loaded_model);
+      adamw->load_state(loaded_optimizer, loaded_steps);
+    }
   }
   // Global-norm clipping across pipeline stages: each rank's owned parameters count once.
   auto clip_pipeline_gradients = [&]() {
@@ -368,6 +374,17 @@ TrainResult train_gpt(const TrainOptions& o) {
     // data-parallel size (ZeRO's shards are gathered first: collective).
     Checkpoint checkpoint;
     checkpoint.optimizer = zero ? zero->state() : adamw->state();
+    if (stage) {
+      // Each pipeline stage writes its own part (sharded, collective).
+      checkpoint.model = to_hf_gpt2_names(stage->state_dict());
+      checkpoint.trainer = {{"iteration", iteration},
+                            {"optimizer_steps", optimizer_steps()},
+                            {"config", config.to_json()},
+                            {"seed", o.seed},
+                            {"precision", o.precision}};
+      save_checkpoint_sharded(o.save, checkpoint, parallel);
+      return;
+    }
     if (!chief) return;
     checkpoint.model = to_hf_gpt2_names(model.state_dict());
     std::vector<Fp8State*> states = fp8_states(model);

@@ -34,6 +34,35 @@ run 2 "PP=2 interleaved (1 chunk)" --pipeline-model-parallel-size 2 --pipeline-s
 run 2 "PP=2 ZB1P" --pipeline-model-parallel-size 2 --pipeline-schedule zb1p
 run 2 "PP=2 DualPipe" --pipeline-model-parallel-size 2 --pipeline-schedule dualpipe
 run 4 "PP=2 x DP=2" --pipeline-model-parallel-size 2
+# A checkpoint written at one layout resumes at another with the uninterrupted run's losses
+# (constant learning rate, so the schedule does not depend on --train-iters).
+dir="$(mktemp -d)"
+trap 'rm -rf "$dir"' EXIT
+constant=(--config "$config" --mock-data --precision fp32 --micro-batch-size 2
+  --global-batch-size 8 --log-interval 1 --eval-iters 0 --peak-gflops 100 --lr 1e-3
+  --min-lr 1e-3 --lr-warmup-iters 0)
+later() { grep -o 'iter *[456]/6 | loss [0-9.]*' | grep -o 'loss [0-9.]*' | tr '\n' ' '; }
+uninterrupted="$(OMP_NUM_THREADS=1 "$octet" train "${constant[@]}" --train-iters 6 | later)"
+resume() {
+  local name="$1" save_ranks="$2" load_ranks="$3" save_flags="$4" load_flags="$5" got
+  rm -rf "$dir/ckpt"
+  # shellcheck disable=SC2086
+  OMP_NUM_THREADS=1 mpiexec -n "$save_ranks" --oversubscribe "$octet" train "${constant[@]}" \
+    --train-iters 3 --save "$dir/ckpt" $save_flags >/dev/null
+  # shellcheck disable=SC2086
+  got="$(OMP_NUM_THREADS=1 mpiexec -n "$load_ranks" --oversubscribe "$octet" train \
+    "${constant[@]}" --train-iters 6 --load "$dir/ckpt" $load_flags | later)"
+  if [ -n "$got" ] && [ "$got" = "$uninterrupted" ]; then
+    echo "ok   resume $name: $got"
+  else
+    echo "FAIL resume $name: '$got' (expected '$uninterrupted')"
+    status=1
+  fi
+}
+resume "PP=2 -> 1 process" 2 1 "--pipeline-model-parallel-size 2" ""
+resume "1 process -> PP=2" 1 2 "" "--pipeline-model-parallel-size 2"
+resume "DP=2 ZeRO-1 -> PP=2 x DP=2" 2 4 "--use-distributed-optimizer" \
+  "--pipeline-model-parallel-size 2"
 # Sizes that do not fit are clear errors, not hangs.
 if OMP_NUM_THREADS=1 mpiexec -n 2 --oversubscribe "$octet" train "${common[@]}" \
   --tensor-model-parallel-size 3 >/tmp/octet-layouts-err.txt 2>&1; then
