@@ -168,6 +168,27 @@ struct ExecutorOptions {
 // is the number of stages the model is cut into.
 std::vector<int> stages_of_rank(const Schedule& schedule, int rank);
 
+// Where one train_step's time went on this rank (steady_clock around each action; seconds).
+// The schedule part runs from the step's start to the end of its last action plus the wait for
+// its sends; compare it with the simulator's makespan after aligning the ranks' starts (a
+// barrier before the step), as `octet bench parallel` does. Receives count as waiting: irecv
+// is posted when the schedule reaches it, so with Open MPI's rendezvous protocol a large
+// message moves inside that wait and its transfer time is counted here too.
+struct StepTiming {
+  double step_seconds = 0.0;      // the whole train_step
+  double schedule_seconds = 0.0;  // the action list plus the final wait for the sends
+  double forward_seconds = 0.0;   // Forward actions and the forward half of F&B
+  double backward_seconds = 0.0;  // Backward, BackwardInput and the backward half of F&B
+  double wait_seconds = 0.0;      // blocked in receives (irecv + wait) and in the send waits
+  double reduce_seconds = 0.0;    // after the schedule: gradient and loss all-reduces
+  // Each forward / backward of one (micro-batch, chunk), in execution order: for medians.
+  std::vector<double> forward_samples;
+  std::vector<double> backward_samples;
+  double compute_seconds() const { return forward_seconds + backward_seconds; }
+  // schedule - compute - wait: sends posted, bookkeeping, buffers allocated.
+  double other_seconds() const { return schedule_seconds - compute_seconds() - wait_seconds; }
+};
+
 class PipelineExecutor {
  public:
   // The model must be GPTStage(config, seed, schedule.stages, stages_of_rank(schedule,
@@ -195,11 +216,41 @@ class PipelineExecutor {
   // stage is on another rank) and, for DualPipe, everything on ranks >= ranks/2 (their pair
   // partner holds the same stages with the same, summed gradients).
   std::vector<Parameter*> owned_parameters();
+  // This rank's timing of the last train_step (zeros before the first; a step that threw
+  // leaves what it measured up to the error).
+  const StepTiming& last_step_timing() const;
 
  private:
   struct State;
   std::unique_ptr<State> state_;
 };
+
+// A measured run against the simulator. steps[step][rank]: the executor's timings of that
+// step on every pipeline rank, their starts aligned (a barrier before each step). Per step the
+// measured makespan is the longest schedule_seconds and the bubble, as simulate()'s, the
+// makespan minus the least compute of any rank; the figures are medians over the steps.
+//
+// The simulation uses the costs of what the executor runs, not of the schedule's ideal:
+// F and B are the medians of the measured forward / backward actions (all ranks and steps)
+// divided by Schedule::chunk_work, W = 0 (BackwardInput runs the whole backward, so it costs
+// B, and BackwardWeight nothing), F&B = F + B (run one after the other), and the latency given
+// (e.g. a measured point-to-point transfer of one activation).
+struct BubbleComparison {
+  double forward_seconds = 0.0;   // median measured Forward of one (micro-batch, chunk)
+  double backward_seconds = 0.0;  // median measured Backward of one (micro-batch, chunk)
+  Costs costs;                    // what was simulated, in seconds
+  double measured_makespan = 0.0;
+  double measured_bubble = 0.0;
+  double measured_bubble_fraction = 0.0;  // bubble / makespan
+  double measured_step = 0.0;             // the longest step_seconds, reductions included
+  SimulationReport simulated;
+  double bubble_ratio = 0.0;  // measured / simulated bubble (NaN when the simulated one is 0)
+};
+Costs executed_costs(const Schedule& schedule, double forward_seconds, double backward_seconds,
+                     double latency_seconds);
+BubbleComparison compare_bubble(const Schedule& schedule,
+                                const std::vector<std::vector<StepTiming>>& steps,
+                                double latency_seconds);
 
 // The published closed forms, at latency 0, in the same cost units as simulate().
 struct PublishedFigures {

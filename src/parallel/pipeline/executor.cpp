@@ -1,5 +1,6 @@
 // The pipeline executor: one training step of any schedule, action by action, with the real
 // model (GPTStage) and point-to-point messages over the pipeline group.
+#include <chrono>
 #include <map>
 #include <utility>
 
@@ -25,6 +26,11 @@ std::vector<int> stages_of_rank(const Schedule& schedule, int rank) {
 namespace {
 
 using Key = std::pair<int, int>;  // (micro-batch, chunk)
+using Clock = std::chrono::steady_clock;
+
+double seconds_since(Clock::time_point start) {
+  return std::chrono::duration<double>(Clock::now() - start).count();
+}
 
 // Takes the tensor stored under key, or throws naming what is missing.
 Tensor take(std::map<Key, Tensor>& tensors, const Key& key, const char* what) {
@@ -59,6 +65,7 @@ struct PipelineExecutor::State {
   const std::vector<Tensor>* targets = nullptr;
   float grad_scale = 1.0f;
   double loss_sum = 0.0;
+  StepTiming timing;
 
   State(Schedule s, GPTStage& m, ParallelState& p, ExecutorOptions o)
       : schedule(std::move(s)), model(m), parallel(p), options(o) {}
@@ -83,8 +90,12 @@ struct PipelineExecutor::State {
     Tensor input = s > 0 ? take(inputs, key, "input activation") : Tensor();
     GPTStage::Context& ctx = contexts[key];
     const size_t m = static_cast<size_t>(key.first);
+    const Clock::time_point start = Clock::now();
     Tensor out =
         model.forward(key.second, input, (*ids)[m], (*targets)[m], options.dtype, grad_scale, ctx);
+    const double seconds = seconds_since(start);
+    timing.forward_seconds += seconds;
+    timing.forward_samples.push_back(seconds);
     if (s == schedule.stages - 1) {
       loss_sum += ctx.loss;
       return;
@@ -102,7 +113,11 @@ struct PipelineExecutor::State {
     Tensor doutput = s < schedule.stages - 1 ? take(doutputs, key, "output gradient") : Tensor();
     auto it = contexts.find(key);
     OCTET_CHECK(it != contexts.end(), "backward before its forward");
+    const Clock::time_point start = Clock::now();
     Tensor dinput = model.backward(key.second, doutput, it->second);
+    const double seconds = seconds_since(start);
+    timing.backward_seconds += seconds;
+    timing.backward_samples.push_back(seconds);
     contexts.erase(it);
     if (s == 0) return;
     const Place& previous = schedule.place(key.first, s - 1);
@@ -117,14 +132,17 @@ struct PipelineExecutor::State {
     const Key key{action.micro_batch, action.chunk};
     const int s = stage(key);
     Tensor buffer = activation_buffer(action.micro_batch);
+    const Clock::time_point start = Clock::now();
     Work work = parallel.pipeline().irecv(buffer, action.peer,
                                           tag(action.micro_batch, backward ? s : s - 1, backward));
     try {
       work.wait(options.receive_timeout_seconds);
     } catch (...) {
       abandoned.push_back(buffer);  // MPI may still write into it
+      timing.wait_seconds += seconds_since(start);
       throw;
     }
+    timing.wait_seconds += seconds_since(start);
     into[key] = buffer;
   }
 
@@ -214,6 +232,10 @@ const Schedule& PipelineExecutor::schedule() const {
   return state_->schedule;
 }
 
+const StepTiming& PipelineExecutor::last_step_timing() const {
+  return state_->timing;
+}
+
 std::vector<Parameter*> PipelineExecutor::owned_parameters() {
   State& s = *state_;
   if (s.copies && 2 * s.rank >= s.schedule.ranks) return {};
@@ -228,6 +250,8 @@ std::vector<Parameter*> PipelineExecutor::owned_parameters() {
 float PipelineExecutor::train_step(const std::vector<Tensor>& ids,
                                    const std::vector<Tensor>& targets, float grad_scale) {
   State& s = *state_;
+  const Clock::time_point step_start = Clock::now();
+  s.timing = StepTiming{};
   const size_t micro_batches = static_cast<size_t>(s.schedule.micro_batches);
   OCTET_CHECK(ids.size() == micro_batches && targets.size() == micro_batches,
               "pipeline executor: expected ", micro_batches,
@@ -251,16 +275,22 @@ float PipelineExecutor::train_step(const std::vector<Tensor>& ids,
                           ", action ", i, " ", describe(actions[i]), ": ", e.what()));
     }
   }
+  const Clock::time_point sends_start = Clock::now();
   for (auto& [work, tensor] : s.sends) work.wait(s.options.receive_timeout_seconds);
   s.sends.clear();
+  s.timing.wait_seconds += seconds_since(sends_start);
+  s.timing.schedule_seconds = seconds_since(step_start);
   OCTET_CHECK(s.contexts.empty() && s.inputs.empty() && s.outputs.empty() && s.doutputs.empty() &&
                   s.dinputs.empty(),
               "pipeline executor: rank ", s.rank, " ends the step with ", s.contexts.size(),
               " forwards without backward and ",
               s.inputs.size() + s.outputs.size() + s.doutputs.size() + s.dinputs.size(),
               " tensors never used");
+  const Clock::time_point reduce_start = Clock::now();
   s.reduce_gradients();
   const double loss = s.parallel.pipeline().all_reduce(s.loss_sum, ReduceOp::Sum);
+  s.timing.reduce_seconds = seconds_since(reduce_start);
+  s.timing.step_seconds = seconds_since(step_start);
   return static_cast<float>(loss / static_cast<double>(micro_batches));
 }
 
