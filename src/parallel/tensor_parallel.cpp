@@ -1,0 +1,301 @@
+// Megatron's region mappings (each forward with its adjoint backward) and the column- and
+// row-parallel Linear built on them.
+#include "octet/tensor_parallel.h"
+
+#include <cstring>
+
+namespace octet {
+
+namespace {
+
+Tensor as_rows(const Tensor& x) {
+  return x.reshape({x.rows(), x.cols()});
+}
+
+int64_t shard_rows(const Tensor& x, Communicator& tp, const char* what) {
+  const int64_t rows = x.rows(), size = tp.size();
+  OCTET_CHECK(rows % size == 0, what, ": ", rows, " token rows do not split across ", size,
+              " tensor-parallel ranks (", tp.name(), ")");
+  return rows / size;
+}
+
+Tensor summed(const Tensor& x, Communicator& tp) {
+  if (tp.size() == 1) return x;
+  Tensor out = as_rows(x).clone();
+  tp.all_reduce(out, ReduceOp::Sum);
+  return out;
+}
+
+Tensor gathered(const Tensor& x, Communicator& tp) {
+  if (tp.size() == 1) return as_rows(x);
+  return tp.all_gather(as_rows(x));
+}
+
+Tensor reduce_scattered(const Tensor& x, Communicator& tp, const char* what) {
+  shard_rows(x, tp, what);
+  if (tp.size() == 1) return as_rows(x);
+  return tp.reduce_scatter(as_rows(x), ReduceOp::Sum);
+}
+
+// Copies columns [begin, begin + width) of x [N, C] into out [N, W] at column `at`.
+void copy_columns(const Tensor& x, int64_t begin, int64_t width, Tensor& out, int64_t at) {
+  const int64_t rows = x.rows(), cols = x.cols(), out_cols = out.cols();
+  const size_t element = dtype_bytes(x.dtype());
+  const auto* src = static_cast<const unsigned char*>(x.raw());
+  auto* dst = static_cast<unsigned char*>(out.raw());
+  for (int64_t r = 0; r < rows; ++r) {
+    std::memcpy(dst + (r * out_cols + at) * element, src + (r * cols + begin) * element,
+                static_cast<size_t>(width) * element);
+  }
+}
+
+// y [N, C] += bias [C] (F32) on every row.
+void add_bias(Tensor& y, const Tensor& bias) {
+  const int64_t rows = y.rows(), cols = y.cols();
+  const float* b = bias.data<float>();
+  if (y.dtype() == DType::F32) {
+    float* out = y.data<float>();
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t c = 0; c < cols; ++c) out[r * cols + c] += b[c];
+    }
+    return;
+  }
+  Tensor wide = y.to(DType::F32);
+  add_bias(wide, bias);
+  y.copy_from(wide.to(y.dtype()));
+}
+
+// grad [C] += column sums of dy [N, C].
+void add_column_sums(const Tensor& dy, Tensor& grad) {
+  const Tensor wide = dy.dtype() == DType::F32 ? dy : dy.to(DType::F32);
+  const int64_t rows = wide.rows(), cols = wide.cols();
+  const float* d = wide.data<float>();
+  float* g = grad.data<float>();
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t c = 0; c < cols; ++c) g[c] += d[r * cols + c];
+  }
+}
+
+LinearOptions checked_full(const ParallelLinearOptions& o, ParallelMode mode, const char* kind) {
+  const LinearOptions& l = o.linear;
+  OCTET_CHECK(l.parallel_mode == ParallelMode::None || l.parallel_mode == mode, l.name, ": a ",
+              kind, " layer got another parallel_mode");
+  LinearOptions full = l;
+  full.parallel_mode = ParallelMode::None;
+  full.sequence_parallel = false;
+  return full;
+}
+
+// The local shard's options: the whole layer's with one dimension divided by TP.
+LinearOptions column_local(const ParallelLinearOptions& o, Communicator& tp) {
+  LinearOptions l = checked_full(o, ParallelMode::Column, "column-parallel");
+  const int64_t size = tp.size();
+  OCTET_CHECK(l.out_features > 0 && l.out_features % size == 0, l.name,
+              ": column-parallel out_features=", l.out_features, " is not divisible by TP=", size);
+  OCTET_CHECK(!(o.gather_output && l.sequence_parallel), l.name,
+              ": gather_output and sequence_parallel exclude each other");
+  int64_t total = 0;
+  for (int64_t width : o.output_blocks) {
+    OCTET_CHECK(width > 0 && width % size == 0, l.name, ": output block of width ", width,
+                " is not divisible by TP=", size);
+    total += width;
+  }
+  OCTET_CHECK(o.output_blocks.empty() || total == l.out_features, l.name, ": output blocks sum to ",
+              total, ", expected out_features=", l.out_features);
+  l.out_features /= size;
+  return l;
+}
+
+LinearOptions row_local(const ParallelLinearOptions& o, Communicator& tp) {
+  LinearOptions l = checked_full(o, ParallelMode::Row, "row-parallel");
+  const int64_t size = tp.size();
+  OCTET_CHECK(l.in_features > 0 && l.in_features % size == 0, l.name,
+              ": row-parallel in_features=", l.in_features, " is not divisible by TP=", size);
+  OCTET_CHECK(o.output_blocks.empty() && !o.gather_output, l.name,
+              ": output_blocks and gather_output are column-parallel options");
+  l.in_features /= size;
+  l.bias = false;  // added once after the reduction, by the row layer itself
+  l.return_bias = false;
+  return l;
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------
+// Mappings.
+
+Tensor copy_to_tensor_parallel_region(const Tensor& x, Communicator&) {
+  return x;
+}
+Tensor copy_to_tensor_parallel_region_backward(const Tensor& dy, Communicator& tp) {
+  return summed(dy, tp);
+}
+
+Tensor reduce_from_tensor_parallel_region(const Tensor& x, Communicator& tp) {
+  return summed(x, tp);
+}
+Tensor reduce_from_tensor_parallel_region_backward(const Tensor& dy, Communicator&) {
+  return dy;
+}
+
+Tensor scatter_to_sequence_parallel_region(const Tensor& x, Communicator& tp) {
+  const int64_t rows = shard_rows(x, tp, "scatter_to_sequence_parallel_region");
+  if (tp.size() == 1) return as_rows(x);
+  return as_rows(x).slice_rows(tp.rank() * rows, (tp.rank() + 1) * rows).clone();
+}
+Tensor scatter_to_sequence_parallel_region_backward(const Tensor& dy, Communicator& tp) {
+  return gathered(dy, tp);
+}
+
+Tensor gather_from_sequence_parallel_region(const Tensor& x, Communicator& tp) {
+  return gathered(x, tp);
+}
+Tensor gather_from_sequence_parallel_region_backward(const Tensor& dy, Communicator& tp) {
+  return reduce_scattered(dy, tp, "gather_from_sequence_parallel_region backward");
+}
+
+Tensor reduce_scatter_to_sequence_parallel_region(const Tensor& x, Communicator& tp) {
+  return reduce_scattered(x, tp, "reduce_scatter_to_sequence_parallel_region");
+}
+Tensor reduce_scatter_to_sequence_parallel_region_backward(const Tensor& dy, Communicator& tp) {
+  return gathered(dy, tp);
+}
+
+Tensor split_columns_to_tensor_parallel_region(const Tensor& x, Communicator& tp) {
+  const int64_t cols = x.cols(), size = tp.size();
+  OCTET_CHECK(cols % size == 0, "split_columns_to_tensor_parallel_region: ", cols,
+              " columns do not split across ", size, " tensor-parallel ranks");
+  if (size == 1) return as_rows(x);
+  const int64_t width = cols / size;
+  Tensor out = Tensor::empty({x.rows(), width}, x.dtype());
+  copy_columns(as_rows(x), tp.rank() * width, width, out, 0);
+  return out;
+}
+
+Tensor gather_columns_from_tensor_parallel_region(const Tensor& x, Communicator& tp) {
+  const int64_t size = tp.size();
+  if (size == 1) return as_rows(x);
+  const int64_t rows = x.rows(), width = x.cols();
+  const Tensor blocks = tp.all_gather(as_rows(x));  // [TP*N, W], rank i's block at rows i*N
+  Tensor out = Tensor::empty({rows, size * width}, x.dtype());
+  for (int64_t i = 0; i < size; ++i) {
+    copy_columns(blocks.slice_rows(i * rows, (i + 1) * rows), 0, width, out, i * width);
+  }
+  return out;
+}
+
+void all_reduce_sequence_parallel_gradients(const std::vector<Parameter*>& parameters,
+                                            Communicator& tp) {
+  if (tp.size() == 1) return;
+  for (Parameter* p : parameters) tp.all_reduce(p->grad, ReduceOp::Sum);
+}
+
+// ---------------------------------------------------------------------------------------------
+// ColumnParallelLinear.
+
+ColumnParallelLinear::ColumnParallelLinear(const ParallelLinearOptions& options, Communicator& tp)
+    : linear(column_local(options, tp)), options_(options), tp_(&tp) {
+  // The whole layer, made once with the same seed, then sliced: TP shards equal TP = 1's.
+  Linear full(checked_full(options, ParallelMode::Column, "column-parallel"));
+  load_full(full.weight.value, full.options().bias ? &full.bias.value : nullptr);
+}
+
+void ColumnParallelLinear::load_full(const Tensor& weight, const Tensor* bias) {
+  const LinearOptions& l = options_.linear;
+  check_shape(weight, {l.out_features, l.in_features}, l.name + ": full weight", "out,in");
+  OCTET_CHECK((bias != nullptr) == l.bias, l.name, ": full bias expected ",
+              l.bias ? "present" : "absent");
+  const std::vector<int64_t> blocks = options_.output_blocks.empty()
+                                          ? std::vector<int64_t>{l.out_features}
+                                          : options_.output_blocks;
+  const int64_t size = tp_->size(), rank = tp_->rank();
+  int64_t block_begin = 0, local_row = 0;
+  for (int64_t width : blocks) {
+    const int64_t rows = width / size, begin = block_begin + rank * rows;
+    linear.weight.value.slice_rows(local_row, local_row + rows)
+        .copy_from(weight.slice_rows(begin, begin + rows));
+    if (bias != nullptr) {
+      std::memcpy(linear.bias.value.data<float>() + local_row, bias->data<float>() + begin,
+                  static_cast<size_t>(rows) * sizeof(float));
+    }
+    block_begin += width;
+    local_row += rows;
+  }
+  linear.on_parameters_updated();
+}
+
+Tensor ColumnParallelLinear::forward(const Tensor& x, Context& ctx) {
+  const Tensor total = options_.linear.sequence_parallel
+                           ? gather_from_sequence_parallel_region(x, *tp_)
+                           : copy_to_tensor_parallel_region(as_rows(x), *tp_);
+  Tensor y = linear.forward(total, ctx.linear);
+  if (options_.gather_output) y = gather_columns_from_tensor_parallel_region(y, *tp_);
+  return y;
+}
+
+Tensor ColumnParallelLinear::backward(const Tensor& dy, Context& ctx) {
+  const Tensor local_dy =
+      options_.gather_output ? split_columns_to_tensor_parallel_region(dy, *tp_) : as_rows(dy);
+  const Tensor dx = linear.backward(local_dy, ctx.linear);
+  return options_.linear.sequence_parallel ? gather_from_sequence_parallel_region_backward(dx, *tp_)
+                                           : copy_to_tensor_parallel_region_backward(dx, *tp_);
+}
+
+// ---------------------------------------------------------------------------------------------
+// RowParallelLinear.
+
+RowParallelLinear::RowParallelLinear(const ParallelLinearOptions& options, Communicator& tp)
+    : linear(row_local(options, tp)), options_(options), tp_(&tp) {
+  Linear full(checked_full(options, ParallelMode::Row, "row-parallel"));
+  if (options.linear.bias) {
+    bias = Parameter{options.linear.name + ".bias", full.bias.value.clone(),
+                     Tensor::zeros({options.linear.out_features}, DType::F32)};
+  }
+  load_full(full.weight.value, options.linear.bias ? &full.bias.value : nullptr);
+}
+
+void RowParallelLinear::load_full(const Tensor& weight, const Tensor* full_bias) {
+  const LinearOptions& l = options_.linear;
+  check_shape(weight, {l.out_features, l.in_features}, l.name + ": full weight", "out,in");
+  OCTET_CHECK((full_bias != nullptr) == l.bias, l.name, ": full bias expected ",
+              l.bias ? "present" : "absent");
+  const int64_t width = l.in_features / tp_->size();
+  copy_columns(weight, tp_->rank() * width, width, linear.weight.value, 0);
+  if (full_bias != nullptr) bias.value.copy_from(*full_bias);
+  linear.on_parameters_updated();
+}
+
+void RowParallelLinear::collect_parameters(std::vector<Parameter*>& out) {
+  linear.collect_parameters(out);
+  if (options_.linear.bias) out.push_back(&bias);
+}
+
+std::vector<Parameter*> RowParallelLinear::sequence_parallel_parameters() {
+  if (options_.linear.sequence_parallel && options_.linear.bias) return {&bias};
+  return {};
+}
+
+Tensor RowParallelLinear::forward(const Tensor& x, Context& ctx) {
+  const Tensor local_x =
+      options_.input_is_parallel ? as_rows(x) : split_columns_to_tensor_parallel_region(x, *tp_);
+  const Tensor partial = linear.forward(local_x, ctx.linear);
+  Tensor y = options_.linear.sequence_parallel
+                 ? reduce_scatter_to_sequence_parallel_region(partial, *tp_)
+                 : reduce_from_tensor_parallel_region(partial, *tp_);
+  // y is this module's own tensor (the GEMM output or a collective's result): add in place.
+  if (options_.linear.bias && !options_.linear.return_bias) add_bias(y, bias.value);
+  return y;
+}
+
+Tensor RowParallelLinear::backward(const Tensor& dy, Context& ctx) {
+  // The bias was added to this rank's rows: under SP a partial gradient, summed over the
+  // group by all_reduce_sequence_parallel_gradients.
+  if (options_.linear.bias && !options_.linear.return_bias) add_column_sums(dy, bias.grad);
+  const Tensor partial_dy = options_.linear.sequence_parallel
+                                ? reduce_scatter_to_sequence_parallel_region_backward(dy, *tp_)
+                                : reduce_from_tensor_parallel_region_backward(as_rows(dy), *tp_);
+  const Tensor dx = linear.backward(partial_dy, ctx.linear);
+  return options_.input_is_parallel ? dx : gather_columns_from_tensor_parallel_region(dx, *tp_);
+}
+
+}  // namespace octet
