@@ -2,22 +2,31 @@
 // each a real multi-process run (`mpirun -np N octet train ...`, one OpenMP thread per rank
 // so N ranks share N cores as one process with N threads would). Reports tokens/s against
 // the single process, the data-parallel gradient communication per step, and how much of it
-// backward hid; then the pipeline schedule table of the simulator.
+// backward hid. Then the pipeline layouts, each run by a dedicated worker (`octet bench
+// pipeline-worker` under mpirun) that times every action of the executor: its measured bubble
+// beside simulate()'s prediction from the forward / backward times it measured. Last, the
+// pipeline schedule table of the simulator.
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <random>
+#include <sstream>
 #include <string>
 #include <vector>
 
 #include "bench_common.h"
 #include "commands.h"
 #include "octet/error.h"
+#include "octet/model.h"
+#include "octet/parallel.h"
+#include "octet/pipeline.h"
 #include "octet/train.h"
 
 namespace octet::cli {
@@ -34,6 +43,17 @@ struct Options {
   std::string precision = "bf16";
   int pipeline_ranks = 4;
   int micro_batches = 8;
+  // The measured pipeline layouts: PP = ranks, micro_batches micro-batches of the same global
+  // batch, on gpt-mini cut to `pipeline_layers` layers (a multiple of 2 x ranks stages, for
+  // interleaved and DualPipeV) and a `pipeline_vocab` vocabulary (so the output layer on the
+  // last stage costs little next to a layer and the stages are balanced, as simulate assumes).
+  std::string pipeline_schedules = "1f1b,interleaved,zb1p,dualpipe,dualpipev";
+  int virtual_stages = 2;
+  int64_t pipeline_layers = 4;
+  int64_t pipeline_vocab = 256;
+  int pipeline_iters = 5;
+  int pipeline_warmup = 2;
+  bool pipeline_only = false;
   bool json = false;
 };
 
@@ -122,23 +142,340 @@ Measured run_layout(const Options& o, const Layout& layout, double peak_gflops) 
   return m;
 }
 
+// ---- pipeline layouts: a worker per rank, the parent compares with the simulator ----------
+
+struct WorkerOptions {
+  std::string config = "gpt-mini";
+  int64_t layers = 4;
+  int64_t vocab = 256;
+  std::string schedule = "1f1b";
+  int virtual_stages = 2;
+  int micro_batches = 8;
+  int64_t micro_batch_size = 2;
+  int64_t seq_length = 256;
+  std::string precision = "bf16";
+  int steps = 5;
+  uint64_t seed = 1234;
+  std::string out;  // folder: one rank-R.jsonl per rank, one line per step
+};
+
+DType pipeline_dtype(const std::string& precision) {
+  if (precision == "fp32") return DType::F32;
+  if (precision == "bf16") return DType::BF16;
+  fail(detail::concat("bench parallel: the pipeline executor runs fp32 or bf16, got --precision ",
+                      precision));
+}
+
+// One-way seconds of one message of `shape` between pipeline ranks 0 and 1: half the median
+// round trip, on every rank. It stands for the simulator's latency (a large message moves
+// inside the receive's wait, see StepTiming).
+double p2p_seconds(Communicator& pipeline, const Shape& shape, DType dtype, int repeats) {
+  if (pipeline.size() < 2) return 0.0;
+  Tensor buffer = Tensor::zeros(shape, dtype);
+  constexpr int kTag = 30000;  // above the executor's (micro-batch, boundary) tags
+  std::vector<double> round_trips;
+  pipeline.barrier();
+  for (int i = 0; i < repeats; ++i) {
+    const auto start = std::chrono::steady_clock::now();
+    if (pipeline.rank() == 0) {
+      pipeline.isend(buffer, 1, kTag).wait();
+      pipeline.irecv(buffer, 1, kTag).wait();
+    } else if (pipeline.rank() == 1) {
+      pipeline.irecv(buffer, 0, kTag).wait();
+      pipeline.isend(buffer, 0, kTag).wait();
+    }
+    round_trips.push_back(1e-3 * bench::elapsed_ms(start));
+  }
+  const double one_way = pipeline.rank() == 0 ? 0.5 * bench::median(round_trips) : 0.0;
+  return pipeline.all_reduce(one_way, ReduceOp::Sum);
+}
+
+Tensor mock_tokens(int64_t batch, int64_t seq, int64_t vocab, std::mt19937_64& rng) {
+  Tensor tokens = Tensor::empty({batch, seq}, DType::I32);
+  std::uniform_int_distribution<int32_t> token(0, static_cast<int32_t>(vocab - 1));
+  int32_t* data = tokens.data<int32_t>();
+  for (int64_t i = 0; i < batch * seq; ++i) data[i] = token(rng);
+  return tokens;
+}
+
+GPTConfig pipeline_config(const std::string& config, int64_t layers, int64_t vocab) {
+  GPTConfig c = GPTConfig::load(config_path(config));
+  c.num_layers = layers;
+  c.vocab_size = vocab;
+  return c;
+}
+
+// `octet bench pipeline-worker`, one per rank under mpirun: GPTStage + PipelineExecutor on
+// mock tokens, a barrier before each step so the ranks' timings share a start.
+void run_pipeline_worker(const WorkerOptions& o) {
+  std::shared_ptr<Communicator> world = world_communicator();
+  ParallelState parallel(world, 1, world->size());
+  const GPTConfig config = pipeline_config(o.config, o.layers, o.vocab);
+  const DType dtype = pipeline_dtype(o.precision);
+  const pipeline::Schedule schedule =
+      pipeline::make_schedule(pipeline::parse_schedule_kind(o.schedule), parallel.pipeline_size(),
+                              o.micro_batches, o.virtual_stages);
+  const int rank = parallel.pipeline_rank();
+  GPTStage stage(config, o.seed, schedule.stages, pipeline::stages_of_rank(schedule, rank));
+  pipeline::ExecutorOptions options;
+  options.dtype = dtype;
+  pipeline::PipelineExecutor executor(schedule, stage, parallel, options);
+  std::mt19937_64 rng(o.seed);  // the same tokens on every rank
+  std::vector<Tensor> ids, targets;
+  for (int m = 0; m < o.micro_batches; ++m) {
+    ids.push_back(mock_tokens(o.micro_batch_size, o.seq_length, o.vocab, rng));
+    targets.push_back(mock_tokens(o.micro_batch_size, o.seq_length, o.vocab, rng));
+  }
+  const double latency = p2p_seconds(parallel.pipeline(),
+                                     {o.micro_batch_size, o.seq_length, config.hidden}, dtype, 20);
+  std::ofstream out(std::filesystem::path(o.out) / ("rank-" + std::to_string(rank) + ".jsonl"));
+  OCTET_CHECK(out.good(), "bench pipeline-worker: cannot write into '", o.out, "'");
+  for (int step = 1; step <= o.steps; ++step) {
+    stage.zero_grad();
+    parallel.pipeline().barrier();
+    const float loss =
+        executor.train_step(ids, targets, 1.0f / static_cast<float>(o.micro_batches));
+    const pipeline::StepTiming& t = executor.last_step_timing();
+    const nlohmann::json line = {{"rank", rank},
+                                 {"step", step},
+                                 {"loss", loss},
+                                 {"p2p_s", latency},
+                                 {"step_s", t.step_seconds},
+                                 {"schedule_s", t.schedule_seconds},
+                                 {"forward_s", t.forward_seconds},
+                                 {"backward_s", t.backward_seconds},
+                                 {"wait_s", t.wait_seconds},
+                                 {"reduce_s", t.reduce_seconds},
+                                 {"forward_samples_s", t.forward_samples},
+                                 {"backward_samples_s", t.backward_samples}};
+    out << line.dump() << "\n";
+  }
+  OCTET_CHECK(out.good(), "bench pipeline-worker: writing into '", o.out, "' failed");
+}
+
+struct PipelineMeasured {
+  std::string name;
+  pipeline::Schedule schedule;
+  pipeline::BubbleComparison comparison;
+  double latency_s = 0.0;
+  double tokens_per_s = NAN;
+  double wait_s = 0.0;  // median over steps of the longest wait of any rank
+  std::vector<double> rank_forward_ms, rank_backward_ms;  // medians per rank: the balance
+  std::string error;
+};
+
+std::string read_tail(const std::string& path) {
+  std::ifstream in(path);
+  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  return text.substr(text.size() > 2000 ? text.size() - 2000 : 0);
+}
+
+PipelineMeasured run_pipeline_layout(const Options& o, const std::string& schedule_text) {
+  PipelineMeasured m;
+  m.name = "PP=" + std::to_string(o.ranks) + " " + schedule_text;
+  const int64_t sequences = o.micro_batch_size * o.ranks;  // the DP rows' global batch
+  try {
+    m.schedule = pipeline::make_schedule(pipeline::parse_schedule_kind(schedule_text), o.ranks,
+                                         o.micro_batches, o.virtual_stages);
+    OCTET_CHECK(sequences % o.micro_batches == 0, "the global batch (", sequences,
+                " sequences) is not a multiple of --num-microbatches (", o.micro_batches, ")");
+    OCTET_CHECK(o.pipeline_layers % m.schedule.stages == 0, "--pipeline-layers (",
+                o.pipeline_layers, ") is not a multiple of the ", m.schedule.stages, " stages");
+  } catch (const Error& e) {
+    m.error = std::string("skipped: ") + e.what();
+    return m;
+  }
+  m.name = "PP=" + std::to_string(o.ranks) + " " + pipeline::schedule_name(m.schedule.kind);
+  if (m.schedule.kind == pipeline::ScheduleKind::Interleaved) {
+    m.name += " v=" + std::to_string(o.virtual_stages);
+  }
+  const int64_t micro_batch_size = sequences / o.micro_batches;
+  const auto dir = std::filesystem::temp_directory_path() /
+                   ("octet-bench-pipeline-" + std::to_string(::getpid()));
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  const std::string log = (dir / "log.txt").string();
+  std::string command = "OMP_WAIT_POLICY=passive OMP_NUM_THREADS=1 ";
+  if (::geteuid() == 0) command += "OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 ";
+  command += "mpirun -np " + std::to_string(o.ranks) + " --oversubscribe " + self_exe() +
+             " bench pipeline-worker --config " + o.config + " --layers " +
+             std::to_string(o.pipeline_layers) + " --vocab " + std::to_string(o.pipeline_vocab) +
+             " --schedule " + schedule_text + " --virtual-stages " +
+             std::to_string(o.virtual_stages) + " --micro-batches " +
+             std::to_string(o.micro_batches) + " --micro-batch-size " +
+             std::to_string(micro_batch_size) + " --seq-length " + std::to_string(o.seq_length) +
+             " --precision " + o.precision + " --steps " + std::to_string(o.pipeline_iters) +
+             " --out " + dir.string() + " > " + log + " 2>&1";
+  if (std::system(command.c_str()) != 0) {
+    m.error = "failed: " + command + "\n" + read_tail(log);
+    return m;
+  }
+  // steps[step][rank], the warm-up left out.
+  const int measured = o.pipeline_iters - o.pipeline_warmup;
+  std::vector<std::vector<pipeline::StepTiming>> steps(static_cast<size_t>(measured),
+                                                       std::vector<pipeline::StepTiming>(o.ranks));
+  std::vector<std::vector<double>> rank_forward(o.ranks), rank_backward(o.ranks);
+  std::vector<std::vector<double>> waits(static_cast<size_t>(measured));
+  for (int rank = 0; rank < o.ranks; ++rank) {
+    std::ifstream in(dir / ("rank-" + std::to_string(rank) + ".jsonl"));
+    std::string text;
+    int lines = 0;
+    while (std::getline(in, text)) {
+      const auto line = nlohmann::json::parse(text);
+      const int step = line.at("step").get<int>() - o.pipeline_warmup - 1;
+      m.latency_s = line.at("p2p_s").get<double>();
+      if (step < 0 || step >= measured) continue;
+      pipeline::StepTiming& t = steps[static_cast<size_t>(step)][static_cast<size_t>(rank)];
+      t.step_seconds = line.at("step_s").get<double>();
+      t.schedule_seconds = line.at("schedule_s").get<double>();
+      t.forward_seconds = line.at("forward_s").get<double>();
+      t.backward_seconds = line.at("backward_s").get<double>();
+      t.wait_seconds = line.at("wait_s").get<double>();
+      t.reduce_seconds = line.at("reduce_s").get<double>();
+      t.forward_samples = line.at("forward_samples_s").get<std::vector<double>>();
+      t.backward_samples = line.at("backward_samples_s").get<std::vector<double>>();
+      for (double v : t.forward_samples) rank_forward[rank].push_back(1e3 * v);
+      for (double v : t.backward_samples) rank_backward[rank].push_back(1e3 * v);
+      waits[static_cast<size_t>(step)].push_back(t.wait_seconds);
+      ++lines;
+    }
+    if (lines != measured) {
+      m.error = "rank " + std::to_string(rank) + " wrote " + std::to_string(lines) + " of " +
+                std::to_string(measured) + " measured steps; log:\n" + read_tail(log);
+      return m;
+    }
+  }
+  m.comparison = pipeline::compare_bubble(m.schedule, steps, m.latency_s);
+  m.tokens_per_s = static_cast<double>(sequences * o.seq_length) / m.comparison.measured_step;
+  std::vector<double> longest_waits;
+  for (const auto& w : waits) longest_waits.push_back(*std::max_element(w.begin(), w.end()));
+  m.wait_s = bench::median(longest_waits);
+  for (int rank = 0; rank < o.ranks; ++rank) {
+    m.rank_forward_ms.push_back(bench::median(rank_forward[rank]));
+    m.rank_backward_ms.push_back(bench::median(rank_backward[rank]));
+  }
+  std::filesystem::remove_all(dir);
+  return m;
+}
+
+std::vector<std::string> split_list(const std::string& text) {
+  std::vector<std::string> items;
+  std::stringstream in(text);
+  std::string item;
+  while (std::getline(in, item, ',')) {
+    if (!item.empty()) items.push_back(item);
+  }
+  return items;
+}
+
+std::string join_ms(const std::vector<double>& values) {
+  std::string text;
+  char buffer[32];
+  for (double v : values) {
+    std::snprintf(buffer, sizeof(buffer), "%s%.1f", text.empty() ? "" : "/", v);
+    text += buffer;
+  }
+  return text;
+}
+
+void print_pipeline_json(const Options& o, const PipelineMeasured& m) {
+  nlohmann::json line = {{"impl", "octet"},
+                         {"config", o.config},
+                         {"layers", o.pipeline_layers},
+                         {"vocab", o.pipeline_vocab},
+                         {"precision", o.precision},
+                         {"layout", m.name},
+                         {"processes", o.ranks},
+                         {"micro_batches", o.micro_batches}};
+  if (!m.error.empty()) {
+    line["error"] = m.error;
+  } else {
+    const pipeline::BubbleComparison& c = m.comparison;
+    line["tokens_per_s"] = m.tokens_per_s;
+    line["forward_ms"] = 1e3 * c.forward_seconds;
+    line["backward_ms"] = 1e3 * c.backward_seconds;
+    line["rank_forward_ms"] = m.rank_forward_ms;
+    line["rank_backward_ms"] = m.rank_backward_ms;
+    line["p2p_latency_ms"] = 1e3 * m.latency_s;
+    line["wait_ms"] = 1e3 * m.wait_s;
+    line["measured_makespan_ms"] = 1e3 * c.measured_makespan;
+    line["measured_bubble_ms"] = 1e3 * c.measured_bubble;
+    line["measured_bubble_fraction"] = c.measured_bubble_fraction;
+    line["replayed_makespan_ms"] = 1e3 * c.replayed_makespan;
+    line["replayed_bubble_ms"] = 1e3 * c.replayed_bubble;
+    line["simulated_makespan_ms"] = 1e3 * c.simulated.makespan;
+    line["simulated_bubble_ms"] = 1e3 * c.simulated.bubble;
+    line["simulated_bubble_fraction"] = c.simulated.bubble_fraction;
+    line["bubble_ratio_measured_vs_simulated"] = c.bubble_ratio;
+    line["bubble_fraction_difference"] = c.measured_bubble_fraction - c.simulated.bubble_fraction;
+  }
+  std::printf("%s\n", line.dump().c_str());
+}
+
+void print_pipeline_table(const Options& o, const std::vector<PipelineMeasured>& rows) {
+  std::printf(
+      "pipeline: %s cut to %lld layers, vocab %lld, %s, %d ranks x 1 thread, %d micro-batches "
+      "of %lld x %lld (the same global batch); medians over steps %d..%d, a barrier before each\n",
+      o.config.c_str(), (long long)o.pipeline_layers, (long long)o.pipeline_vocab,
+      o.precision.c_str(), o.ranks, o.micro_batches,
+      (long long)(o.micro_batch_size * o.ranks / o.micro_batches), (long long)o.seq_length,
+      o.pipeline_warmup + 1, o.pipeline_iters);
+  std::printf(
+      "simulated with what the executor runs: measured F, B (median per chunk), W = 0, "
+      "F&B = F + B, latency = measured one-way p2p of one activation\n");
+  std::printf("%-22s %9s %13s %13s %7s %17s %22s %15s %8s %7s\n", "layout", "tokens/s",
+              "F ms by rank", "B ms by rank", "p2p ms", "makespan ms m/s", "bubble ms m/replay/s",
+              "bubble % m/s", "m/s", "m-s");
+  for (const PipelineMeasured& m : rows) {
+    if (!m.error.empty()) {
+      std::printf("%-22s %s\n", m.name.c_str(), m.error.c_str());
+      continue;
+    }
+    const pipeline::BubbleComparison& c = m.comparison;
+    std::printf(
+        "%-22s %9.0f %13s %13s %7.2f %8.0f/%-8.0f %6.0f/%6.0f/%-8.0f %6.1f/%-8.1f %7.2fx %6.1f\n",
+        m.name.c_str(), m.tokens_per_s, join_ms(m.rank_forward_ms).c_str(),
+        join_ms(m.rank_backward_ms).c_str(), 1e3 * m.latency_s, 1e3 * c.measured_makespan,
+        1e3 * c.simulated.makespan, 1e3 * c.measured_bubble, 1e3 * c.replayed_bubble,
+        1e3 * c.simulated.bubble, 100 * c.measured_bubble_fraction,
+        100 * c.simulated.bubble_fraction, c.bubble_ratio,
+        100 * (c.measured_bubble_fraction - c.simulated.bubble_fraction));
+  }
+  std::printf(
+      "m = measured (the longest rank's schedule time minus the least compute of a rank), s = "
+      "simulated, replay = the schedule replayed with each action's measured duration; m-s in "
+      "points of bubble %%\n");
+  std::printf("\n");
+  std::fflush(stdout);
+}
+
 void run(const Options& o) {
   OCTET_CHECK(o.ranks >= 2, "--ranks expected >= 2, got ", o.ranks);
   OCTET_CHECK(o.iters > o.warmup, "--iters (", o.iters, ") must exceed --warmup (", o.warmup, ")");
-  const double peak = measure_bf16_peak_gflops();
+  OCTET_CHECK(o.pipeline_iters > o.pipeline_warmup, "--pipeline-iters (", o.pipeline_iters,
+              ") must exceed --pipeline-warmup (", o.pipeline_warmup, ")");
   const std::string n = std::to_string(o.ranks);
-  const std::vector<Layout> layouts = {
-      {"1 process x " + n + " threads", 1, ""},
-      {"DP=" + n + ", reduce after backward", o.ranks, "--no-overlap-grad-reduce"},
-      {"DP=" + n + ", overlapped", o.ranks, ""},
-      {"DP=" + n + ", ZeRO-1, overlapped", o.ranks, "--use-distributed-optimizer"},
-  };
+  std::vector<Layout> layouts;
+  if (!o.pipeline_only) {
+    layouts = {
+        {"1 process x " + n + " threads", 1, ""},
+        {"DP=" + n + ", reduce after backward", o.ranks, "--no-overlap-grad-reduce"},
+        {"DP=" + n + ", overlapped", o.ranks, ""},
+        {"DP=" + n + ", ZeRO-1, overlapped", o.ranks, "--use-distributed-optimizer"},
+    };
+  }
+  const double peak = layouts.empty() ? 0.0 : measure_bf16_peak_gflops();
   std::vector<Measured> results;
   for (const Layout& layout : layouts) {
     if (!o.json) std::fprintf(stderr, "bench parallel: %s ...\n", layout.name.c_str());
     results.push_back(run_layout(o, layout, peak));
   }
-  const double base = results.front().tokens_per_s;
+  std::vector<PipelineMeasured> pipelines;
+  for (const std::string& schedule : split_list(o.pipeline_schedules)) {
+    if (!o.json) std::fprintf(stderr, "bench parallel: PP=%d %s ...\n", o.ranks, schedule.c_str());
+    pipelines.push_back(run_pipeline_layout(o, schedule));
+  }
+  const double base = results.empty() ? NAN : results.front().tokens_per_s;
   if (o.json) {
     for (const Measured& m : results) {
       nlohmann::json line = {{"impl", "octet"},
@@ -161,7 +498,8 @@ void run(const Options& o) {
       }
       std::printf("%s\n", line.dump().c_str());
     }
-  } else {
+    for (const PipelineMeasured& m : pipelines) print_pipeline_json(o, m);
+  } else if (!results.empty()) {
     std::printf(
         "bench parallel: %s, %s, micro-batch %lld x seq %lld, global batch %lld, %d "
         "cores; medians over steps %lld..%lld\n",
@@ -187,6 +525,9 @@ void run(const Options& o) {
     }
     std::printf("\n");
     std::fflush(stdout);
+  }
+  if (!o.json) {
+    print_pipeline_table(o, pipelines);
     // The pipeline schedules, from the simulator.
     const std::string command = self_exe() + " schedule --pipeline-model-parallel-size " +
                                 std::to_string(o.pipeline_ranks) + " --num-microbatches " +
@@ -213,8 +554,37 @@ void register_bench_parallel(CLI::App& bench) {
   cmd->add_option("--pipeline-model-parallel-size", o->pipeline_ranks,
                   "Ranks of the simulated pipeline schedule table");
   cmd->add_option("--num-microbatches", o->micro_batches, "Micro-batches of that table");
+  cmd->add_option("--pipeline-schedules", o->pipeline_schedules,
+                  "Measured pipeline layouts (PP = --ranks), comma-separated");
+  cmd->add_option("--virtual-pipeline-model-parallel-size", o->virtual_stages,
+                  "Chunks per rank of the interleaved layout");
+  cmd->add_option("--pipeline-layers", o->pipeline_layers,
+                  "Layers of the pipelined model (a multiple of its stages)");
+  cmd->add_option("--pipeline-vocab", o->pipeline_vocab,
+                  "Vocabulary of the pipelined model (small: balanced stages)");
+  cmd->add_option("--pipeline-iters", o->pipeline_iters, "Steps per pipeline layout");
+  cmd->add_option("--pipeline-warmup", o->pipeline_warmup, "Pipeline steps left out");
+  cmd->add_flag("--pipeline-only", o->pipeline_only, "Skip the data-parallel layouts");
   cmd->add_flag("--json", o->json, "One JSON object per layout");
   cmd->callback([o] { run(*o); });
+
+  // The per-rank driver of the pipeline layouts, started by `bench parallel` under mpirun.
+  auto w = std::make_shared<WorkerOptions>();
+  CLI::App* worker = bench.add_subcommand(
+      "pipeline-worker", "One rank of a measured pipeline layout (run by `bench parallel`)");
+  worker->group("");  // hidden
+  worker->add_option("--config", w->config, "Config name in configs/ or a JSON path");
+  worker->add_option("--layers", w->layers, "Layers (override the config's)");
+  worker->add_option("--vocab", w->vocab, "Vocabulary (override the config's)");
+  worker->add_option("--schedule", w->schedule, "1f1b|interleaved|zb1p|dualpipe|dualpipev");
+  worker->add_option("--virtual-stages", w->virtual_stages, "Chunks per rank (interleaved)");
+  worker->add_option("--micro-batches", w->micro_batches, "Micro-batches per step");
+  worker->add_option("--micro-batch-size", w->micro_batch_size, "Sequences per micro-batch");
+  worker->add_option("--seq-length", w->seq_length, "Tokens per sequence");
+  worker->add_option("--precision", w->precision, "fp32 | bf16");
+  worker->add_option("--steps", w->steps, "Steps, warm-up included");
+  worker->add_option("--out", w->out, "Folder for rank-R.jsonl")->required();
+  worker->callback([w] { run_pipeline_worker(*w); });
 }
 
 }  // namespace octet::cli

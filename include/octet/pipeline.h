@@ -243,6 +243,11 @@ struct BubbleComparison {
   double measured_bubble = 0.0;
   double measured_bubble_fraction = 0.0;  // bubble / makespan
   double measured_step = 0.0;             // the longest step_seconds, reductions included
+  // The schedule replayed with each step's own measured action durations (not their medians)
+  // and the latency: what the spread of compute times alone makes of the bubble. Measured
+  // minus replayed is what the executor adds between actions (messages, waking a rank).
+  double replayed_makespan = 0.0;
+  double replayed_bubble = 0.0;
   SimulationReport simulated;
   double bubble_ratio = 0.0;  // measured / simulated bubble (NaN when the simulated one is 0)
 };

@@ -2,6 +2,8 @@
 // bubble and the costs to simulate, so the two bubbles can be held side by side.
 #include <algorithm>
 #include <cmath>
+#include <map>
+#include <tuple>
 
 #include "octet/error.h"
 #include "octet/pipeline.h"
@@ -15,6 +17,71 @@ double median(std::vector<double> values) {
   std::sort(values.begin(), values.end());
   const size_t mid = values.size() / 2;
   return values.size() % 2 == 1 ? values[mid] : 0.5 * (values[mid - 1] + values[mid]);
+}
+
+// Message key: (micro-batch, boundary between stage b and b+1, backward), as the executor's tags.
+using MessageKey = std::tuple<int, int, bool>;
+
+MessageKey message_key(const Schedule& schedule, int rank, const Action& action) {
+  const int stage = schedule.stage_of(action.micro_batch, rank, action.chunk);
+  OCTET_CHECK(stage >= 0, "replay: ", describe(action), " off the micro-batch's route");
+  switch (action.kind) {
+    case ActionKind::SendForward:
+      return {action.micro_batch, stage, false};
+    case ActionKind::RecvForward:
+      return {action.micro_batch, stage - 1, false};
+    case ActionKind::SendBackward:
+      return {action.micro_batch, stage - 1, true};
+    default:  // RecvBackward
+      return {action.micro_batch, stage, true};
+  }
+}
+
+// One step replayed: every rank runs its actions in order, each compute action taking the
+// duration the executor measured for it (F&B: its forward plus its backward, W: 0), a receive
+// waiting for its send + latency. Returns the makespan.
+double replay_makespan(const Schedule& schedule, const std::vector<StepTiming>& ranks,
+                       double latency_seconds) {
+  const size_t n = static_cast<size_t>(schedule.ranks);
+  std::vector<size_t> next(n, 0), forwards(n, 0), backwards(n, 0);
+  std::vector<double> clock(n, 0.0);
+  std::map<MessageKey, double> arrivals;
+  auto sample = [](const std::vector<double>& samples, size_t& index, int rank) {
+    OCTET_CHECK(index < samples.size(), "replay: rank ", rank, " has only ", samples.size(),
+                " timed actions of a kind its schedule runs more often");
+    return samples[index++];
+  };
+  for (bool progress = true; progress;) {
+    progress = false;
+    for (size_t r = 0; r < n; ++r) {
+      const std::vector<Action>& actions = schedule.actions[r];
+      const StepTiming& t = ranks[r];
+      const int rank = static_cast<int>(r);
+      for (; next[r] < actions.size(); ++next[r], progress = true) {
+        const Action& a = actions[next[r]];
+        if (a.kind == ActionKind::Forward || a.kind == ActionKind::ForwardBackward) {
+          clock[r] += sample(t.forward_samples, forwards[r], rank);
+        }
+        if (a.kind == ActionKind::Backward || a.kind == ActionKind::BackwardInput ||
+            a.kind == ActionKind::ForwardBackward) {
+          clock[r] += sample(t.backward_samples, backwards[r], rank);
+        }
+        if (a.kind == ActionKind::SendForward || a.kind == ActionKind::SendBackward) {
+          arrivals[message_key(schedule, rank, a)] = clock[r] + latency_seconds;
+        }
+        if (a.kind == ActionKind::RecvForward || a.kind == ActionKind::RecvBackward) {
+          auto it = arrivals.find(message_key(schedule, rank, a));
+          if (it == arrivals.end()) break;  // its send has not run yet: another rank's turn
+          clock[r] = std::max(clock[r], it->second);
+        }
+      }
+    }
+  }
+  for (size_t r = 0; r < n; ++r) {
+    OCTET_CHECK(next[r] == schedule.actions[r].size(), "replay: rank ", r, " stuck at action ",
+                next[r]);
+  }
+  return *std::max_element(clock.begin(), clock.end());
 }
 
 }  // namespace
@@ -36,7 +103,8 @@ BubbleComparison compare_bubble(const Schedule& schedule,
                                 const std::vector<std::vector<StepTiming>>& steps,
                                 double latency_seconds) {
   OCTET_CHECK(!steps.empty(), "compare_bubble: no measured steps");
-  std::vector<double> forwards, backwards, makespans, bubbles, fractions, step_times;
+  std::vector<double> forwards, backwards, makespans, bubbles, fractions, step_times, replayed,
+      replayed_bubbles;
   for (size_t step = 0; step < steps.size(); ++step) {
     const std::vector<StepTiming>& ranks = steps[step];
     OCTET_CHECK(static_cast<int>(ranks.size()) == schedule.ranks, "compare_bubble: step ", step,
@@ -49,6 +117,9 @@ BubbleComparison compare_bubble(const Schedule& schedule,
       forwards.insert(forwards.end(), t.forward_samples.begin(), t.forward_samples.end());
       backwards.insert(backwards.end(), t.backward_samples.begin(), t.backward_samples.end());
     }
+    const double replay = replay_makespan(schedule, ranks, latency_seconds);
+    replayed.push_back(replay);
+    replayed_bubbles.push_back(replay - least_compute);
     makespans.push_back(makespan);
     bubbles.push_back(makespan - least_compute);
     fractions.push_back(makespan > 0 ? (makespan - least_compute) / makespan : 0.0);
@@ -62,6 +133,8 @@ BubbleComparison compare_bubble(const Schedule& schedule,
   c.measured_bubble = median(bubbles);
   c.measured_bubble_fraction = median(fractions);
   c.measured_step = median(step_times);
+  c.replayed_makespan = median(replayed);
+  c.replayed_bubble = median(replayed_bubbles);
   c.simulated = simulate(schedule, c.costs);
   c.bubble_ratio = c.simulated.bubble > 0 ? c.measured_bubble / c.simulated.bubble : NAN;
   return c;
