@@ -51,8 +51,8 @@ struct Options {
   int virtual_stages = 2;
   int64_t pipeline_layers = 4;
   int64_t pipeline_vocab = 256;
-  int pipeline_iters = 5;
-  int pipeline_warmup = 2;
+  int pipeline_iters = 4;
+  int pipeline_warmup = 1;
   bool pipeline_only = false;
   bool json = false;
 };
@@ -542,8 +542,10 @@ void run(const Options& o) {
 
 void register_bench_parallel(CLI::App& bench) {
   auto o = std::make_shared<Options>();
-  CLI::App* cmd = bench.add_subcommand(
-      "parallel", "Parallel layouts of one GPT training run: tokens/s, communication hidden");
+  CLI::App* cmd =
+      bench.add_subcommand("parallel",
+                           "Parallel layouts of one GPT training run: tokens/s, communication "
+                           "hidden, pipeline bubbles measured vs simulated");
   cmd->add_option("--config", o->config, "Config name in configs/ or a JSON path");
   cmd->add_option("--ranks", o->ranks, "Processes (and cores) per layout");
   cmd->add_option("--micro-batch-size", o->micro_batch_size, "Sequences per micro-batch");
