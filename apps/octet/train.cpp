@@ -50,6 +50,8 @@ void register_train(CLI::App& app) {
   // Parallelism: run under `mpirun -np N`; data-parallel size = N / (TP x PP).
   cmd->add_option("--tensor-model-parallel-size", o->tensor_model_parallel_size,
                   "Tensor-parallel ranks (consecutive ranks)");
+  cmd->add_flag("--sequence-parallel", o->sequence_parallel,
+                "With tensor parallelism: norms, residuals and dropout-free adds on token shards");
   cmd->add_option("--pipeline-model-parallel-size", o->pipeline_model_parallel_size,
                   "Pipeline stages");
   cmd->add_option("--pipeline-schedule", o->pipeline_schedule,

@@ -168,6 +168,9 @@ struct TrainOptions {
   // data-parallel rank runs global_batch / (micro_batch * DP) micro-batches per step.
   int64_t tensor_model_parallel_size = 1;
   int64_t pipeline_model_parallel_size = 1;
+  // With tensor parallelism: the residual stream, norms and position embedding on token
+  // shards [B*T/TP, C] (Megatron's --sequence-parallel); ignored at TP = 1.
+  bool sequence_parallel = false;
   // Pipeline schedule (--pipeline-model-parallel-size > 1): 1f1b | interleaved | zb1p |
   // dualpipe | dualpipev; micro-batches per step = global batch / micro batch.
   std::string pipeline_schedule = "1f1b";

@@ -10,10 +10,12 @@
 #include "octet/data_parallel.h"
 #include "octet/gemm.h"
 #include "octet/model.h"
+#include "octet/model_tensor_parallel.h"
 #include "octet/ops/optimizer.h"
 #include "octet/parallel.h"
 #include "octet/pipeline.h"
 #include "octet/rng.h"
+#include "octet/tensor_parallel.h"
 #include "octet/train.h"
 
 namespace octet {
@@ -114,6 +116,17 @@ DType compute_dtype(const std::string& precision) {
 
 // Entropy (nats) of the token frequencies of a shard: the loss of the best model that ignores
 // context. A language model worth training ends well below it.
+// Global-norm clipping with a norm computed across ranks (pipeline stages, tensor shards):
+// scales every gradient by clip / (norm + 1e-6) when that is below 1, as AdamW does.
+void clip_gradients(double norm, float clip, const std::vector<Parameter*>& parameters) {
+  const double coefficient = clip / (norm + 1e-6);
+  if (clip <= 0 || !std::isfinite(norm) || coefficient >= 1.0) return;
+  for (Parameter* p : parameters) {
+    float* g = p->grad.data<float>();
+    for (int64_t i = 0; i < p->grad.numel(); ++i) g[i] *= static_cast<float>(coefficient);
+  }
+}
+
 double unigram_entropy(const std::string& path) {
   TokenShard shard = TokenShard::open(path, /*check_ids=*/false);
   std::vector<int64_t> counts(static_cast<size_t>(shard.vocab_size()), 0);
@@ -170,10 +183,25 @@ TrainResult train_gpt(const TrainOptions& o) {
       launcher_world_size() > 1 ? world_communicator() : self_communicator();
   ParallelState parallel(world, static_cast<int>(o.tensor_model_parallel_size),
                          static_cast<int>(o.pipeline_model_parallel_size));
-  OCTET_CHECK(parallel.tensor_size() == 1,
-              "octet train: tensor-parallel training is not implemented yet (got ",
-              parallel.describe(), ")");
   const bool pipelined = parallel.pipeline_size() > 1;
+  const bool tensor_parallel = parallel.tensor_size() > 1;
+  if (tensor_parallel) {
+    // What the tensor-parallel path does not cover yet: each is a clear error.
+    OCTET_CHECK(!pipelined,
+                "octet train: tensor x pipeline parallelism is not implemented yet (got ",
+                parallel.describe(), ")");
+    OCTET_CHECK(!fp8,
+                "octet train: --precision fp8 with tensor parallelism is not implemented "
+                "yet (use fp32 or bf16; got ",
+                parallel.describe(), ")");
+    OCTET_CHECK(!o.use_distributed_optimizer,
+                "octet train: --use-distributed-optimizer with tensor parallelism is not "
+                "implemented yet (got ",
+                parallel.describe(), ")");
+    OCTET_CHECK(!o.recompute_activations,
+                "octet train: --recompute-activations with tensor parallelism is not "
+                "implemented yet");
+  }
   if (pipelined) {
     // What the pipeline path does not cover yet: each is a clear error, not a silent skip.
     OCTET_CHECK(!o.use_distributed_optimizer,
@@ -212,13 +240,22 @@ TrainResult train_gpt(const TrainOptions& o) {
                                               config.vocab_size, T, o.seed, 2);
   }
 
-  GPT model(config, o.seed, o.recompute_activations);
+  // The single-process model (also the data- and pipeline-parallel paths' full copy), or this
+  // rank's tensor-parallel shards.
+  std::unique_ptr<GPT> gpt;
+  std::unique_ptr<TensorParallelGPT> tp_model;
+  if (tensor_parallel) {
+    tp_model =
+        std::make_unique<TensorParallelGPT>(config, o.seed, o.sequence_parallel, parallel.tensor());
+  } else {
+    gpt = std::make_unique<GPT>(config, o.seed, o.recompute_activations);
+  }
   AdamWOptions adam{o.adam_beta1, o.adam_beta2, 1e-8f, o.weight_decay, o.clip_grad};
   std::unique_ptr<AdamW> adamw;
   std::unique_ptr<DistributedDataParallel> ddp;
   std::unique_ptr<DistributedOptimizer> zero;
   const bool data_parallel = dp > 1 || o.use_distributed_optimizer;
-  if (!data_parallel) adamw = std::make_unique<AdamW>(model.parameters(), adam);
+  if (!data_parallel && gpt) adamw = std::make_unique<AdamW>(gpt->parameters(), adam);
   auto optimizer_steps = [&] { return zero ? zero->steps() : adamw->steps(); };
   LrSchedule schedule{o.lr, o.min_lr, o.lr_warmup_iters, o.train_iters};
   int64_t start_iteration = 0;
@@ -239,14 +276,14 @@ TrainResult train_gpt(const TrainOptions& o) {
       return trainer[key].get<int64_t>();
     };
     loaded_model = from_hf_gpt2_names(checkpoint.model);
-    model.load_state_dict(loaded_model);
+    if (gpt) gpt->load_state_dict(loaded_model);
     if (adamw) adamw->load_state(checkpoint.optimizer, count("optimizer_steps"));
     loaded_optimizer = std::move(checkpoint.optimizer);
     loaded_steps = count("optimizer_steps");
     start_iteration = count("iteration");
     if (fp8) {
       // Amax histories and scales continue where they were, so FP8 resumes exactly.
-      std::vector<Fp8State*> states = fp8_states(model);
+      std::vector<Fp8State*> states = fp8_states(*gpt);
       for (size_t i = 0; i < states.size(); ++i) {
         std::string prefix = "fp8." + std::to_string(i) + ".";
         if (loaded_optimizer.count(prefix + "calls")) {
@@ -290,25 +327,43 @@ TrainResult train_gpt(const TrainOptions& o) {
       squares += norm * norm;
     }
     const double norm = std::sqrt(parallel.pipeline().all_reduce(squares, ReduceOp::Sum));
-    const double coefficient = o.clip_grad / (norm + 1e-6);
-    if (o.clip_grad > 0 && std::isfinite(norm) && coefficient < 1.0) {
-      for (Parameter* p : stage->parameters()) {
-        float* g = p->grad.data<float>();
-        for (int64_t i = 0; i < p->grad.numel(); ++i) g[i] *= static_cast<float>(coefficient);
-      }
-    }
+    clip_gradients(norm, o.clip_grad, stage->parameters());
     return norm;
   };
 
-  if (pipelined && dp > 1) {
-    // Pipeline x data: each stage's gradients are all-reduced over its data-parallel
-    // replicas after the pipeline step (GPTStage has no grad-ready hooks yet: no overlap).
+  if (tp_model) {
+    // Clipping needs the norm over every shard: AdamW clips nothing, the loop does.
+    AdamWOptions unclipped = adam;
+    unclipped.clip_grad = 0;
+    adamw = std::make_unique<AdamW>(tp_model->parameters(), unclipped);
+    if (!o.load.empty()) {
+      // Whole-model tensors (any layout's checkpoint): this rank's slices of the parameters
+      // and of their optimizer state.
+      tp_model->load_state_dict(loaded_model);
+      TensorMap local;
+      for (Parameter* p : tp_model->parameters()) {
+        for (const char* suffix : {".exp_avg", ".exp_avg_sq"}) {
+          auto it = loaded_optimizer.find(p->name + suffix);
+          OCTET_CHECK(it != loaded_optimizer.end(), "checkpoint '", o.load,
+                      "': optimizer state misses '", p->name + suffix, "'");
+          local[p->name + suffix] = tp_model->shard(*p, it->second);
+        }
+      }
+      adamw->load_state(local, loaded_steps);
+    }
+  }
+
+  if ((pipelined || tensor_parallel) && dp > 1) {
+    // Pipeline or tensor x data: each stage's or shard's gradients are all-reduced over its
+    // data-parallel replicas after the step (no grad-ready hooks there yet: no overlap).
+    Module& part = stage ? static_cast<Module&>(*stage) : static_cast<Module&>(*tp_model);
     DataParallelOptions options;
     options.bucket_elements = o.ddp_bucket_size;
     options.overlap_grad_reduce = false;
-    ddp = std::make_unique<DistributedDataParallel>(stage->parameters(), parallel.data(), options);
-    stage->on_parameters_updated();
+    ddp = std::make_unique<DistributedDataParallel>(part.parameters(), parallel.data(), options);
+    part.on_parameters_updated();
   } else if (data_parallel) {
+    GPT& model = *gpt;
     // Buckets in the order backward finalizes gradients; parameters move into them.
     DataParallelOptions options;
     options.bucket_elements = o.ddp_bucket_size;
@@ -364,7 +419,8 @@ TrainResult train_gpt(const TrainOptions& o) {
       Tensor ids, targets;
       valid_batches->fill(k, o.micro_batch_size, ids, targets);
       fp8_autocast scope(fp8, recipe);
-      sum += model.evaluate(ids, targets, dtype);
+      sum +=
+          tp_model ? tp_model->evaluate(ids, targets, dtype) : gpt->evaluate(ids, targets, dtype);
     }
     if (!fp8) sum = parallel.data().all_reduce(sum, ReduceOp::Sum);
     return static_cast<float>(sum / static_cast<double>(o.eval_iters));
@@ -385,9 +441,20 @@ TrainResult train_gpt(const TrainOptions& o) {
       save_checkpoint_sharded(o.save, checkpoint, parallel);
       return;
     }
+    if (tp_model) {
+      // Whole-model tensors gathered from the shards (collective over the tensor group).
+      checkpoint.model = to_hf_gpt2_names(tp_model->state_dict());
+      TensorMap whole;
+      for (Parameter* p : tp_model->parameters()) {
+        for (const char* suffix : {".exp_avg", ".exp_avg_sq"}) {
+          whole[p->name + suffix] = tp_model->gather(*p, checkpoint.optimizer.at(p->name + suffix));
+        }
+      }
+      checkpoint.optimizer = std::move(whole);
+    }
     if (!chief) return;
-    checkpoint.model = to_hf_gpt2_names(model.state_dict());
-    std::vector<Fp8State*> states = fp8_states(model);
+    if (gpt) checkpoint.model = to_hf_gpt2_names(gpt->state_dict());
+    std::vector<Fp8State*> states = gpt ? fp8_states(*gpt) : std::vector<Fp8State*>{};
     for (size_t i = 0; i < states.size(); ++i) {
       states[i]->save_state(checkpoint.optimizer, "fp8." + std::to_string(i) + ".");
     }
@@ -408,8 +475,10 @@ TrainResult train_gpt(const TrainOptions& o) {
       ddp->zero_grad();
     } else if (stage) {
       stage->zero_grad();
+    } else if (tp_model) {
+      tp_model->zero_grad();
     } else {
-      model.zero_grad();
+      gpt->zero_grad();
     }
     double loss = 0;
     if (executor) {
@@ -432,24 +501,37 @@ TrainResult train_gpt(const TrainOptions& o) {
         // Gradients start reducing in the last micro-batch's backward.
         if (ddp) ddp->set_sync(micro + 1 == accumulation);
         fp8_autocast scope(fp8, recipe);
-        loss += model.train_step(ids, targets, dtype, 1.0f / static_cast<float>(accumulation * dp));
+        const float grad_scale = 1.0f / static_cast<float>(accumulation * dp);
+        if (tp_model) {
+          loss += tp_model->train_step(ids, targets, dtype, grad_scale);
+          continue;
+        }
+        loss += gpt->train_step(ids, targets, dtype, grad_scale);
         if (fp8 && std::holds_alternative<recipe::DelayedScaling>(recipe)) {
-          reduce_fp8_amax(model, parallel.tensor_and_data());
+          reduce_fp8_amax(*gpt, parallel.tensor_and_data());
         }
       }
     }
     if (ddp) ddp->finish_grad_sync();
     loss = parallel.data().all_reduce(loss, ReduceOp::Sum) / static_cast<double>(accumulation * dp);
     // The step's last micro-batch, per quantized tensor.
-    const nlohmann::json fp8_stats = o.fp8_stats ? take_fp8_stats(model) : nlohmann::json();
+    const nlohmann::json fp8_stats = o.fp8_stats ? take_fp8_stats(*gpt) : nlohmann::json();
     double grad_norm = 0;
     if (executor) {
       grad_norm = clip_pipeline_gradients();
       if (std::isfinite(grad_norm)) adamw->step(lr);
       stage->on_parameters_updated();
+    } else if (tp_model) {
+      // Sequence-parallel replicated parameters saw only this rank's tokens: sum them first.
+      all_reduce_sequence_parallel_gradients(tp_model->sequence_parallel_parameters(),
+                                             parallel.tensor());
+      grad_norm = tp_model->grad_norm(parallel.model());
+      clip_gradients(grad_norm, o.clip_grad, tp_model->parameters());
+      if (std::isfinite(grad_norm)) adamw->step(lr);
+      tp_model->on_parameters_updated();
     } else {
       grad_norm = zero ? zero->step(lr) : adamw->step(lr);
-      model.on_parameters_updated();
+      gpt->on_parameters_updated();
     }
     const double step_seconds = seconds_since(step_start);
     busy_seconds += step_seconds;
