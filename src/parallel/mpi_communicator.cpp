@@ -63,9 +63,6 @@ class MpiCommunicator final : public Communicator {
     void* data = tensor.raw();
     MPI_Datatype type = element_type(tensor.dtype());
     MPI_Op mpi_op = reduction(tensor.dtype(), op);
-    if (tensor.numel() >= kSplitAllReduceElements) {
-      return split_all_reduce(describe(what, tensor), tensor, type, mpi_op);
-    }
     return submit(describe(what, tensor), [=, this] {
       std::vector<MPI_Request> requests(1);
       check_mpi(MPI_Iallreduce(MPI_IN_PLACE, data, count, type, mpi_op, comm_, &requests[0]),
@@ -260,41 +257,6 @@ class MpiCommunicator final : public Communicator {
               std::function<void(std::span<MPI_Status>)> finish = {}) {
     return MpiEngine::instance().submit(std::move(description), std::move(start),
                                         std::move(finish));
-  }
-
-  // Large all-reduces as a reduce-scatter then an all-gather (the bandwidth-optimal ring
-  // decomposition): Open MPI's non-blocking all-reduce (libnbc) moves large buffers at about
-  // half the speed of its blocking one, its reduce-scatter and all-gather at full speed.
-  static constexpr int64_t kSplitAllReduceElements = int64_t{1} << 16;
-
-  Work split_all_reduce(std::string description, Tensor& tensor, MPI_Datatype type, MPI_Op mpi_op) {
-    auto counts = std::make_shared<std::vector<int>>(static_cast<size_t>(size_));
-    auto offsets = std::make_shared<std::vector<int>>(static_cast<size_t>(size_));
-    const int64_t n = tensor.numel();
-    int64_t offset = 0;
-    for (int r = 0; r < size_; ++r) {
-      (*counts)[r] = static_cast<int>(n / size_ + (r < n % size_ ? 1 : 0));
-      (*offsets)[r] = static_cast<int>(offset);
-      offset += (*counts)[r];
-    }
-    auto part = std::make_shared<Tensor>(Tensor::empty({(*counts)[rank_]}, tensor.dtype()));
-    void* data = tensor.raw();
-    return MpiEngine::instance().submit_two_phase(
-        std::move(description),
-        [=, this] {
-          std::vector<MPI_Request> requests(1);
-          check_mpi(MPI_Ireduce_scatter(data, part->raw(), counts->data(), type, mpi_op, comm_,
-                                        &requests[0]),
-                    "MPI_Ireduce_scatter");
-          return requests;
-        },
-        [=, this] {
-          std::vector<MPI_Request> requests(1);
-          check_mpi(MPI_Iallgatherv(part->raw(), (*counts)[rank_], type, data, counts->data(),
-                                    offsets->data(), type, comm_, &requests[0]),
-                    "MPI_Iallgatherv");
-          return requests;
-        });
   }
 
   MPI_Op reduction(DType dtype, ReduceOp op) const {

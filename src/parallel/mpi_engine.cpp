@@ -119,40 +119,10 @@ Work MpiEngine::submit(std::string description, std::function<std::vector<MPI_Re
   {
     std::lock_guard<std::mutex> lock(mutex_);
     OCTET_CHECK(!stop_, state->description, ": MPI is already finalized");
-    queue_.push_back(Operation{state, std::move(start), std::move(finish), {}, {}, {}});
+    queue_.push_back(Operation{state, std::move(start), std::move(finish), {}, {}});
   }
   wake_.notify_one();
   return Work(state);
-}
-
-Work MpiEngine::submit_two_phase(std::string description,
-                                 std::function<std::vector<MPI_Request>()> start,
-                                 std::function<std::vector<MPI_Request>()> then) {
-  auto state = std::make_shared<detail::WorkState>(std::move(description));
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    OCTET_CHECK(!stop_, state->description, ": MPI is already finalized");
-    queue_.push_back(Operation{state, std::move(start), {}, std::move(then), {}, {}});
-  }
-  wake_.notify_one();
-  return Work(state);
-}
-
-bool MpiEngine::advance(Operation& op) {
-  std::string error;
-  try {
-    while (op.requests.empty() && op.then) {
-      auto next = std::move(op.then);
-      op.then = nullptr;
-      op.requests = next();
-    }
-    if (!op.requests.empty()) return false;
-    if (op.finish) op.finish(op.statuses);
-  } catch (const std::exception& e) {
-    error = e.what();
-  }
-  op.state->complete(std::move(error));
-  return true;
 }
 
 bool MpiEngine::progress(std::vector<Operation>& active) {
@@ -163,24 +133,17 @@ bool MpiEngine::progress(std::vector<Operation>& active) {
     op.statuses.resize(op.requests.size());
     int code = MPI_Testall(static_cast<int>(op.requests.size()), op.requests.data(), &flag,
                            op.statuses.data());
-    if (code != MPI_SUCCESS) {
+    if (code != MPI_SUCCESS || flag) {
       std::string error;
       try {
         check_mpi(code, "MPI_Testall");
+        if (op.finish) op.finish(op.statuses);
       } catch (const std::exception& e) {
         error = e.what();
       }
       op.state->complete(std::move(error));
       active.erase(active.begin() + static_cast<std::ptrdiff_t>(i));
       any = true;
-    } else if (flag) {
-      any = true;
-      op.requests.clear();  // completed (MPI set them to MPI_REQUEST_NULL)
-      if (advance(op)) {
-        active.erase(active.begin() + static_cast<std::ptrdiff_t>(i));
-      } else {
-        ++i;
-      }
     } else {
       ++i;
     }
@@ -212,7 +175,17 @@ void MpiEngine::loop() {
         op.state->complete(e.what());
         continue;
       }
-      if (!advance(op)) active.push_back(std::move(op));
+      if (op.requests.empty()) {
+        std::string error;
+        try {
+          if (op.finish) op.finish({});
+        } catch (const std::exception& e) {
+          error = e.what();
+        }
+        op.state->complete(std::move(error));
+      } else {
+        active.push_back(std::move(op));
+      }
     }
     if (!active.empty() && !progress(active)) {
       // Nothing completed: a short nap keeps this thread from taking a core from compute.

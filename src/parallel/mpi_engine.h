@@ -32,10 +32,6 @@ class MpiEngine {
   // received size).
   Work submit(std::string description, std::function<std::vector<MPI_Request>()> start,
               std::function<void(std::span<MPI_Status>)> finish = {});
-  // Two phases: `then` starts once the requests of `start` completed (e.g. the all-gather
-  // after a reduce-scatter).
-  Work submit_two_phase(std::string description, std::function<std::vector<MPI_Request>()> start,
-                        std::function<std::vector<MPI_Request>()> then);
 
   int world_rank() const { return world_rank_; }
   int world_size() const { return world_size_; }
@@ -48,7 +44,6 @@ class MpiEngine {
     std::shared_ptr<detail::WorkState> state;
     std::function<std::vector<MPI_Request>()> start;
     std::function<void(std::span<MPI_Status>)> finish;
-    std::function<std::vector<MPI_Request>()> then;
     std::vector<MPI_Request> requests;
     std::vector<MPI_Status> statuses;
   };
@@ -57,9 +52,6 @@ class MpiEngine {
   void loop();
   void initialize();
   bool progress(std::vector<Operation>& active);
-  // Starts the next phase while the current one has nothing pending; true when the
-  // operation is complete (its Work handle then is too).
-  static bool advance(Operation& op);
 
   std::thread thread_;
   std::mutex mutex_;
