@@ -34,6 +34,10 @@ run 2 "PP=2 interleaved (1 chunk)" --pipeline-model-parallel-size 2 --pipeline-s
 run 2 "PP=2 ZB1P" --pipeline-model-parallel-size 2 --pipeline-schedule zb1p
 run 2 "PP=2 DualPipe" --pipeline-model-parallel-size 2 --pipeline-schedule dualpipe
 run 4 "PP=2 x DP=2" --pipeline-model-parallel-size 2
+# gpt-tiny's vocabulary (50257) is odd: the TP=2 shards hold 25129 and 25128 rows.
+run 2 "TP=2" --tensor-model-parallel-size 2
+run 2 "TP=2 sequence-parallel" --tensor-model-parallel-size 2 --sequence-parallel
+run 4 "TP=2 x DP=2 sequence-parallel" --tensor-model-parallel-size 2 --sequence-parallel
 # A checkpoint written at one layout resumes at another with the uninterrupted run's losses
 # (constant learning rate, so the schedule does not depend on --train-iters).
 dir="$(mktemp -d)"
@@ -63,6 +67,9 @@ resume "PP=2 -> 1 process" 2 1 "--pipeline-model-parallel-size 2" ""
 resume "1 process -> PP=2" 1 2 "" "--pipeline-model-parallel-size 2"
 resume "DP=2 ZeRO-1 -> PP=2 x DP=2" 2 4 "--use-distributed-optimizer" \
   "--pipeline-model-parallel-size 2"
+resume "TP=2 -> 1 process" 2 1 "--tensor-model-parallel-size 2" ""
+resume "1 process -> TP=2 sequence-parallel" 1 2 "" \
+  "--tensor-model-parallel-size 2 --sequence-parallel"
 # Sizes that do not fit are clear errors, not hangs.
 if OMP_NUM_THREADS=1 mpiexec -n 2 --oversubscribe "$octet" train "${common[@]}" \
   --tensor-model-parallel-size 3 >/tmp/octet-layouts-err.txt 2>&1; then
