@@ -395,9 +395,10 @@ TrainResult train_gpt(const TrainOptions& o) {
                 (long long)o.micro_batch_size, (long long)accumulation, o.precision.c_str(),
                 fp8 ? (" (" + recipe::describe(recipe) + ")").c_str() : "");
     if (parallel.world_size() > 1) {
-      std::printf("parallel: %d processes, TP=%d x DP=%d x PP=%d, %s, %zu gradient bucket(s)%s\n",
+      std::printf("parallel: %d processes, TP=%d x DP=%d x PP=%d%s, %s, %zu gradient bucket(s)%s\n",
                   parallel.world_size(), parallel.tensor_size(), parallel.data_size(),
                   parallel.pipeline_size(),
+                  tensor_parallel && o.sequence_parallel ? " (sequence-parallel)" : "",
                   o.use_distributed_optimizer ? "distributed optimizer (ZeRO-1)" : "all-reduce",
                   ddp ? ddp->buckets().size() : size_t{0},
                   ddp && ddp->options().overlap_grad_reduce ? " reduced during backward" : "");
