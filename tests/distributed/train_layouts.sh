@@ -70,6 +70,8 @@ resume "DP=2 ZeRO-1 -> PP=2 x DP=2" 2 4 "--use-distributed-optimizer" \
 resume "TP=2 -> 1 process" 2 1 "--tensor-model-parallel-size 2" ""
 resume "1 process -> TP=2 sequence-parallel" 1 2 "" \
   "--tensor-model-parallel-size 2 --sequence-parallel"
+resume "PP=2 (sharded) -> TP=2" 2 2 "--pipeline-model-parallel-size 2" \
+  "--tensor-model-parallel-size 2"
 # Sizes that do not fit are clear errors, not hangs.
 if OMP_NUM_THREADS=1 mpiexec -n 2 --oversubscribe "$octet" train "${common[@]}" \
   --tensor-model-parallel-size 3 >/tmp/octet-layouts-err.txt 2>&1; then
@@ -79,6 +81,17 @@ elif grep -q "expected a multiple of tensor-model-parallel-size" /tmp/octet-layo
   echo "ok   TP=3 on 2 ranks: clear error"
 else
   echo "FAIL: TP=3 on 2 ranks: unexpected output"; cat /tmp/octet-layouts-err.txt
+  status=1
+fi
+if OMP_NUM_THREADS=1 mpiexec -n 4 --oversubscribe "$octet" train "${common[@]}" \
+  --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 >/tmp/octet-layouts-err.txt 2>&1
+then
+  echo "FAIL: TP=2 x PP=2 was accepted"
+  status=1
+elif grep -q "tensor x pipeline parallelism is not implemented yet" /tmp/octet-layouts-err.txt; then
+  echo "ok   TP=2 x PP=2: clear error (not implemented)"
+else
+  echo "FAIL: TP=2 x PP=2: unexpected output"; cat /tmp/octet-layouts-err.txt
   status=1
 fi
 exit $status
