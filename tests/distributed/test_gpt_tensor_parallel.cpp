@@ -6,11 +6,14 @@
 // vocabulary-parallel loss computes softmax - onehot in FP64 per element where GPT's fused
 // kernel has its own rounding, so even TP = 1 differs by ~1 ulp of the loss gradient.
 // Measured: 5.2e-7 at TP = 1, 6.1e-7 at TP = 2 (SP), 7.9e-7 at TP = 4 (SP), printed per case.
+// Two configs: GPT-2 style, and RMSNorm + SwiGLU + no biases + GQA (2 kv heads: not at TP = 4).
 // The vocabulary (101) is odd, so the shards are uneven (51 / 50 rows; 26 x 3 / 23).
 #include <gtest/gtest.h>
 
 #include <cmath>
 #include <cstdio>
+#include <string>
+#include <tuple>
 
 #include "octet/model.h"
 #include "octet/model_tensor_parallel.h"
@@ -21,9 +24,11 @@ namespace octet {
 namespace {
 
 constexpr double kRelativeTolerance = 1e-5;
-double g_worst_relative = 0;  // the largest relative difference seen, printed at the end
+double g_worst_relative = 0;  // the largest relative difference of the running case
 
-GPTConfig small_config() {
+// gpt-2 style (LayerNorm, GELU, biases) or llama style (RMSNorm, SwiGLU, no biases, GQA with
+// 2 kv heads).
+GPTConfig small_config(bool llama) {
   GPTConfig c;
   c.name = "gpt-test";
   c.vocab_size = 101;
@@ -31,6 +36,12 @@ GPTConfig small_config() {
   c.num_layers = 2;
   c.hidden = 32;
   c.num_heads = 4;
+  if (llama) {
+    c.normalization = "rmsnorm";
+    c.activation = "swiglu";
+    c.bias = false;
+    c.num_gqa_groups = 2;
+  }
   return c;
 }
 
@@ -56,7 +67,7 @@ void expect_close(const Tensor& actual, const Tensor& expected, const std::strin
       << what << ": max difference " << worst << " of max |expected| " << scale;
 }
 
-class GPTTensorParallel : public ::testing::TestWithParam<bool> {
+class GPTTensorParallel : public ::testing::TestWithParam<std::tuple<bool, bool>> {
  protected:
   void SetUp() override {
     std::shared_ptr<Communicator> world = world_communicator();
@@ -66,9 +77,13 @@ class GPTTensorParallel : public ::testing::TestWithParam<bool> {
 };
 
 TEST_P(GPTTensorParallel, EqualsTheSingleProcessGPT) {
-  const bool sp = GetParam();
-  const GPTConfig config = small_config();
+  const auto [sp, llama] = GetParam();
+  const GPTConfig config = small_config(llama);
+  g_worst_relative = 0;
   Communicator& tp = state->tensor();
+  if (config.num_gqa_groups % tp.size() != 0 && config.num_gqa_groups > 0) {
+    GTEST_SKIP() << config.num_gqa_groups << " kv heads do not split over TP=" << tp.size();
+  }
   GPT reference(config, 7);
   TensorParallelGPT model(config, 7, sp, tp);
 
@@ -104,12 +119,12 @@ TEST_P(GPTTensorParallel, EqualsTheSingleProcessGPT) {
               kRelativeTolerance * std::fabs(expected_loss));
 
   if (tp.rank() == 0) {
-    std::printf("TP=%d%s: worst relative gradient difference %.2e (tolerance %.0e)\n", tp.size(),
-                sp ? " SP" : "", g_worst_relative, kRelativeTolerance);
+    std::printf("TP=%d%s%s: worst relative gradient difference %.2e (tolerance %.0e)\n", tp.size(),
+                sp ? " SP" : "", llama ? " llama" : "", g_worst_relative, kRelativeTolerance);
   }
 
   // Slicing a whole map gives back this rank's shards.
-  TensorParallelGPT loaded(small_config(), 8, sp, tp);
+  TensorParallelGPT loaded(config, 8, sp, tp);
   loaded.load_state_dict(whole);
   std::vector<Parameter*> mine = model.parameters(), theirs = loaded.parameters();
   ASSERT_EQ(mine.size(), theirs.size());
@@ -118,8 +133,12 @@ TEST_P(GPTTensorParallel, EqualsTheSingleProcessGPT) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(SequenceParallel, GPTTensorParallel, ::testing::Values(false, true),
-                         [](const auto& param_info) { return param_info.param ? "SP" : "NoSP"; });
+INSTANTIATE_TEST_SUITE_P(Layouts, GPTTensorParallel,
+                         ::testing::Combine(::testing::Bool(), ::testing::Bool()),
+                         [](const auto& param_info) {
+                           return std::string(std::get<0>(param_info.param) ? "SP" : "NoSP") +
+                                  (std::get<1>(param_info.param) ? "_llama" : "_gpt2");
+                         });
 
 }  // namespace
 }  // namespace octet
