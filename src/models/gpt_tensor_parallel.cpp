@@ -175,6 +175,7 @@ Tensor TensorParallelGPT::forward_hidden(const Tensor& ids, DType dtype,
     const int64_t first_row = sequence_parallel_ ? tp_->rank() * x.rows() : 0;
     float* xs = x.data<float>();
     const float* pos = wpe.value.data<float>();
+#pragma omp parallel for schedule(static)
     for (int64_t row = 0; row < x.rows(); ++row) {
       const float* p = pos + ((first_row + row) % T) * C;
       for (int64_t c = 0; c < C; ++c) xs[row * C + c] += p[c];
@@ -276,9 +277,13 @@ float TensorParallelGPT::train_step(const Tensor& ids, const Tensor& targets, DT
     const int64_t first_row = sequence_parallel_ ? tp_->rank() * dx.rows() : 0;
     const float* g = dx.data<float>();
     float* w = wpe.grad.data<float>();
-    for (int64_t row = 0; row < dx.rows(); ++row) {
-      float* p = w + ((first_row + row) % T) * C;
-      for (int64_t c = 0; c < C; ++c) p[c] += g[row * C + c];
+    // Threads split the positions; each adds its rows in row order (as GPT does).
+#pragma omp parallel for schedule(static)
+    for (int64_t t = 0; t < T; ++t) {
+      float* p = w + t * C;
+      for (int64_t row = ((t - first_row) % T + T) % T; row < dx.rows(); row += T) {
+        for (int64_t c = 0; c < C; ++c) p[c] += g[row * C + c];
+      }
     }
   }
   const Tensor dwhole = sequence_parallel_

@@ -27,6 +27,7 @@ Tensor vocab_parallel_embedding_forward(const Tensor& ids, const Tensor& table, 
   const int32_t* id = ids.data<int32_t>();
   const float* rows = table.data<float>();
   float* o = out.data<float>();
+#pragma omp parallel for schedule(static)
   for (int64_t n = 0; n < N; ++n) {
     if (id[n] < range.begin || id[n] >= range.end) continue;
     std::memcpy(o + n * C, rows + (id[n] - range.begin) * C, static_cast<size_t>(C) * 4);
@@ -42,11 +43,17 @@ void vocab_parallel_embedding_backward(const Tensor& ids, const Tensor& dx, Tens
   const int32_t* id = ids.data<int32_t>();
   const float* d = dx.data<float>();
   float* g = table_grad.data<float>();
-  // In token order, as the single-process embedding backward adds repeated ids.
-  for (int64_t n = 0; n < N; ++n) {
-    if (id[n] < range.begin || id[n] >= range.end) continue;
-    float* row = g + (id[n] - range.begin) * C;
-    for (int64_t c = 0; c < C; ++c) row[c] += d[n * C + c];
+  // Threads split the columns; each element adds its tokens in token order, as the
+  // single-process embedding backward adds repeated ids.
+  constexpr int64_t kColumns = 16;
+#pragma omp parallel for schedule(static)
+  for (int64_t c0 = 0; c0 < C; c0 += kColumns) {
+    const int64_t c1 = std::min(C, c0 + kColumns);
+    for (int64_t n = 0; n < N; ++n) {
+      if (id[n] < range.begin || id[n] >= range.end) continue;
+      float* row = g + (id[n] - range.begin) * C;
+      for (int64_t c = c0; c < c1; ++c) row[c] += d[n * C + c];
+    }
   }
 }
 
