@@ -35,6 +35,8 @@ Tensor rank_tensor(int r, Shape shape, DType dtype, int64_t offset = 0) {
 
 std::vector<double> values(const Tensor& t) {
   std::vector<double> out(static_cast<size_t>(t.numel()));
+  const bool floating = t.dtype() == DType::F32 || t.dtype() == DType::BF16;
+  const std::vector<float> floats = floating ? t.to_floats() : std::vector<float>();
   for (int64_t i = 0; i < t.numel(); ++i) {
     switch (t.dtype()) {
       case DType::I32:
@@ -48,7 +50,7 @@ std::vector<double> values(const Tensor& t) {
         out[i] = t.view_as(DType::U8).data<uint8_t>()[i];
         break;
       default:
-        out[i] = t.to_floats()[i];
+        out[i] = floats[i];
     }
   }
   return out;
@@ -211,6 +213,37 @@ TEST_F(Collectives, NonBlockingOperationsOverlapAndCompleteInAnyWaitOrder) {
     EXPECT_GE(works[0].transfer_seconds(), 0.0);
     EXPECT_TRUE(works[0].done());
   }
+}
+
+TEST_F(Collectives, DifferentCollectivesInFlightTogetherMatchAcrossRanks) {
+  // As in data parallelism: a large all-reduce, gathers and a reduce-scatter started back to
+  // back, all in flight together, waited for in another order. Every rank must issue them
+  // in the same order (MPI's rule), whatever completes first where.
+  Tensor big = rank_tensor(r, {1 << 20}, DType::F32);
+  Tensor part = rank_tensor(r, {300, 4}, DType::F32);
+  Tensor gathered = Tensor::empty({300 * n, 4}, DType::F32);
+  Tensor scatter_in = rank_tensor(r, {n * 70000}, DType::F32);
+  Tensor scatter_out = Tensor::empty({70000}, DType::F32);
+  Tensor small = rank_tensor(r, {17}, DType::F32);
+  std::vector<Work> works;
+  works.push_back(world->iall_reduce(big, ReduceOp::Sum));
+  works.push_back(world->iall_gather(part, gathered));
+  works.push_back(world->ireduce_scatter(scatter_in, scatter_out, ReduceOp::Sum));
+  works.push_back(world->iall_reduce(small, ReduceOp::Max));
+  for (size_t k = works.size(); k-- > 0;) works[k].wait(120);
+  auto sum_over_ranks = [&](Shape shape) {
+    std::vector<double> total(static_cast<size_t>(Tensor::empty(shape, DType::F32).numel()), 0.0);
+    for (int q = 0; q < n; ++q) {
+      std::vector<double> v = values(rank_tensor(q, shape, DType::F32));
+      for (size_t i = 0; i < v.size(); ++i) total[i] += v[i];
+    }
+    return total;
+  };
+  EXPECT_EQ(values(big), sum_over_ranks({1 << 20}));
+  std::vector<double> scattered = sum_over_ranks({n * 70000});
+  EXPECT_EQ(values(scatter_out), std::vector<double>(scattered.begin() + r * 70000,
+                                                     scattered.begin() + (r + 1) * 70000));
+  EXPECT_EQ(values(gathered).size(), static_cast<size_t>(300 * n * 4));
 }
 
 TEST_F(Collectives, AWorldOfOneCopiesNothing) {
