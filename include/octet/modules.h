@@ -311,6 +311,8 @@ class LayerNormMLP : public Module {
     float activation_fp8_scale = 0.0f;
   };
   explicit LayerNormMLP(const LayerNormMLPOptions& options);
+  // FC1's (first) or FC2's options: sizes, seeds, names. Tensor-parallel MLPs shard these.
+  static LinearOptions fc_options(const LayerNormMLPOptions& options, bool first);
   Tensor forward(const Tensor& x, Context& ctx);
   Tensor backward(const Tensor& dy, Context& ctx);
   void collect_parameters(std::vector<Parameter*>& out) override;
@@ -433,6 +435,12 @@ class MultiheadAttention : public Module {
     bool replay_qkv = false;
   };
   explicit MultiheadAttention(const MultiheadAttentionOptions& options);
+  // The sub-modules' options (sizes, seeds, names), which tensor-parallel attention shards:
+  // the core attention, the fused self-attention QKV projection with its input norm, and
+  // the output projection.
+  static DotProductAttentionOptions core_options(const MultiheadAttentionOptions& options);
+  static LayerNormLinearOptions qkv_options(const MultiheadAttentionOptions& options);
+  static LinearOptions proj_options(const MultiheadAttentionOptions& options);
   // x [B,T,C], encoder_output [B,S,C] (cross-attention only), F32|BF16 -> [B,T,C].
   // q_lengths [B] / kv_lengths [B] I32 for padding masks.
   Tensor forward(const Tensor& x, Context& ctx, const Tensor* encoder_output = nullptr,
@@ -531,6 +539,11 @@ class TransformerLayer : public Module {
     uint64_t attention_dropout_offset = 0, inter_dropout_offset = 0, mlp_dropout_offset = 0;
   };
   explicit TransformerLayer(const TransformerLayerOptions& options);
+  // The options (sizes, seeds, names) the layer gives its self- or cross-attention and its
+  // MLP: a tensor-parallel layer derives its shards from the same ones.
+  static MultiheadAttentionOptions attention_options(const TransformerLayerOptions& options,
+                                                     bool cross);
+  static LayerNormMLPOptions mlp_options(const TransformerLayerOptions& options);
   // x [B,T,C] F32|BF16 -> [B,T,C]. encoder_output [B,S,C] for decoder layers. lengths /
   // encoder_lengths [B] I32 for padding masks (self: lengths; cross: lengths, encoder_lengths).
   Tensor forward(const Tensor& x, Context& ctx, const Tensor* encoder_output = nullptr,

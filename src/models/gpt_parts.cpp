@@ -118,14 +118,16 @@ const Tensor& tied_weight_as(Parameter& wte, DType dtype, TiedOutputCache& cache
 }
 
 float tied_output_loss(const Tensor& hidden, const Tensor& targets, Parameter& wte, DType dtype,
-                       float grad_scale, Tensor* dhidden, TiedOutputCache& cache) {
+                       float grad_scale, Tensor* dhidden, TiedOutputCache& cache,
+                       const ChunkLoss& loss, int64_t chunk_vocab) {
   const int64_t N = hidden.dim(0), V = wte.value.dim(0);
   const Tensor& weight = tied_weight_as(wte, dtype, cache);
   const int64_t valid = ops::count_valid_targets(targets);
   OCTET_CHECK(valid > 0, "gpt: every target is ignore_index; nothing to learn from");
   if (dhidden) *dhidden = Tensor::empty(hidden.shape(), dtype);
   // Equal chunks (no small tail GEMM), each at most logits_chunk_rows(V) rows.
-  const int64_t chunks = (N + logits_chunk_rows(V) - 1) / logits_chunk_rows(V);
+  const int64_t chunk_limit = logits_chunk_rows(chunk_vocab > 0 ? chunk_vocab : V);
+  const int64_t chunks = (N + chunk_limit - 1) / chunk_limit;
   const int64_t chunk = (N + chunks - 1) / chunks;
   // The workspaces live across steps: fresh 60+ MB buffers every step cost page faults.
   if (!cache.logits.defined() || cache.logits.dim(0) < chunk) {
@@ -147,11 +149,16 @@ float tied_output_loss(const Tensor& hidden, const Tensor& targets, Parameter& w
     Tensor logits = cache.logits.slice_rows(0, rows);
     gemm(h, *cache.packed, logits, /*trans_a=*/false);
     Tensor losses = losses_buffer.slice_rows(0, rows);
-    ops::CrossEntropyOptions options;
-    options.grad_scale = grad_scale / static_cast<float>(valid);
-    Tensor target_rows = targets.slice_rows(r0, r1);
-    ops::cross_entropy_forward_backward(logits, target_rows, losses, dhidden ? &logits : nullptr,
-                                        options);
+    const Tensor target_rows = targets.slice_rows(r0, r1);
+    const float scale = grad_scale / static_cast<float>(valid);
+    if (loss) {
+      loss(logits, target_rows, losses, dhidden != nullptr, scale);
+    } else {
+      ops::CrossEntropyOptions options;
+      options.grad_scale = scale;
+      ops::cross_entropy_forward_backward(logits, target_rows, losses, dhidden ? &logits : nullptr,
+                                          options);
+    }
     for (float l : losses.to_floats()) loss_sum += l;
     if (!dhidden) continue;
     Tensor dlogits = logits;

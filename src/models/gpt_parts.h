@@ -2,6 +2,8 @@
 // the single-process GPT does (same seeds, same kernels, same output layer).
 #pragma once
 
+#include <functional>
+
 #include "octet/model.h"
 
 namespace octet::gpt_parts {
@@ -22,10 +24,18 @@ void position_embedding_backward(const Tensor& dx, int64_t B, int64_t T, Paramet
 
 // wte in the compute dtype (F32: the master itself; BF16: a copy cached until invalidate()).
 const Tensor& tied_weight_as(Parameter& wte, DType dtype, TiedOutputCache& cache);
-// The fused, chunked output layer + cross-entropy: hidden [N,C] (after the final norm, in
-// dtype), targets [N] I32. Returns the mean loss over valid targets; with dhidden, writes
-// dhidden [N,C] in dtype and adds grad_scale x the output layer's gradient into wte.grad.
+// The loss of one chunk of rows: logits [rows, V] F32 (this rank's vocabulary columns),
+// targets [rows] I32, losses [rows] F32 written; with backward, logits are overwritten by
+// scale x the loss gradient.
+using ChunkLoss = std::function<void(Tensor& logits, const Tensor& targets, Tensor& losses,
+                                     bool backward, float scale)>;
+// The fused, chunked output layer + loss: hidden [N,C] (after the final norm, in dtype),
+// targets [N] I32. Returns the mean loss over valid targets; with dhidden, writes dhidden
+// [N,C] in dtype and adds grad_scale x the output layer's gradient into wte.grad. The loss
+// is the fused cross-entropy unless `loss` is given; chunks are sized for `chunk_vocab`
+// columns (0: wte's rows), which must be the same on every rank that shares the loss.
 float tied_output_loss(const Tensor& hidden, const Tensor& targets, Parameter& wte, DType dtype,
-                       float grad_scale, Tensor* dhidden, TiedOutputCache& cache);
+                       float grad_scale, Tensor* dhidden, TiedOutputCache& cache,
+                       const ChunkLoss& loss = {}, int64_t chunk_vocab = 0);
 
 }  // namespace octet::gpt_parts

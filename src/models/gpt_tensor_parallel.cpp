@@ -13,51 +13,13 @@ namespace octet {
 
 namespace {
 
-// TransformerLayer's self-attention and MLP options for GPT layer `index` (the same seeds and
-// names, so the parallel blocks hold the shards of GPT's layer). The projection's bias is
-// added by the row-parallel layer after its reduction instead of in bias_dropout_add.
+// TransformerLayer's self-attention options (the same seeds and names, so the parallel
+// blocks hold the shards of GPT's layer). The projection's bias is added by the row-parallel
+// layer after its reduction instead of in bias_dropout_add.
 MultiheadAttentionOptions attention_options(const TransformerLayerOptions& o) {
-  MultiheadAttentionOptions a;
-  a.hidden_size = o.hidden_size;
-  a.num_attention_heads = o.num_attention_heads;
-  a.kv_channels = o.kv_channels;
-  a.num_gqa_groups = o.num_gqa_groups;
-  a.attention_dropout = o.attention_dropout;
-  a.layernorm_epsilon = o.layernorm_epsilon;
-  a.normalization = o.normalization;
-  a.zero_centered_gamma = o.zero_centered_gamma;
-  a.input_layernorm = true;
-  a.attention_type = AttentionType::Self;
-  a.attn_mask_type = o.self_attn_mask_type;
-  a.window_size = o.window_size;
-  a.bias = o.bias;
+  MultiheadAttentionOptions a = TransformerLayer::attention_options(o, /*cross=*/false);
   a.return_bias = false;
-  a.rope = o.rope;
-  a.init_std = o.init_std;
-  a.output_init_std = o.output_init_std;
-  a.params_dtype = o.params_dtype;
-  a.seed = o.seed * 4 + 1;
-  a.name = o.name + ".self_attention";
   return a;
-}
-
-LayerNormMLPOptions mlp_options(const TransformerLayerOptions& o) {
-  LayerNormMLPOptions m;
-  m.hidden = o.hidden_size;
-  m.ffn_hidden = o.ffn_hidden_size;
-  m.activation = o.activation;
-  m.norm.hidden = o.hidden_size;
-  m.norm.kind = o.normalization;
-  m.norm.eps = o.layernorm_epsilon;
-  m.norm.zero_centered_gamma = o.zero_centered_gamma;
-  m.norm.name = o.name + ".layernorm_mlp.norm";
-  m.bias = o.bias;
-  m.checkpoint = false;
-  m.init_std = o.init_std;
-  m.output_init_std = o.output_init_std;
-  m.seed = o.seed * 4 + 3;
-  m.name = o.name + ".layernorm_mlp";
-  return m;
 }
 
 const GPTConfig& checked(const GPTConfig& c, Communicator& tp) {
@@ -79,12 +41,6 @@ Tensor residual_add(const Tensor& branch, const Tensor& residual) {
   return out;
 }
 
-// Rows of logits computed at once: bounds the [rows, V/TP] F32 buffer to ~64 MB. The same on
-// every rank (from the largest shard), since each chunk's loss is collective.
-int64_t logits_chunk_rows(int64_t vocab_part) {
-  return std::max<int64_t>(16, (16 << 20) / vocab_part);
-}
-
 }  // namespace
 
 TensorParallelGPT::TensorParallelGPT(const GPTConfig& config, uint64_t seed, bool sequence_parallel,
@@ -104,9 +60,9 @@ TensorParallelGPT::TensorParallelGPT(const GPTConfig& config, uint64_t seed, boo
   layers_.reserve(static_cast<size_t>(config.num_layers));
   for (int64_t i = 0; i < config.num_layers; ++i) {
     const TransformerLayerOptions o = gpt_parts::layer_options(config, i, seed, false);
-    layers_.push_back(std::make_unique<Layer>(
-        Layer{TensorParallelSelfAttention(attention_options(o), sequence_parallel, tp),
-              TensorParallelLayerNormMLP(mlp_options(o), sequence_parallel, tp)}));
+    layers_.push_back(std::make_unique<Layer>(Layer{
+        TensorParallelSelfAttention(attention_options(o), sequence_parallel, tp),
+        TensorParallelLayerNormMLP(TransformerLayer::mlp_options(o), sequence_parallel, tp)}));
   }
   register_specs();
 }
@@ -201,55 +157,20 @@ float TensorParallelGPT::output_loss(const Tensor& hidden, const Tensor& targets
   // Every rank needs every token against its vocabulary rows.
   const Tensor whole = sequence_parallel_ ? gather_from_sequence_parallel_region(hidden, *tp_)
                                           : copy_to_tensor_parallel_region(hidden, *tp_);
-  const int64_t N = whole.rows(), V = vocab_.size();
-  const Tensor& weight = gpt_parts::tied_weight_as(wte, dtype, output_cache_);
-  const int64_t valid = ops::count_valid_targets(targets);
-  OCTET_CHECK(valid > 0, "tensor-parallel gpt: every target is ignore_index; nothing to learn");
-  Tensor dwhole = dhidden ? Tensor::empty(whole.shape(), dtype) : Tensor();
-  TiedOutputCache& cache = output_cache_;
-  const int64_t rows_per_chunk =
-      logits_chunk_rows(vocab_range(config_.vocab_size, 0, tp_->size()).size());
-  const int64_t chunks = (N + rows_per_chunk - 1) / rows_per_chunk;
-  const int64_t chunk = (N + chunks - 1) / chunks;
-  if (!cache.logits.defined() || cache.logits.dim(0) < chunk) {
-    cache.logits = Tensor::empty({chunk, V}, DType::F32);
-    cache.dlogits = Tensor();
-  }
-  if (dhidden && dtype == DType::BF16 && !cache.dlogits.defined()) {
-    cache.dlogits = Tensor::empty({chunk, V}, DType::BF16);
-  }
-  if (!cache.packed || cache.packed_dtype != dtype) {
-    cache.packed.emplace(weight, /*trans=*/true);
-    cache.packed_dtype = dtype;
-  }
-  double loss_sum = 0.0;
-  Tensor losses_buffer = Tensor::empty({chunk}, DType::F32);
-  for (int64_t r0 = 0; r0 < N; r0 += chunk) {
-    const int64_t r1 = std::min(N, r0 + chunk), rows = r1 - r0;
-    const Tensor h = whole.slice_rows(r0, r1);
-    Tensor logits = cache.logits.slice_rows(0, rows);
-    gemm(h, *cache.packed, logits, /*trans_a=*/false);
-    Tensor losses = losses_buffer.slice_rows(0, rows);
-    vocab_parallel_cross_entropy(logits, targets.slice_rows(r0, r1), vocab_, losses,
-                                 dhidden != nullptr, grad_scale / static_cast<float>(valid), *tp_);
-    for (float l : losses.to_floats()) loss_sum += l;
-    if (!dhidden) continue;
-    Tensor dlogits = logits;
-    if (dtype == DType::BF16) {
-      dlogits = cache.dlogits.slice_rows(0, rows);
-      convert_f32_to_bf16(logits.data<float>(), dlogits.data<bfloat16>(),
-                          static_cast<size_t>(rows * V));
-    }
-    Tensor dh = dwhole.slice_rows(r0, r1);
-    gemm(dlogits, weight, dh, /*trans_a=*/false, /*trans_b=*/false);
-    gemm(dlogits, h, wte.grad, /*trans_a=*/true, /*trans_b=*/false, 1.0f, 1.0f);
-  }
+  Tensor dwhole;
+  const float loss = gpt_parts::tied_output_loss(
+      whole, targets, wte, dtype, grad_scale, dhidden ? &dwhole : nullptr, output_cache_,
+      [&](Tensor& logits, const Tensor& target_rows, Tensor& losses, bool backward, float scale) {
+        vocab_parallel_cross_entropy(logits, target_rows, vocab_, losses, backward, scale, *tp_);
+      },
+      // Rank 0's shard is the widest: every rank cuts the same chunks (collective per chunk).
+      vocab_range(config_.vocab_size, 0, tp_->size()).size());
   if (dhidden) {
     // Each rank's part of dhidden comes from its vocabulary rows: summed over the group.
     *dhidden = sequence_parallel_ ? gather_from_sequence_parallel_region_backward(dwhole, *tp_)
                                   : copy_to_tensor_parallel_region_backward(dwhole, *tp_);
   }
-  return static_cast<float>(loss_sum / static_cast<double>(valid));
+  return loss;
 }
 
 float TensorParallelGPT::train_step(const Tensor& ids, const Tensor& targets, DType dtype,

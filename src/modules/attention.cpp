@@ -111,7 +111,9 @@ int64_t resolved_kv_channels(const MultiheadAttentionOptions& o) {
   return o.hidden_size / o.num_attention_heads;
 }
 
-DotProductAttentionOptions core_options(const MultiheadAttentionOptions& o) {
+}  // namespace
+
+DotProductAttentionOptions MultiheadAttention::core_options(const MultiheadAttentionOptions& o) {
   DotProductAttentionOptions c;
   c.num_attention_heads = o.num_attention_heads;
   c.kv_channels = resolved_kv_channels(o);
@@ -124,6 +126,8 @@ DotProductAttentionOptions core_options(const MultiheadAttentionOptions& o) {
   c.name = o.name + ".core_attention";
   return c;
 }
+
+namespace {
 
 LinearOptions linear_options(const MultiheadAttentionOptions& o, const std::string& part,
                              int64_t in, int64_t out, float init_std, uint64_t seed) {
@@ -159,14 +163,22 @@ NormOptions qk_norm_options(const MultiheadAttentionOptions& o, const char* part
   return n;
 }
 
-LinearOptions proj_options(const MultiheadAttentionOptions& o) {
+}  // namespace
+
+LinearOptions MultiheadAttention::proj_options(const MultiheadAttentionOptions& o) {
   LinearOptions l = linear_options(o, "proj", o.num_attention_heads * resolved_kv_channels(o),
                                    o.hidden_size, o.output_init_std, 4);
   l.return_bias = o.return_bias;
   return l;
 }
 
-}  // namespace
+LayerNormLinearOptions MultiheadAttention::qkv_options(const MultiheadAttentionOptions& o) {
+  const int64_t heads = o.num_attention_heads, d = resolved_kv_channels(o);
+  const int64_t kv_heads = o.num_gqa_groups > 0 ? o.num_gqa_groups : heads;
+  return layernorm_linear_options(
+      o, linear_options(o, o.input_layernorm ? "layernorm_qkv" : "qkv", o.hidden_size,
+                        (heads + 2 * kv_heads) * d, o.init_std, 1));
+}
 
 MultiheadAttention::MultiheadAttention(const MultiheadAttentionOptions& options)
     : core_attention(core_options(options)), proj(proj_options(options)), options_(options) {
@@ -176,12 +188,11 @@ MultiheadAttention::MultiheadAttention(const MultiheadAttentionOptions& options)
   const int64_t c = options.hidden_size;
   const float std = options.init_std;
   if (options.attention_type == AttentionType::Self) {
-    LinearOptions l = linear_options(options, options.input_layernorm ? "layernorm_qkv" : "qkv", c,
-                                     (heads_ + 2 * kv_heads_) * head_dim_, std, 1);
+    LayerNormLinearOptions l = qkv_options(options);
     if (options.input_layernorm) {
-      layernorm_qkv.emplace(layernorm_linear_options(options, l));
+      layernorm_qkv.emplace(l);
     } else {
-      qkv.emplace(l);
+      qkv.emplace(l.linear);
     }
   } else {
     LinearOptions l = linear_options(options, options.input_layernorm ? "layernorm_query" : "query",

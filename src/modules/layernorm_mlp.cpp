@@ -7,9 +7,7 @@
 
 namespace octet {
 
-namespace {
-
-LinearOptions fc_options(const LayerNormMLPOptions& o, bool first) {
+LinearOptions LayerNormMLP::fc_options(const LayerNormMLPOptions& o, bool first) {
   LinearOptions l;
   int64_t fc1_out = ops::is_gated(o.activation) ? 2 * o.ffn_hidden : o.ffn_hidden;
   l.in_features = first ? o.hidden : o.ffn_hidden;
@@ -21,6 +19,8 @@ LinearOptions fc_options(const LayerNormMLPOptions& o, bool first) {
   l.name = o.name + (first ? ".fc1" : ".fc2");
   return l;
 }
+
+namespace {
 
 // act(h + bias) [N, F] written as per-tensor FP8 codes by the activation kernel (no
 // high-precision copy); h [N, F_in].

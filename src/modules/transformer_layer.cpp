@@ -10,9 +10,10 @@ namespace octet {
 
 using modules_detail::add;
 
-namespace {
+namespace {}  // namespace
 
-MultiheadAttentionOptions attention_options(const TransformerLayerOptions& o, bool cross) {
+MultiheadAttentionOptions TransformerLayer::attention_options(const TransformerLayerOptions& o,
+                                                              bool cross) {
   MultiheadAttentionOptions a;
   a.hidden_size = o.hidden_size;
   a.num_attention_heads = o.num_attention_heads;
@@ -46,7 +47,7 @@ MultiheadAttentionOptions attention_options(const TransformerLayerOptions& o, bo
   return a;
 }
 
-LayerNormMLPOptions mlp_options(const TransformerLayerOptions& o) {
+LayerNormMLPOptions TransformerLayer::mlp_options(const TransformerLayerOptions& o) {
   LayerNormMLPOptions m;
   m.hidden = o.hidden_size;
   m.ffn_hidden = o.ffn_hidden_size;
@@ -64,6 +65,8 @@ LayerNormMLPOptions mlp_options(const TransformerLayerOptions& o) {
   m.name = o.name + ".layernorm_mlp";
   return m;
 }
+
+namespace {
 
 const TransformerLayerOptions& checked(const TransformerLayerOptions& o) {
   OCTET_CHECK(o.hidden_size > 0 && o.ffn_hidden_size > 0, o.name,

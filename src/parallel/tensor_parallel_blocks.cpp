@@ -1,48 +1,14 @@
 // Tensor-parallel blocks: LayerNormMLP and self-attention split across the tensor group,
 // Megatron's column -> local compute -> row pattern, with sequence parallelism around it.
-#include <cstring>
-
+#include "modules/tensor_columns.h"
 #include "octet/tensor_parallel.h"
 
 namespace octet {
 
 namespace {
 
-// parts[i] (allocated, [N, widths[i]] as numel / N) <- consecutive columns of fused [N, W].
-void split_columns(const Tensor& fused, const std::vector<Tensor*>& parts) {
-  const int64_t rows = fused.rows(), cols = fused.cols();
-  const size_t element = dtype_bytes(fused.dtype());
-  const auto* src = static_cast<const unsigned char*>(fused.raw());
-  int64_t begin = 0;
-  for (Tensor* part : parts) {
-    const int64_t width = part->numel() / rows;
-    auto* dst = static_cast<unsigned char*>(part->raw());
-    for (int64_t r = 0; r < rows; ++r) {
-      std::memcpy(dst + r * width * element, src + (r * cols + begin) * element, width * element);
-    }
-    begin += width;
-  }
-}
-
-// The inverse: [N, sum of widths] from parts seen as [N, width].
-Tensor join_columns(const std::vector<const Tensor*>& parts, int64_t rows) {
-  int64_t cols = 0;
-  for (const Tensor* part : parts) cols += part->numel() / rows;
-  const DType dtype = parts.front()->dtype();
-  const size_t element = dtype_bytes(dtype);
-  Tensor fused = Tensor::empty({rows, cols}, dtype);
-  auto* dst = static_cast<unsigned char*>(fused.raw());
-  int64_t begin = 0;
-  for (const Tensor* part : parts) {
-    const int64_t width = part->numel() / rows;
-    const auto* src = static_cast<const unsigned char*>(part->raw());
-    for (int64_t r = 0; r < rows; ++r) {
-      std::memcpy(dst + (r * cols + begin) * element, src + r * width * element, width * element);
-    }
-    begin += width;
-  }
-  return fused;
-}
+using modules_detail::join_columns;
+using modules_detail::split_columns;
 
 void copy_norm(Norm& to, Norm& from) {
   to.weight.value.copy_from(from.weight.value);
@@ -57,18 +23,10 @@ void add_norm_parameters(Norm& norm, std::vector<Parameter*>& out) {
 // LayerNormMLP's FC1 / FC2 options (the same seeds and names), split by the parallel layers.
 ParallelLinearOptions mlp_fc(const LayerNormMLPOptions& o, bool first, bool sequence_parallel) {
   ParallelLinearOptions p;
-  LinearOptions& l = p.linear;
-  const bool gated = ops::is_gated(o.activation);
-  l.in_features = first ? o.hidden : o.ffn_hidden;
-  l.out_features = first ? (gated ? 2 * o.ffn_hidden : o.ffn_hidden) : o.hidden;
-  l.bias = o.bias;
-  l.return_bias = first;  // FC1's bias is added inside the activation kernel
-  l.init_std = first ? o.init_std : o.output_init_std;
-  l.seed = o.seed * 2 + (first ? 1 : 2);
-  l.name = o.name + (first ? ".fc1" : ".fc2");
-  l.parallel_mode = first ? ParallelMode::Column : ParallelMode::Row;
-  l.sequence_parallel = sequence_parallel;
-  if (first && gated) p.output_blocks = {o.ffn_hidden, o.ffn_hidden};  // [a | b]
+  p.linear = LayerNormMLP::fc_options(o, first);
+  p.linear.parallel_mode = first ? ParallelMode::Column : ParallelMode::Row;
+  p.linear.sequence_parallel = sequence_parallel;
+  if (first && ops::is_gated(o.activation)) p.output_blocks = {o.ffn_hidden, o.ffn_hidden};
   return p;
 }
 
@@ -97,46 +55,26 @@ const MultiheadAttentionOptions& checked_attention(const MultiheadAttentionOptio
   return o;
 }
 
-NormOptions attention_norm(const MultiheadAttentionOptions& o) {
-  NormOptions n;
-  n.hidden = o.hidden_size;
-  n.kind = o.normalization;
-  n.eps = o.layernorm_epsilon;
-  n.zero_centered_gamma = o.zero_centered_gamma;
-  n.name = o.name + ".layernorm_qkv.norm";
-  return n;
-}
-
-// MultiheadAttention's linear options (seed o.seed * 8 + part), split by the parallel layers.
+// MultiheadAttention's QKV (with its norm) and projection options (the same seeds and
+// names), split by the parallel layers; QKV's [q | k | v] blocks split per rank by heads.
 ParallelLinearOptions attention_linear(const MultiheadAttentionOptions& o, bool qkv,
                                        bool sequence_parallel) {
-  const int64_t heads = o.num_attention_heads, kv_heads = kv_heads_of(o), d = head_dim_of(o);
   ParallelLinearOptions p;
-  LinearOptions& l = p.linear;
-  l.in_features = qkv ? o.hidden_size : heads * d;
-  l.out_features = qkv ? (heads + 2 * kv_heads) * d : o.hidden_size;
-  l.bias = o.bias;
-  l.return_bias = qkv ? false : o.return_bias;
-  l.init_std = qkv ? o.init_std : o.output_init_std;
-  l.params_dtype = o.params_dtype;
-  l.seed = o.seed * 8 + (qkv ? 1 : 4);
-  l.name = o.name + (qkv ? ".layernorm_qkv" : ".proj");
-  l.parallel_mode = qkv ? ParallelMode::Column : ParallelMode::Row;
-  l.sequence_parallel = sequence_parallel;
-  if (qkv) p.output_blocks = {heads * d, kv_heads * d, kv_heads * d};  // [q | k | v]
+  p.linear = qkv ? MultiheadAttention::qkv_options(o).linear : MultiheadAttention::proj_options(o);
+  p.linear.parallel_mode = qkv ? ParallelMode::Column : ParallelMode::Row;
+  p.linear.sequence_parallel = sequence_parallel;
+  if (qkv) {
+    const int64_t d = head_dim_of(o);
+    p.output_blocks = {o.num_attention_heads * d, kv_heads_of(o) * d, kv_heads_of(o) * d};
+  }
   return p;
 }
 
+// The core attention on this rank's heads.
 DotProductAttentionOptions local_core(const MultiheadAttentionOptions& o, Communicator& tp) {
-  DotProductAttentionOptions c;
-  c.num_attention_heads = o.num_attention_heads / tp.size();
-  c.kv_channels = head_dim_of(o);
+  DotProductAttentionOptions c = MultiheadAttention::core_options(o);
+  c.num_attention_heads /= tp.size();
   c.num_gqa_groups = kv_heads_of(o) / tp.size();
-  c.attn_mask_type = o.attn_mask_type;
-  c.window_size = o.window_size;
-  c.softmax_scale = o.softmax_scale;
-  c.seed = o.seed * 8 + 7;
-  c.name = o.name + ".core_attention";
   return c;
 }
 
@@ -217,7 +155,7 @@ Tensor TensorParallelLayerNormMLP::backward(const Tensor& dy, Context& ctx) {
 
 TensorParallelSelfAttention::TensorParallelSelfAttention(const MultiheadAttentionOptions& options,
                                                          bool sequence_parallel, Communicator& tp)
-    : norm(attention_norm(checked_attention(options, tp))),
+    : norm(MultiheadAttention::qkv_options(checked_attention(options, tp)).norm),
       qkv(attention_linear(options, true, sequence_parallel), tp),
       core_attention(local_core(options, tp)),
       proj(attention_linear(options, false, sequence_parallel), tp),
