@@ -1,8 +1,12 @@
-// GPT split across a tensor-parallel group (Megatron's GPTModel with TP > 1, PP = 1): a
+// GPT split across a tensor-parallel group (Megatron's GPTModel with TP > 1): a
 // vocabulary-parallel token embedding and tied output layer, TensorParallelSelfAttention and
 // TensorParallelLayerNormMLP layers, and a vocabulary-parallel cross-entropy that never
 // gathers the logits. Optional sequence parallelism keeps the residual stream, the norms and
-// the position embedding on token shards [B*T/TP, C].
+// the position embedding on token shards [B*T/TP, C]. With pipeline parallelism as well
+// (TP x PP) it holds only its pipeline rank's stages, cut as GPTStage cuts them, and the
+// pipeline executor runs it chunk by chunk; the activations crossing a stage boundary are
+// [B*T, C] (each tensor rank sends its copy to the same tensor rank of the next stage) or,
+// under sequence parallelism, this rank's token shard [B*T/TP, C].
 //
 // The vocabulary V is split in contiguous row ranges of ceil(V/TP) rows (the last range is
 // shorter when TP does not divide V): no padding rows, so the softmax runs over exactly V
@@ -15,6 +19,7 @@
 
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -57,31 +62,64 @@ struct ShardSpec {
   bool vocabulary = false;  // Rows by vocab_range (uneven) instead of blocks
 };
 
-class TensorParallelGPT : public Module {
+class TensorParallelGPT : public PipelineModel {
  public:
-  // Needs PP = 1, no dropout, learned positions (no RoPE), heads divisible by TP; with
-  // sequence_parallel, B*T divisible by TP at run time. Clear errors otherwise.
+  // Needs no dropout, learned positions (no RoPE), heads divisible by TP, num_layers divisible
+  // by `stages`; with sequence_parallel, B*T divisible by TP at run time. Clear errors
+  // otherwise. stages = 1, stage_of_chunk = {0}: the whole model; otherwise chunk c holds
+  // pipeline stage stage_of_chunk[c] of `stages` (pipeline::stages_of_rank).
   TensorParallelGPT(const GPTConfig& config, uint64_t seed, bool sequence_parallel,
-                    Communicator& tp);
+                    Communicator& tp, int stages = 1, std::vector<int> stage_of_chunk = {0});
 
-  // One micro-batch as GPT::train_step: ids, targets [B,T] I32, dtype F32|BF16. Gradients
-  // accumulate (scaled by grad_scale); under sequence parallelism the replicated parameters'
-  // gradients are partial until all_reduce_sequence_parallel_gradients. Returns the
-  // micro-batch's mean loss (equal on every rank).
+  // One micro-batch as GPT::train_step (the whole model only): ids, targets [B,T] I32, dtype
+  // F32|BF16. Gradients accumulate (scaled by grad_scale); under sequence parallelism the
+  // replicated parameters' gradients are partial until all_reduce_sequence_parallel_gradients.
+  // Returns the micro-batch's mean loss (equal on every rank).
   float train_step(const Tensor& ids, const Tensor& targets, DType dtype, float grad_scale);
   float evaluate(const Tensor& ids, const Tensor& targets, DType dtype);
+
+  // One TransformerLayer's contexts.
+  struct LayerContext {
+    TensorParallelSelfAttention::Context attention;
+    TensorParallelLayerNormMLP::Context mlp;
+  };
+  // The pipeline interface (collective over the tensor group, like everything here).
+  struct Context : PipelineModel::Context {
+    std::vector<LayerContext> layers;
+    Norm::Context final_norm;
+    Tensor ids;      // [B,T] I32
+    Tensor doutput;  // last stage: gradient at the final norm's output, from the loss
+  };
+  std::unique_ptr<PipelineModel::Context> make_context() const override;
+  Tensor forward(int chunk, const Tensor& input, const Tensor& ids, const Tensor& targets,
+                 DType dtype, float grad_scale, PipelineModel::Context& ctx) override;
+  Tensor backward(int chunk, const Tensor& doutput, PipelineModel::Context& ctx) override;
+  int chunks() const override { return static_cast<int>(stage_of_chunk_.size()); }
+  int stages() const override { return stages_; }
+  int stage_of_chunk(int chunk) const override {
+    return stage_of_chunk_.at(static_cast<size_t>(chunk));
+  }
+  // [B*T, C], or [B*T/TP, C] under sequence parallelism.
+  Shape activation_shape(int64_t batch, int64_t seq_len) const override;
+  Parameter* word_embedding() override { return wte.value.defined() ? &wte : nullptr; }
+  std::vector<Parameter*> chunk_parameters(int chunk) override;
+  bool holds_first_stage() const { return has_first_; }
+  bool holds_last_stage() const { return has_last_; }
 
   void collect_parameters(std::vector<Parameter*>& out) override;
   void on_parameters_updated() override;
   // Replicated parameters applied to token shards: partial gradients under SP (else empty).
   std::vector<Parameter*> sequence_parallel_parameters();
-  // sqrt of the sum of squared gradients of the whole model: sharded parameters counted on
-  // every rank, replicated ones on tensor rank 0, summed over `model_group` (collective).
-  double grad_norm(Communicator& model_group);
+  // sqrt of the sum of squared gradients over `counted` (this rank's share of the model:
+  // parameters(), or a pipeline executor's owned_parameters()): sharded parameters counted on
+  // every tensor rank, replicated ones on tensor rank 0, summed over `model_group` (tensor x
+  // pipeline; collective).
+  double grad_norm(Communicator& model_group, const std::vector<Parameter*>& counted);
 
-  // GPT's whole-model tensors (collective over the tensor group).
+  // GPT's whole-model tensors of the stages held (collective over the tensor group).
   TensorMap state_dict();
-  // This rank's slices of a whole-model map (GPT names); missing / mismatched are errors.
+  // This rank's slices of a whole-model map (GPT names); missing / mismatched are errors,
+  // and so are extra tensors when the whole model is held (other stages' are ignored).
   void load_state_dict(const TensorMap& tensors);
   // The whole tensor of parameter p from every rank's `local` (shaped like p.value; e.g. its
   // optimizer state): collective. And this rank's slice of a whole tensor.
@@ -93,8 +131,10 @@ class TensorParallelGPT : public Module {
   VocabRange vocab() const { return vocab_; }
   bool sequence_parallel() const { return sequence_parallel_; }
 
-  Parameter wte;  // [vocab().size(), C]: whole-vocabulary rows vocab().begin ..
-  Parameter wpe;  // [max_seq_len, C], replicated
+  // [vocab().size(), C]: whole-vocabulary rows vocab().begin ..; where the first or the last
+  // stage is held, else undefined.
+  Parameter wte;
+  Parameter wpe;  // [max_seq_len, C], replicated; on the first stage
 
  private:
   // One TransformerLayer: x + attention(x), then h + mlp(h).
@@ -102,13 +142,17 @@ class TensorParallelGPT : public Module {
     TensorParallelSelfAttention attention;
     TensorParallelLayerNormMLP mlp;
   };
-  struct LayerContext {
-    TensorParallelSelfAttention::Context attention;
-    TensorParallelLayerNormMLP::Context mlp;
-  };
-  // ids [B,T] -> hidden after the final norm [B*T(/TP), C] in dtype.
-  Tensor forward_hidden(const Tensor& ids, DType dtype, std::vector<LayerContext>* contexts,
-                        Norm::Context* final_context);
+  using Stack = std::vector<std::unique_ptr<Layer>>;
+  bool is_first(int chunk) const { return stage_of_chunk(chunk) == 0; }
+  bool is_last(int chunk) const { return stage_of_chunk(chunk) == stages_ - 1; }
+  void check_micro_batch(const Tensor& ids, DType dtype) const;
+  // ids [B,T] -> token + position embeddings [B*T(/TP), C] F32, and their backward from dx.
+  Tensor embed(const Tensor& ids);
+  void embed_backward(const Tensor& ids, const Tensor& dx);
+  // A chunk's layers over h [B*T(/TP), C]; keeps contexts when given.
+  Tensor layers_forward(int chunk, Tensor h, int64_t B, int64_t T,
+                        std::vector<LayerContext>* contexts);
+  Tensor layers_backward(int chunk, Tensor d, std::vector<LayerContext>& contexts);
   // The tied output layer + loss over hidden [N(/TP), C]; dhidden shaped like hidden.
   float output_loss(const Tensor& hidden, const Tensor& targets, DType dtype, float grad_scale,
                     Tensor* dhidden);
@@ -119,8 +163,11 @@ class TensorParallelGPT : public Module {
   bool sequence_parallel_;
   Communicator* tp_;
   VocabRange vocab_;
-  std::vector<std::unique_ptr<Layer>> layers_;
-  Norm final_norm_;
+  int stages_ = 1;
+  std::vector<int> stage_of_chunk_;
+  bool has_first_ = false, has_last_ = false;
+  std::vector<Stack> layers_;       // [chunk][layer of that stage]
+  std::optional<Norm> final_norm_;  // last stage only
   TiedOutputCache output_cache_;
   std::map<std::string, ShardSpec> specs_;
 };

@@ -19,7 +19,7 @@
 #include "octet/dtype.h"
 
 namespace octet {
-class GPTStage;
+class PipelineModel;
 class ParallelState;
 struct Parameter;
 class Tensor;
@@ -191,10 +191,11 @@ struct StepTiming {
 
 class PipelineExecutor {
  public:
-  // The model must be GPTStage(config, seed, schedule.stages, stages_of_rank(schedule,
-  // pipeline rank)); schedule.ranks must equal the pipeline group's size. Collective over the
+  // The model holds, per chunk, stages_of_rank(schedule, pipeline rank) of schedule.stages
+  // (GPTStage, or TensorParallelGPT with stages); schedule.ranks must equal the pipeline
+  // group's size. Collective over the
   // pipeline group (DualPipe splits it into pairs r, ranks-1-r).
-  PipelineExecutor(Schedule schedule, GPTStage& model, ParallelState& state,
+  PipelineExecutor(Schedule schedule, PipelineModel& model, ParallelState& state,
                    ExecutorOptions options = {});
   ~PipelineExecutor();
   PipelineExecutor(const PipelineExecutor&) = delete;

@@ -86,8 +86,23 @@ void GPTStage::load_state_dict(const TensorMap& tensors) {
   on_parameters_updated();
 }
 
+std::unique_ptr<PipelineModel::Context> GPTStage::make_context() const {
+  return std::make_unique<Context>();
+}
+
+namespace {
+
+GPTStage::Context& own_context(PipelineModel::Context& base) {
+  auto* ctx = dynamic_cast<GPTStage::Context*>(&base);
+  OCTET_CHECK(ctx, "gpt stage: expected a context from GPTStage::make_context()");
+  return *ctx;
+}
+
+}  // namespace
+
 Tensor GPTStage::forward(int chunk, const Tensor& input, const Tensor& ids, const Tensor& targets,
-                         DType dtype, float grad_scale, Context& ctx) {
+                         DType dtype, float grad_scale, PipelineModel::Context& base) {
+  Context& ctx = own_context(base);
   OCTET_CHECK(dtype == DType::F32 || dtype == DType::BF16,
               "gpt stage: compute dtype expected f32 or bf16, got ", dtype_name(dtype));
   check_dtype(ids, DType::I32, "gpt stage: ids");
@@ -116,7 +131,8 @@ Tensor GPTStage::forward(int chunk, const Tensor& input, const Tensor& ids, cons
   return Tensor();
 }
 
-Tensor GPTStage::backward(int chunk, const Tensor& doutput, Context& ctx) {
+Tensor GPTStage::backward(int chunk, const Tensor& doutput, PipelineModel::Context& base) {
+  Context& ctx = own_context(base);
   Tensor dx;
   if (is_last(chunk)) {
     OCTET_CHECK(ctx.doutput.defined(), "gpt stage: backward of the last stage before its forward");

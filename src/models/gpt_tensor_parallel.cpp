@@ -1,6 +1,8 @@
 // TensorParallelGPT: forward, the vocabulary-parallel output layer + loss, backward.
 #include <algorithm>
 #include <cmath>
+#include <string>
+#include <utility>
 
 #include "core/convert.h"
 #include "models/gpt_parts.h"
@@ -44,44 +46,84 @@ Tensor residual_add(const Tensor& branch, const Tensor& residual) {
 }  // namespace
 
 TensorParallelGPT::TensorParallelGPT(const GPTConfig& config, uint64_t seed, bool sequence_parallel,
-                                     Communicator& tp)
-    : wpe(gpt_parts::position_embedding(checked(config, tp), seed)),
-      config_(config),
+                                     Communicator& tp, int stages, std::vector<int> stage_of_chunk)
+    : config_(checked(config, tp)),
       sequence_parallel_(sequence_parallel),
       tp_(&tp),
       vocab_(vocab_range(config.vocab_size, tp.rank(), tp.size())),
-      final_norm_(gpt_parts::final_norm_options(config)) {
-  {
+      stages_(stages),
+      stage_of_chunk_(std::move(stage_of_chunk)) {
+  OCTET_CHECK(stages >= 1 && config.num_layers % stages == 0, "tensor-parallel gpt: num_layers (",
+              config.num_layers, ") expected a multiple of the pipeline stages (", stages,
+              ": ranks x chunks per rank)");
+  OCTET_CHECK(!stage_of_chunk_.empty(), "tensor-parallel gpt: a rank must hold at least one chunk");
+  const int64_t per_stage = config.num_layers / stages;
+  for (int stage : stage_of_chunk_) {
+    OCTET_CHECK(stage >= 0 && stage < stages, "tensor-parallel gpt: stage ", stage, " outside 0..",
+                stages - 1);
+    has_first_ = has_first_ || stage == 0;
+    has_last_ = has_last_ || stage == stages - 1;
+    Stack stack;
+    for (int64_t i = stage * per_stage; i < (stage + 1) * per_stage; ++i) {
+      const TransformerLayerOptions o = gpt_parts::layer_options(config, i, seed, false);
+      stack.push_back(std::make_unique<Layer>(Layer{
+          TensorParallelSelfAttention(attention_options(o), sequence_parallel, tp),
+          TensorParallelLayerNormMLP(TransformerLayer::mlp_options(o), sequence_parallel, tp)}));
+    }
+    layers_.push_back(std::move(stack));
+  }
+  if (has_first_ || has_last_) {
     // Rows of the same-seed whole table.
     Parameter full = gpt_parts::token_embedding(config, seed);
     wte = Parameter{full.name, full.value.slice_rows(vocab_.begin, vocab_.end).clone(),
                     Tensor::zeros({vocab_.size(), config.hidden}, DType::F32)};
   }
-  layers_.reserve(static_cast<size_t>(config.num_layers));
-  for (int64_t i = 0; i < config.num_layers; ++i) {
-    const TransformerLayerOptions o = gpt_parts::layer_options(config, i, seed, false);
-    layers_.push_back(std::make_unique<Layer>(Layer{
-        TensorParallelSelfAttention(attention_options(o), sequence_parallel, tp),
-        TensorParallelLayerNormMLP(TransformerLayer::mlp_options(o), sequence_parallel, tp)}));
-  }
+  if (has_first_) wpe = gpt_parts::position_embedding(config, seed);
+  if (has_last_) final_norm_.emplace(gpt_parts::final_norm_options(config));
   register_specs();
 }
 
-void TensorParallelGPT::collect_parameters(std::vector<Parameter*>& out) {
-  out.push_back(&wte);
-  if (wpe.value.defined()) out.push_back(&wpe);
-  for (auto& layer : layers_) {
+std::vector<Parameter*> TensorParallelGPT::chunk_parameters(int chunk) {
+  std::vector<Parameter*> out;
+  if (is_first(chunk)) {
+    out.push_back(&wte);
+    if (wpe.value.defined()) out.push_back(&wpe);
+  }
+  for (auto& layer : layers_.at(static_cast<size_t>(chunk))) {
     layer->attention.collect_parameters(out);
     layer->mlp.collect_parameters(out);
   }
-  final_norm_.collect_parameters(out);
+  if (is_last(chunk)) {
+    if (!is_first(chunk)) out.push_back(&wte);
+    final_norm_->collect_parameters(out);
+  }
+  return out;
+}
+
+void TensorParallelGPT::collect_parameters(std::vector<Parameter*>& out) {
+  // GPT's order (wte, wpe, layers by index, final norm), wte once.
+  if (wte.value.defined()) out.push_back(&wte);
+  if (wpe.value.defined()) out.push_back(&wpe);
+  std::vector<int> order(stage_of_chunk_.size());
+  for (size_t c = 0; c < order.size(); ++c) order[c] = static_cast<int>(c);
+  std::sort(order.begin(), order.end(),
+            [&](int a, int b) { return stage_of_chunk(a) < stage_of_chunk(b); });
+  for (int chunk : order) {
+    for (auto& layer : layers_[static_cast<size_t>(chunk)]) {
+      layer->attention.collect_parameters(out);
+      layer->mlp.collect_parameters(out);
+    }
+  }
+  if (final_norm_) final_norm_->collect_parameters(out);
 }
 
 void TensorParallelGPT::on_parameters_updated() {
   output_cache_.invalidate();
-  for (auto& layer : layers_) {
-    layer->attention.on_parameters_updated();
-    layer->mlp.on_parameters_updated();
+  for (Stack& stack : layers_) {
+    for (auto& layer : stack) {
+      layer->attention.on_parameters_updated();
+      layer->mlp.on_parameters_updated();
+    }
   }
 }
 
@@ -89,17 +131,22 @@ std::vector<Parameter*> TensorParallelGPT::sequence_parallel_parameters() {
   std::vector<Parameter*> out;
   if (!sequence_parallel_) return out;
   if (wpe.value.defined()) out.push_back(&wpe);
-  for (auto& layer : layers_) {
-    for (Parameter* p : layer->attention.sequence_parallel_parameters()) out.push_back(p);
-    for (Parameter* p : layer->mlp.sequence_parallel_parameters()) out.push_back(p);
+  for (Stack& stack : layers_) {
+    for (auto& layer : stack) {
+      for (Parameter* p : layer->attention.sequence_parallel_parameters()) out.push_back(p);
+      for (Parameter* p : layer->mlp.sequence_parallel_parameters()) out.push_back(p);
+    }
   }
-  for (Parameter* p : final_norm_.parameters()) out.push_back(p);
+  if (final_norm_) {
+    for (Parameter* p : final_norm_->parameters()) out.push_back(p);
+  }
   return out;
 }
 
-double TensorParallelGPT::grad_norm(Communicator& model_group) {
+double TensorParallelGPT::grad_norm(Communicator& model_group,
+                                    const std::vector<Parameter*>& counted) {
   double squares = 0;
-  for (Parameter* p : parameters()) {
+  for (Parameter* p : counted) {
     if (spec(*p).kind == ShardSpec::Kind::Replicated && tp_->rank() != 0) continue;
     const Tensor grads[] = {p->grad};
     const double norm = ops::global_grad_norm(grads);
@@ -108,21 +155,32 @@ double TensorParallelGPT::grad_norm(Communicator& model_group) {
   return std::sqrt(model_group.all_reduce(squares, ReduceOp::Sum));
 }
 
-Tensor TensorParallelGPT::forward_hidden(const Tensor& ids, DType dtype,
-                                         std::vector<LayerContext>* contexts,
-                                         Norm::Context* final_context) {
+Shape TensorParallelGPT::activation_shape(int64_t batch, int64_t seq_len) const {
+  const int64_t rows = batch * seq_len;
+  return {sequence_parallel_ ? rows / tp_->size() : rows, config_.hidden};
+}
+
+std::unique_ptr<PipelineModel::Context> TensorParallelGPT::make_context() const {
+  return std::make_unique<Context>();
+}
+
+void TensorParallelGPT::check_micro_batch(const Tensor& ids, DType dtype) const {
   check_dtype(ids, DType::I32, "tensor-parallel gpt: ids");
   OCTET_CHECK(ids.ndim() == 2, "tensor-parallel gpt: ids expected [B,T], got ",
               shape_str(ids.shape()));
   OCTET_CHECK(dtype == DType::F32 || dtype == DType::BF16,
               "tensor-parallel gpt: compute dtype expected f32 or bf16, got ", dtype_name(dtype));
   OCTET_CHECK(!fp8_enabled(), "tensor-parallel gpt: FP8 is not implemented yet");
-  const int64_t B = ids.dim(0), T = ids.dim(1), N = B * T, C = config_.hidden;
-  OCTET_CHECK(T <= config_.max_seq_len, "tensor-parallel gpt: sequence length ", T,
-              " exceeds max_seq_len ", config_.max_seq_len);
+  const int64_t N = ids.numel();
+  OCTET_CHECK(ids.dim(1) <= config_.max_seq_len, "tensor-parallel gpt: sequence length ",
+              ids.dim(1), " exceeds max_seq_len ", config_.max_seq_len);
   OCTET_CHECK(!sequence_parallel_ || N % tp_->size() == 0,
               "tensor-parallel gpt: sequence parallelism needs B*T (", N,
               ") divisible by TP=", tp_->size());
+}
+
+Tensor TensorParallelGPT::embed(const Tensor& ids) {
+  const int64_t T = ids.dim(1), N = ids.numel(), C = config_.hidden;
   const Tensor partial = vocab_parallel_embedding_forward(ids.reshape({N}), wte.value, vocab_);
   Tensor x = sequence_parallel_ ? reduce_scatter_to_sequence_parallel_region(partial, *tp_)
                                 : reduce_from_tensor_parallel_region(partial, *tp_);
@@ -137,19 +195,62 @@ Tensor TensorParallelGPT::forward_hidden(const Tensor& ids, DType dtype,
       for (int64_t c = 0; c < C; ++c) xs[row * C + c] += p[c];
     }
   }
-  Tensor h = dtype == DType::F32 ? x : x.to(dtype);
-  if (contexts) contexts->assign(layers_.size(), LayerContext{});
-  for (size_t i = 0; i < layers_.size(); ++i) {
+  return x;
+}
+
+void TensorParallelGPT::embed_backward(const Tensor& ids, const Tensor& d) {
+  const int64_t T = ids.dim(1), N = ids.numel(), C = config_.hidden;
+  const Tensor dx = d.dtype() == DType::F32 ? d : d.to(DType::F32);
+  if (wpe.value.defined()) {
+    // Under SP this rank's token rows give a partial gradient (summed over the group later).
+    const int64_t first_row = sequence_parallel_ ? tp_->rank() * dx.rows() : 0;
+    const float* g = dx.data<float>();
+    float* w = wpe.grad.data<float>();
+    // Threads split the positions; each adds its rows in row order (as GPT does).
+#pragma omp parallel for schedule(static)
+    for (int64_t t = 0; t < T; ++t) {
+      float* p = w + t * C;
+      for (int64_t row = ((t - first_row) % T + T) % T; row < dx.rows(); row += T) {
+        for (int64_t c = 0; c < C; ++c) p[c] += g[row * C + c];
+      }
+    }
+  }
+  const Tensor dwhole = sequence_parallel_
+                            ? reduce_scatter_to_sequence_parallel_region_backward(dx, *tp_)
+                            : reduce_from_tensor_parallel_region_backward(dx, *tp_);
+  vocab_parallel_embedding_backward(ids.reshape({N}), dwhole, wte.grad, vocab_);
+}
+
+Tensor TensorParallelGPT::layers_forward(int chunk, Tensor h, int64_t B, int64_t T,
+                                         std::vector<LayerContext>* contexts) {
+  Stack& stack = layers_.at(static_cast<size_t>(chunk));
+  if (contexts) contexts->assign(stack.size(), LayerContext{});
+  for (size_t i = 0; i < stack.size(); ++i) {
     LayerContext scratch;
     LayerContext& ctx = contexts ? (*contexts)[i] : scratch;
-    Layer& layer = *layers_[i];
+    Layer& layer = *stack[i];
     const Tensor attention = layer.attention.forward(h, B, T, ctx.attention);
     h = residual_add(attention, h);
     const Tensor mlp = layer.mlp.forward(h, ctx.mlp);
     h = residual_add(mlp, h);
   }
-  Norm::Context scratch;
-  return final_norm_.forward(h, final_context ? *final_context : scratch);
+  return h;
+}
+
+Tensor TensorParallelGPT::layers_backward(int chunk, Tensor d,
+                                          std::vector<LayerContext>& contexts) {
+  Stack& stack = layers_.at(static_cast<size_t>(chunk));
+  OCTET_CHECK(contexts.size() == stack.size(), "tensor-parallel gpt: backward of chunk ", chunk,
+              " before its forward");
+  for (size_t i = stack.size(); i-- > 0;) {
+    Layer& layer = *stack[i];
+    const Tensor dmlp = layer.mlp.backward(d, contexts[i].mlp);
+    const Tensor dh = residual_add(dmlp, d);
+    const Tensor dattention = layer.attention.backward(dh, contexts[i].attention);
+    d = residual_add(dattention, dh);
+    contexts[i] = LayerContext{};
+  }
+  return d;
 }
 
 float TensorParallelGPT::output_loss(const Tensor& hidden, const Tensor& targets, DType dtype,
@@ -173,50 +274,89 @@ float TensorParallelGPT::output_loss(const Tensor& hidden, const Tensor& targets
   return loss;
 }
 
+namespace {
+
+TensorParallelGPT::Context& own_context(PipelineModel::Context& base) {
+  auto* ctx = dynamic_cast<TensorParallelGPT::Context*>(&base);
+  OCTET_CHECK(ctx, "tensor-parallel gpt: expected a context from make_context()");
+  return *ctx;
+}
+
+}  // namespace
+
+Tensor TensorParallelGPT::forward(int chunk, const Tensor& input, const Tensor& ids,
+                                  const Tensor& targets, DType dtype, float grad_scale,
+                                  PipelineModel::Context& base) {
+  Context& ctx = own_context(base);
+  check_micro_batch(ids, dtype);
+  const int64_t B = ids.dim(0), T = ids.dim(1);
+  ctx.ids = ids;
+  Tensor h;
+  if (is_first(chunk)) {
+    const Tensor x = embed(ids);
+    h = dtype == DType::F32 ? x : x.to(dtype);
+  } else {
+    const std::string what = "tensor-parallel gpt: input of chunk " + std::to_string(chunk);
+    check_shape(input, activation_shape(B, T), what, sequence_parallel_ ? "B*T/TP,C" : "B*T,C");
+    check_dtype(input, dtype, what);
+    h = input;
+  }
+  h = layers_forward(chunk, std::move(h), B, T, &ctx.layers);
+  if (!is_last(chunk)) return h;
+  check_shape(targets, ids.shape(), "tensor-parallel gpt: targets", "B,T");
+  const Tensor hidden = final_norm_->forward(h, ctx.final_norm);
+  h = Tensor();
+  ctx.loss = output_loss(hidden, targets.reshape({B * T}), dtype, grad_scale, &ctx.doutput);
+  return Tensor();
+}
+
+Tensor TensorParallelGPT::backward(int chunk, const Tensor& doutput, PipelineModel::Context& base) {
+  Context& ctx = own_context(base);
+  Tensor d;
+  if (is_last(chunk)) {
+    OCTET_CHECK(ctx.doutput.defined(),
+                "tensor-parallel gpt: backward of the last stage before its forward");
+    d = final_norm_->backward(ctx.doutput, ctx.final_norm);
+    ctx.doutput = Tensor();
+  } else {
+    d = doutput;
+  }
+  d = layers_backward(chunk, std::move(d), ctx.layers);
+  if (!is_first(chunk)) {
+    ctx = Context{};
+    return d;
+  }
+  embed_backward(ctx.ids, d);
+  ctx = Context{};
+  return Tensor();
+}
+
 float TensorParallelGPT::train_step(const Tensor& ids, const Tensor& targets, DType dtype,
                                     float grad_scale) {
+  OCTET_CHECK(stages_ == 1,
+              "tensor-parallel gpt: train_step needs the whole model; this rank "
+              "holds pipeline stages of ",
+              stages_, " (run it through the pipeline executor)");
   check_shape(targets, ids.shape(), "tensor-parallel gpt: targets", "B,T");
-  const int64_t T = ids.dim(1), N = ids.numel(), C = config_.hidden;
-  std::vector<LayerContext> contexts;
-  Norm::Context final_context;
-  Tensor hidden = forward_hidden(ids, dtype, &contexts, &final_context);
-  Tensor dhidden;
-  const float loss = output_loss(hidden, targets.reshape({N}), dtype, grad_scale, &dhidden);
-  hidden = Tensor();
-  Tensor d = final_norm_.backward(dhidden, final_context);
-  for (size_t i = layers_.size(); i-- > 0;) {
-    Layer& layer = *layers_[i];
-    const Tensor dmlp = layer.mlp.backward(d, contexts[i].mlp);
-    const Tensor dh = residual_add(dmlp, d);
-    const Tensor dattention = layer.attention.backward(dh, contexts[i].attention);
-    d = residual_add(dattention, dh);
-    contexts[i] = LayerContext{};
-  }
-  const Tensor dx = d.dtype() == DType::F32 ? d : d.to(DType::F32);
-  if (wpe.value.defined()) {
-    // Under SP this rank's token rows give a partial gradient (summed over the group later).
-    const int64_t first_row = sequence_parallel_ ? tp_->rank() * dx.rows() : 0;
-    const float* g = dx.data<float>();
-    float* w = wpe.grad.data<float>();
-    // Threads split the positions; each adds its rows in row order (as GPT does).
-#pragma omp parallel for schedule(static)
-    for (int64_t t = 0; t < T; ++t) {
-      float* p = w + t * C;
-      for (int64_t row = ((t - first_row) % T + T) % T; row < dx.rows(); row += T) {
-        for (int64_t c = 0; c < C; ++c) p[c] += g[row * C + c];
-      }
-    }
-  }
-  const Tensor dwhole = sequence_parallel_
-                            ? reduce_scatter_to_sequence_parallel_region_backward(dx, *tp_)
-                            : reduce_from_tensor_parallel_region_backward(dx, *tp_);
-  vocab_parallel_embedding_backward(ids.reshape({N}), dwhole, wte.grad, vocab_);
+  Context ctx;
+  forward(0, Tensor(), ids, targets, dtype, grad_scale, ctx);
+  const float loss = ctx.loss;
+  backward(0, Tensor(), ctx);  // frees ctx
   return loss;
 }
 
 float TensorParallelGPT::evaluate(const Tensor& ids, const Tensor& targets, DType dtype) {
+  OCTET_CHECK(stages_ == 1,
+              "tensor-parallel gpt: evaluate needs the whole model; this rank "
+              "holds pipeline stages of ",
+              stages_);
+  check_micro_batch(ids, dtype);
   check_shape(targets, ids.shape(), "tensor-parallel gpt: targets", "B,T");
-  const Tensor hidden = forward_hidden(ids, dtype, nullptr, nullptr);
+  const Tensor x = embed(ids);
+  Tensor h =
+      layers_forward(0, dtype == DType::F32 ? x : x.to(dtype), ids.dim(0), ids.dim(1), nullptr);
+  Norm::Context scratch;
+  const Tensor hidden = final_norm_->forward(h, scratch);
   return output_loss(hidden, targets.reshape({targets.numel()}), dtype, 1.0f, nullptr);
 }
 

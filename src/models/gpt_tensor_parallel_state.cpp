@@ -13,10 +13,12 @@ void TensorParallelGPT::register_specs() {
     replicated.full_shape = p->value.shape();
     specs_[p->name] = replicated;
   }
-  ShardSpec& table = specs_[wte.name];
-  table.kind = ShardSpec::Kind::Rows;
-  table.full_shape = {config_.vocab_size, config_.hidden};
-  table.vocabulary = true;
+  if (wte.value.defined()) {
+    ShardSpec& table = specs_[wte.name];
+    table.kind = ShardSpec::Kind::Rows;
+    table.full_shape = {config_.vocab_size, config_.hidden};
+    table.vocabulary = true;
+  }
   auto column = [&](ColumnParallelLinear& layer) {
     const LinearOptions& l = layer.options().linear;
     ShardSpec s;
@@ -36,11 +38,13 @@ void TensorParallelGPT::register_specs() {
     s.full_shape = {l.out_features, l.in_features};
     specs_[layer.linear.weight.name] = s;
   };
-  for (auto& layer : layers_) {
-    column(layer->attention.qkv);
-    row(layer->attention.proj);
-    column(layer->mlp.fc1);
-    row(layer->mlp.fc2);
+  for (Stack& stack : layers_) {
+    for (auto& layer : stack) {
+      column(layer->attention.qkv);
+      row(layer->attention.proj);
+      column(layer->mlp.fc1);
+      row(layer->mlp.fc2);
+    }
   }
 }
 
@@ -163,7 +167,8 @@ void TensorParallelGPT::load_state_dict(const TensorMap& tensors) {
                 "' (does the checkpoint match this model config?)");
     p->value.copy_from(shard(*p, it->second));
   }
-  OCTET_CHECK(tensors.size() == params.size(), "checkpoint: holds ", tensors.size(),
+  // A pipeline stage takes its part of a whole-model map; the whole model takes all of it.
+  OCTET_CHECK(stages_ > 1 || tensors.size() == params.size(), "checkpoint: holds ", tensors.size(),
               " tensors, the model has ", params.size(), " parameters");
   on_parameters_updated();
 }

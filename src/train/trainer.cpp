@@ -187,9 +187,6 @@ TrainResult train_gpt(const TrainOptions& o) {
   const bool tensor_parallel = parallel.tensor_size() > 1;
   if (tensor_parallel) {
     // What the tensor-parallel path does not cover yet: each is a clear error.
-    OCTET_CHECK(!pipelined,
-                "octet train: tensor x pipeline parallelism is not implemented yet (got ",
-                parallel.describe(), ")");
     OCTET_CHECK(!fp8,
                 "octet train: --precision fp8 with tensor parallelism is not implemented "
                 "yet (use fp32 or bf16; got ",
@@ -241,13 +238,13 @@ TrainResult train_gpt(const TrainOptions& o) {
   }
 
   // The single-process model (also the data- and pipeline-parallel paths' full copy), or this
-  // rank's tensor-parallel shards.
+  // rank's tensor-parallel shards (of its pipeline stages, made below, under TP x PP).
   std::unique_ptr<GPT> gpt;
   std::unique_ptr<TensorParallelGPT> tp_model;
-  if (tensor_parallel) {
+  if (tensor_parallel && !pipelined) {
     tp_model =
         std::make_unique<TensorParallelGPT>(config, o.seed, o.sequence_parallel, parallel.tensor());
-  } else {
+  } else if (!tensor_parallel) {
     gpt = std::make_unique<GPT>(config, o.seed, o.recompute_activations);
   }
   AdamWOptions adam{o.adam_beta1, o.adam_beta2, 1e-8f, o.weight_decay, o.clip_grad};
@@ -300,26 +297,46 @@ TrainResult train_gpt(const TrainOptions& o) {
     pipeline::Schedule pipeline_schedule = pipeline::make_schedule(
         pipeline::parse_schedule_kind(o.pipeline_schedule), parallel.pipeline_size(),
         static_cast<int>(accumulation), static_cast<int>(o.virtual_stages));
-    stage = std::make_unique<GPTStage>(
-        config, o.seed, pipeline_schedule.stages,
-        pipeline::stages_of_rank(pipeline_schedule, parallel.pipeline_rank()),
-        o.recompute_activations);
+    std::vector<int> held = pipeline::stages_of_rank(pipeline_schedule, parallel.pipeline_rank());
+    PipelineModel* part = nullptr;
+    if (tensor_parallel) {
+      // TP x PP: this rank's tensor shards of its pipeline stages.
+      tp_model = std::make_unique<TensorParallelGPT>(config, o.seed, o.sequence_parallel,
+                                                     parallel.tensor(), pipeline_schedule.stages,
+                                                     std::move(held));
+      part = tp_model.get();
+    } else {
+      stage = std::make_unique<GPTStage>(config, o.seed, pipeline_schedule.stages, std::move(held),
+                                         o.recompute_activations);
+      part = stage.get();
+    }
     pipeline::ExecutorOptions options;
     options.dtype = dtype;
     executor =
-        std::make_unique<pipeline::PipelineExecutor>(pipeline_schedule, *stage, parallel, options);
-    // Clipping needs the norm over every stage: AdamW clips nothing, the loop does.
-    AdamWOptions unclipped = adam;
-    unclipped.clip_grad = 0;
-    adamw = std::make_unique<AdamW>(stage->parameters(), unclipped);
-    if (!o.load.empty()) {
-      // Whole-model names: a checkpoint of any layout holds this stage's tensors.
-      stage->load_state_dict(loaded_model);
-      adamw->load_state(loaded_optimizer, loaded_steps);
+        std::make_unique<pipeline::PipelineExecutor>(pipeline_schedule, *part, parallel, options);
+    if (stage) {
+      // Clipping needs the norm over every stage: AdamW clips nothing, the loop does.
+      AdamWOptions unclipped = adam;
+      unclipped.clip_grad = 0;
+      adamw = std::make_unique<AdamW>(stage->parameters(), unclipped);
+      if (!o.load.empty()) {
+        // Whole-model names: a checkpoint of any layout holds this stage's tensors.
+        stage->load_state_dict(loaded_model);
+        adamw->load_state(loaded_optimizer, loaded_steps);
+      }
     }
   }
   // Global-norm clipping across pipeline stages: each rank's owned parameters count once.
   auto clip_pipeline_gradients = [&]() {
+    if (tp_model) {
+      // TP x PP: sequence-parallel partial gradients summed first; sharded parameters count
+      // on every tensor rank, replicated ones once, over tensor x pipeline.
+      all_reduce_sequence_parallel_gradients(tp_model->sequence_parallel_parameters(),
+                                             parallel.tensor());
+      const double norm = tp_model->grad_norm(parallel.model(), executor->owned_parameters());
+      clip_gradients(norm, o.clip_grad, tp_model->parameters());
+      return norm;
+    }
     double squares = 0;
     for (Parameter* p : executor->owned_parameters()) {
       const Tensor grads[] = {p->grad};
@@ -431,17 +448,6 @@ TrainResult train_gpt(const TrainOptions& o) {
     // data-parallel size (ZeRO's shards are gathered first: collective).
     Checkpoint checkpoint;
     checkpoint.optimizer = zero ? zero->state() : adamw->state();
-    if (stage) {
-      // Each pipeline stage writes its own part (sharded, collective).
-      checkpoint.model = to_hf_gpt2_names(stage->state_dict());
-      checkpoint.trainer = {{"iteration", iteration},
-                            {"optimizer_steps", optimizer_steps()},
-                            {"config", config.to_json()},
-                            {"seed", o.seed},
-                            {"precision", o.precision}};
-      save_checkpoint_sharded(o.save, checkpoint, parallel);
-      return;
-    }
     if (tp_model) {
       // Whole-model tensors gathered from the shards (collective over the tensor group).
       checkpoint.model = to_hf_gpt2_names(tp_model->state_dict());
@@ -452,6 +458,17 @@ TrainResult train_gpt(const TrainOptions& o) {
         }
       }
       checkpoint.optimizer = std::move(whole);
+    }
+    if (executor) {
+      // Each pipeline stage writes its own part (sharded, collective).
+      if (stage) checkpoint.model = to_hf_gpt2_names(stage->state_dict());
+      checkpoint.trainer = {{"iteration", iteration},
+                            {"optimizer_steps", optimizer_steps()},
+                            {"config", config.to_json()},
+                            {"seed", o.seed},
+                            {"precision", o.precision}};
+      save_checkpoint_sharded(o.save, checkpoint, parallel);
+      return;
     }
     if (!chief) return;
     if (gpt) checkpoint.model = to_hf_gpt2_names(gpt->state_dict());
@@ -521,12 +538,16 @@ TrainResult train_gpt(const TrainOptions& o) {
     if (executor) {
       grad_norm = clip_pipeline_gradients();
       if (std::isfinite(grad_norm)) adamw->step(lr);
-      stage->on_parameters_updated();
+      if (stage) {
+        stage->on_parameters_updated();
+      } else {
+        tp_model->on_parameters_updated();
+      }
     } else if (tp_model) {
       // Sequence-parallel replicated parameters saw only this rank's tokens: sum them first.
       all_reduce_sequence_parallel_gradients(tp_model->sequence_parallel_parameters(),
                                              parallel.tensor());
-      grad_norm = tp_model->grad_norm(parallel.model());
+      grad_norm = tp_model->grad_norm(parallel.model(), tp_model->parameters());
       clip_gradients(grad_norm, o.clip_grad, tp_model->parameters());
       if (std::isfinite(grad_norm)) adamw->step(lr);
       tp_model->on_parameters_updated();

@@ -112,7 +112,7 @@ TEST_P(GPTTensorParallel, EqualsTheSingleProcessGPT) {
     expect_close(model.gather(*p, p->grad), reference_grads.at(p->name), p->name + " gradient");
   }
   const double norm = ops::global_grad_norm(grads);
-  EXPECT_NEAR(model.grad_norm(tp), norm, kRelativeTolerance * norm);
+  EXPECT_NEAR(model.grad_norm(tp, model.parameters()), norm, kRelativeTolerance * norm);
 
   EXPECT_NEAR(model.evaluate(ids, targets, DType::F32),
               reference.evaluate(ids, targets, DType::F32),

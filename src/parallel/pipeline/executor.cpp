@@ -1,5 +1,6 @@
 // The pipeline executor: one training step of any schedule, action by action, with the real
-// model (GPTStage) and point-to-point messages over the pipeline group.
+// model (a PipelineModel: GPTStage, or TensorParallelGPT holding stages) and point-to-point
+// messages over the pipeline group.
 #include <chrono>
 #include <map>
 #include <utility>
@@ -46,7 +47,7 @@ Tensor take(std::map<Key, Tensor>& tensors, const Key& key, const char* what) {
 
 struct PipelineExecutor::State {
   Schedule schedule;
-  GPTStage& model;
+  PipelineModel& model;
   ParallelState& parallel;
   ExecutorOptions options;
   int rank = 0;
@@ -55,7 +56,7 @@ struct PipelineExecutor::State {
   std::vector<Tensor> abandoned;         // buffers of receives that timed out
 
   // One step's bookkeeping, keyed by (micro-batch, chunk).
-  std::map<Key, GPTStage::Context> contexts;
+  std::map<Key, std::unique_ptr<PipelineModel::Context>> contexts;
   std::map<Key, Tensor> inputs;    // a Forward's input activation
   std::map<Key, Tensor> outputs;   // a Forward's output, until SendForward
   std::map<Key, Tensor> doutputs;  // a Backward's output gradient
@@ -67,7 +68,7 @@ struct PipelineExecutor::State {
   double loss_sum = 0.0;
   StepTiming timing;
 
-  State(Schedule s, GPTStage& m, ParallelState& p, ExecutorOptions o)
+  State(Schedule s, PipelineModel& m, ParallelState& p, ExecutorOptions o)
       : schedule(std::move(s)), model(m), parallel(p), options(o) {}
 
   int stage(const Key& key) const {
@@ -82,13 +83,15 @@ struct PipelineExecutor::State {
   }
   Tensor activation_buffer(int micro_batch) const {
     const Tensor& mb = (*ids)[static_cast<size_t>(micro_batch)];
-    return Tensor::empty({mb.dim(0), mb.dim(1), model.config().hidden}, options.dtype);
+    return Tensor::empty(model.activation_shape(mb.dim(0), mb.dim(1)), options.dtype);
   }
 
   void forward(const Key& key) {
     const int s = stage(key);
     Tensor input = s > 0 ? take(inputs, key, "input activation") : Tensor();
-    GPTStage::Context& ctx = contexts[key];
+    std::unique_ptr<PipelineModel::Context>& slot = contexts[key];
+    slot = model.make_context();
+    PipelineModel::Context& ctx = *slot;
     const size_t m = static_cast<size_t>(key.first);
     const Clock::time_point start = Clock::now();
     Tensor out =
@@ -114,7 +117,7 @@ struct PipelineExecutor::State {
     auto it = contexts.find(key);
     OCTET_CHECK(it != contexts.end(), "backward before its forward");
     const Clock::time_point start = Clock::now();
-    Tensor dinput = model.backward(key.second, doutput, it->second);
+    Tensor dinput = model.backward(key.second, doutput, *it->second);
     const double seconds = seconds_since(start);
     timing.backward_seconds += seconds;
     timing.backward_samples.push_back(seconds);
@@ -191,13 +194,12 @@ struct PipelineExecutor::State {
       // Both ranks of a pair hold the same stages (r and ranks-1-r), listed in stage order.
       for (Parameter* p : model.parameters()) copies->all_reduce(p->grad);
     }
-    if (reduce_embedding && model.wte.value.defined()) {
-      parallel.embedding().all_reduce(model.wte.grad);
-    }
+    Parameter* wte = model.word_embedding();
+    if (reduce_embedding && wte) parallel.embedding().all_reduce(wte->grad);
   }
 };
 
-PipelineExecutor::PipelineExecutor(Schedule schedule, GPTStage& model, ParallelState& parallel,
+PipelineExecutor::PipelineExecutor(Schedule schedule, PipelineModel& model, ParallelState& parallel,
                                    ExecutorOptions options)
     : state_(std::make_unique<State>(std::move(schedule), model, parallel, options)) {
   State& s = *state_;
@@ -213,7 +215,7 @@ PipelineExecutor::PipelineExecutor(Schedule schedule, GPTStage& model, ParallelS
     matches = model.stage_of_chunk(c) == stages[static_cast<size_t>(c)];
   }
   OCTET_CHECK(matches, "pipeline executor: rank ", s.rank, " of ", schedule_name(sc.kind),
-              " expects a GPTStage of ", sc.stages, " stages holding stages_of_rank() per chunk");
+              " expects a model of ", sc.stages, " stages holding stages_of_rank() per chunk");
   if (sc.model_copies == 2) {
     const int pair = std::min(s.rank, sc.ranks - 1 - s.rank);
     s.copies = parallel.pipeline().split(pair, s.rank, "pipeline-copies");
@@ -241,7 +243,7 @@ std::vector<Parameter*> PipelineExecutor::owned_parameters() {
   if (s.copies && 2 * s.rank >= s.schedule.ranks) return {};
   std::vector<Parameter*> owned;
   for (Parameter* p : s.model.parameters()) {
-    const bool duplicate_wte = p == &s.model.wte && s.reduce_embedding && s.rank != 0;
+    const bool duplicate_wte = p == s.model.word_embedding() && s.reduce_embedding && s.rank != 0;
     if (!duplicate_wte) owned.push_back(p);
   }
   return owned;
