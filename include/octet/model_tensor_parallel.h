@@ -110,6 +110,11 @@ class TensorParallelGPT : public PipelineModel {
   void on_parameters_updated() override;
   // Replicated parameters applied to token shards: partial gradients under SP (else empty).
   std::vector<Parameter*> sequence_parallel_parameters();
+  // Every FP8 state (per layer: QKV, projection, FC1, FC2), in fp8_states(GPT&)'s order, so
+  // the checkpoint entries fp8.{i}. name the same GEMMs in every layout. Delayed scaling needs
+  // their amaxes reduced (max) over tensor x data ranks after each micro-batch: a shard's amax
+  // is a part of the whole tensor's (reduce_fp8_amax).
+  std::vector<Fp8State*> fp8_states();
   // sqrt of the sum of squared gradients over `counted` (this rank's share of the model:
   // parameters(), or a pipeline executor's owned_parameters()): sharded parameters counted on
   // every tensor rank, replicated ones on tensor rank 0, summed over `model_group` (tensor x

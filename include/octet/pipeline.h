@@ -12,6 +12,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -162,6 +163,9 @@ struct ExecutorOptions {
   DType dtype = DType::F32;              // compute dtype: F32 or BF16
   double receive_timeout_seconds = 300;  // a receive pending this long is an error
   bool check = true;                     // check_schedule before the first step
+  // Called after each forward and each backward of a chunk (e.g. the FP8 amax reduction over
+  // the stage's tensor x data ranks, which run the same action list): may be empty.
+  std::function<void()> after_compute;
 };
 
 // The pipeline stage each chunk of `rank` holds (GPTStage's stage_of_chunk); Schedule::stages

@@ -98,15 +98,22 @@ class GPT;
 
 // FP8 health (`octet train --fp8-stats`), from the stats each module's Fp8State keeps under
 // fp8_stats_scope.
-// Every FP8 state of the model: each Linear inside its layers.
+// Every FP8 state of the model: each Linear inside its layers (a stage: its layers, in layer
+// order; TensorParallelGPT::fp8_states() lists a tensor-parallel model's the same way).
+class GPTStage;
 std::vector<Fp8State*> fp8_states(GPT& model);
+std::vector<Fp8State*> fp8_states(GPTStage& stage);
 // Delayed scaling across ranks: the amaxes recorded since the last scale update (history
 // row 0 of every meta) become their maximum over `group` (tensor x data parallel), so every
-// rank derives the same scales. Collective; call after each micro-batch's backward.
+// rank derives the same scales. Collective; call after each micro-batch's backward (under
+// pipeline parallelism, after each forward and backward of a chunk: every rank of the group
+// runs the same stage's schedule).
 class Communicator;
+void reduce_fp8_amax(const std::vector<Fp8State*>& states, Communicator& group);
 void reduce_fp8_amax(GPT& model, Communicator& group);
 // {tensor name: {amax, scale, underflow, saturated}} (fractions in [0, 1]) of every tensor
 // measured since the last call (keys sorted by name); clears the stats.
+nlohmann::json take_fp8_stats(const std::vector<Fp8State*>& states);
 nlohmann::json take_fp8_stats(GPT& model);
 
 // Per tensor over a run: max amax, min and max scale, mean underflow, max saturation.

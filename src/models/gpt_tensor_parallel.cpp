@@ -143,6 +143,23 @@ std::vector<Parameter*> TensorParallelGPT::sequence_parallel_parameters() {
   return out;
 }
 
+std::vector<Fp8State*> TensorParallelGPT::fp8_states() {
+  std::vector<int> order(stage_of_chunk_.size());
+  for (size_t c = 0; c < order.size(); ++c) order[c] = static_cast<int>(c);
+  std::sort(order.begin(), order.end(),
+            [&](int a, int b) { return stage_of_chunk(a) < stage_of_chunk(b); });
+  std::vector<Fp8State*> out;
+  for (int chunk : order) {
+    for (auto& layer : layers_[static_cast<size_t>(chunk)]) {
+      for (Linear* linear : {&layer->attention.qkv.linear, &layer->attention.proj.linear,
+                             &layer->mlp.fc1.linear, &layer->mlp.fc2.linear}) {
+        out.push_back(&linear->fp8_state());
+      }
+    }
+  }
+  return out;
+}
+
 double TensorParallelGPT::grad_norm(Communicator& model_group,
                                     const std::vector<Parameter*>& counted) {
   double squares = 0;
@@ -170,7 +187,6 @@ void TensorParallelGPT::check_micro_batch(const Tensor& ids, DType dtype) const 
               shape_str(ids.shape()));
   OCTET_CHECK(dtype == DType::F32 || dtype == DType::BF16,
               "tensor-parallel gpt: compute dtype expected f32 or bf16, got ", dtype_name(dtype));
-  OCTET_CHECK(!fp8_enabled(), "tensor-parallel gpt: FP8 is not implemented yet");
   const int64_t N = ids.numel();
   OCTET_CHECK(ids.dim(1) <= config_.max_seq_len, "tensor-parallel gpt: sequence length ",
               ids.dim(1), " exceeds max_seq_len ", config_.max_seq_len);

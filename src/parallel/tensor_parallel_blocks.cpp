@@ -121,7 +121,6 @@ std::vector<Parameter*> TensorParallelLayerNormMLP::sequence_parallel_parameters
 }
 
 Tensor TensorParallelLayerNormMLP::forward(const Tensor& x, Context& ctx) {
-  OCTET_CHECK(!fp8_enabled(), options_.name, ": tensor-parallel MLP does not run FP8 yet");
   ctx = Context{};
   const Tensor h = fc1.forward(norm.forward(x.reshape({x.rows(), x.cols()}), ctx.norm), ctx.fc1);
   ctx.fc1_output = h;
@@ -196,7 +195,6 @@ std::vector<Parameter*> TensorParallelSelfAttention::sequence_parallel_parameter
 
 Tensor TensorParallelSelfAttention::forward(const Tensor& x, int64_t batch, int64_t seq,
                                             Context& ctx) {
-  OCTET_CHECK(!fp8_enabled(), options_.name, ": tensor-parallel attention does not run FP8 yet");
   const int64_t shards = sequence_parallel_ ? tp_->size() : 1;
   OCTET_CHECK(x.cols() == options_.hidden_size && x.rows() * shards == batch * seq, options_.name,
               ": input expected [B*T/", shards, ", C]=[", batch * seq / shards, ",",

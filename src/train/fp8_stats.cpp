@@ -22,10 +22,30 @@ std::vector<Fp8State*> fp8_states(GPT& model) {
   return out;
 }
 
+std::vector<Fp8State*> fp8_states(GPTStage& stage) {
+  std::vector<int> order(static_cast<size_t>(stage.chunks()));
+  for (int c = 0; c < stage.chunks(); ++c) order[static_cast<size_t>(c)] = c;
+  std::sort(order.begin(), order.end(),
+            [&](int a, int b) { return stage.stage_of_chunk(a) < stage.stage_of_chunk(b); });
+  std::vector<Fp8State*> out;
+  for (int chunk : order) {
+    for (TransformerLayer& layer : stage.layers(chunk)) {
+      for (Fp8State* s : layer.self_attention.fp8_states()) out.push_back(s);
+      out.push_back(&layer.layernorm_mlp.fc1.fp8_state());
+      out.push_back(&layer.layernorm_mlp.fc2.fp8_state());
+    }
+  }
+  return out;
+}
+
 void reduce_fp8_amax(GPT& model, Communicator& group) {
+  reduce_fp8_amax(fp8_states(model), group);
+}
+
+void reduce_fp8_amax(const std::vector<Fp8State*>& states, Communicator& group) {
   if (group.size() == 1) return;
   std::vector<FP8Meta*> metas;
-  for (Fp8State* state : fp8_states(model)) {
+  for (Fp8State* state : states) {
     for (FP8Meta* meta : {&state->mutable_forward_meta(), &state->mutable_backward_meta()}) {
       if (meta->num_tensors() > 0 && meta->history_len() > 0) metas.push_back(meta);
     }
@@ -44,8 +64,12 @@ void reduce_fp8_amax(GPT& model, Communicator& group) {
 }
 
 nlohmann::json take_fp8_stats(GPT& model) {
+  return take_fp8_stats(fp8_states(model));
+}
+
+nlohmann::json take_fp8_stats(const std::vector<Fp8State*>& states) {
   nlohmann::json out = nlohmann::json::object();
-  for (Fp8State* state : fp8_states(model)) {
+  for (Fp8State* state : states) {
     for (const auto& [name, s] : state->stats()) {
       out[name] = {{"amax", s.amax},
                    {"scale", s.scale},

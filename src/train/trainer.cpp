@@ -177,6 +177,7 @@ TrainResult train_gpt(const TrainOptions& o) {
   const DType dtype = compute_dtype(o.precision);
   const bool fp8 = o.precision == "fp8";
   const recipe::Recipe recipe = fp8 ? make_recipe(o) : recipe::Recipe{};
+  const bool delayed_scaling = fp8 && std::holds_alternative<recipe::DelayedScaling>(recipe);
 
   // Without a launcher the world is this process alone, and MPI is never started.
   std::shared_ptr<Communicator> world =
@@ -187,10 +188,6 @@ TrainResult train_gpt(const TrainOptions& o) {
   const bool tensor_parallel = parallel.tensor_size() > 1;
   if (tensor_parallel) {
     // What the tensor-parallel path does not cover yet: each is a clear error.
-    OCTET_CHECK(!fp8,
-                "octet train: --precision fp8 with tensor parallelism is not implemented "
-                "yet (use fp32 or bf16; got ",
-                parallel.describe(), ")");
     OCTET_CHECK(!o.use_distributed_optimizer,
                 "octet train: --use-distributed-optimizer with tensor parallelism is not "
                 "implemented yet (got ",
@@ -280,7 +277,9 @@ TrainResult train_gpt(const TrainOptions& o) {
     start_iteration = count("iteration");
     if (fp8) {
       // Amax histories and scales continue where they were, so FP8 resumes exactly.
-      std::vector<Fp8State*> states = fp8_states(*gpt);
+      std::vector<Fp8State*> states = tp_model ? tp_model->fp8_states()
+                                      : gpt    ? fp8_states(*gpt)
+                                               : std::vector<Fp8State*>{};
       for (size_t i = 0; i < states.size(); ++i) {
         std::string prefix = "fp8." + std::to_string(i) + ".";
         if (loaded_optimizer.count(prefix + "calls")) {
@@ -312,6 +311,14 @@ TrainResult train_gpt(const TrainOptions& o) {
     }
     pipeline::ExecutorOptions options;
     options.dtype = dtype;
+    if (delayed_scaling && parallel.tensor_and_data().size() > 1) {
+      // The stage's tensor x data ranks run the same action list: after each chunk's forward
+      // and backward their amaxes become the group's maximum, as after a micro-batch.
+      std::vector<Fp8State*> states = tp_model ? tp_model->fp8_states() : fp8_states(*stage);
+      options.after_compute = [states, &parallel] {
+        reduce_fp8_amax(states, parallel.tensor_and_data());
+      };
+    }
     executor =
         std::make_unique<pipeline::PipelineExecutor>(pipeline_schedule, *part, parallel, options);
     if (stage) {
@@ -437,8 +444,13 @@ TrainResult train_gpt(const TrainOptions& o) {
       Tensor ids, targets;
       valid_batches->fill(k, o.micro_batch_size, ids, targets);
       fp8_autocast scope(fp8, recipe);
-      sum +=
-          tp_model ? tp_model->evaluate(ids, targets, dtype) : gpt->evaluate(ids, targets, dtype);
+      if (tp_model) {
+        sum += tp_model->evaluate(ids, targets, dtype);
+        // The shards' weight amaxes differ: reduce so the tensor ranks keep equal scales.
+        if (delayed_scaling) reduce_fp8_amax(tp_model->fp8_states(), parallel.tensor());
+      } else {
+        sum += gpt->evaluate(ids, targets, dtype);
+      }
     }
     if (!fp8) sum = parallel.data().all_reduce(sum, ReduceOp::Sum);
     return static_cast<float>(sum / static_cast<double>(o.eval_iters));
@@ -472,7 +484,7 @@ TrainResult train_gpt(const TrainOptions& o) {
     }
     if (!chief) return;
     if (gpt) checkpoint.model = to_hf_gpt2_names(gpt->state_dict());
-    std::vector<Fp8State*> states = gpt ? fp8_states(*gpt) : std::vector<Fp8State*>{};
+    std::vector<Fp8State*> states = gpt ? fp8_states(*gpt) : tp_model->fp8_states();
     for (size_t i = 0; i < states.size(); ++i) {
       states[i]->save_state(checkpoint.optimizer, "fp8." + std::to_string(i) + ".");
     }
@@ -522,18 +534,20 @@ TrainResult train_gpt(const TrainOptions& o) {
         const float grad_scale = 1.0f / static_cast<float>(accumulation * dp);
         if (tp_model) {
           loss += tp_model->train_step(ids, targets, dtype, grad_scale);
+          if (delayed_scaling) reduce_fp8_amax(tp_model->fp8_states(), parallel.tensor_and_data());
           continue;
         }
         loss += gpt->train_step(ids, targets, dtype, grad_scale);
-        if (fp8 && std::holds_alternative<recipe::DelayedScaling>(recipe)) {
-          reduce_fp8_amax(*gpt, parallel.tensor_and_data());
-        }
+        if (delayed_scaling) reduce_fp8_amax(*gpt, parallel.tensor_and_data());
       }
     }
     if (ddp) ddp->finish_grad_sync();
     loss = parallel.data().all_reduce(loss, ReduceOp::Sum) / static_cast<double>(accumulation * dp);
     // The step's last micro-batch, per quantized tensor.
-    const nlohmann::json fp8_stats = o.fp8_stats ? take_fp8_stats(*gpt) : nlohmann::json();
+    // Under TP: tensor rank 0's shards (rank 0 writes the metrics).
+    const nlohmann::json fp8_stats =
+        o.fp8_stats ? take_fp8_stats(tp_model ? tp_model->fp8_states() : fp8_states(*gpt))
+                    : nlohmann::json();
     double grad_norm = 0;
     if (executor) {
       grad_norm = clip_pipeline_gradients();

@@ -99,6 +99,7 @@ struct PipelineExecutor::State {
     const double seconds = seconds_since(start);
     timing.forward_seconds += seconds;
     timing.forward_samples.push_back(seconds);
+    if (options.after_compute) options.after_compute();
     if (s == schedule.stages - 1) {
       loss_sum += ctx.loss;
       return;
@@ -121,6 +122,7 @@ struct PipelineExecutor::State {
     const double seconds = seconds_since(start);
     timing.backward_seconds += seconds;
     timing.backward_samples.push_back(seconds);
+    if (options.after_compute) options.after_compute();
     contexts.erase(it);
     if (s == 0) return;
     const Place& previous = schedule.place(key.first, s - 1);
