@@ -166,6 +166,11 @@ struct ExecutorOptions {
   // Called after each forward and each backward of a chunk (e.g. the FP8 amax reduction over
   // the stage's tensor x data ranks, which run the same action list): may be empty.
   std::function<void()> after_compute;
+  // Called once per step right after chunk c's last backward on this rank: its gradients are
+  // final (data parallelism starts reducing them while the schedule goes on). The tied
+  // embedding's copies are summed after the schedule, so wte must not be reduced from here.
+  // Not called for DualPipe, whose two model copies are summed after the schedule.
+  std::function<void(int chunk)> chunk_gradients_final;
 };
 
 // The pipeline stage each chunk of `rank` holds (GPTStage's stage_of_chunk); Schedule::stages

@@ -1,5 +1,6 @@
 // The GPT training loop: deterministic batches from a token shard, gradient accumulation,
 // AdamW with a cosine schedule, validation, metrics, checkpoints, progress and the loss curve.
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
@@ -292,12 +293,16 @@ TrainResult train_gpt(const TrainOptions& o) {
   // Pipeline parallelism: this rank's stages of the model, run by the schedule's executor.
   std::unique_ptr<GPTStage> stage;
   std::unique_ptr<pipeline::PipelineExecutor> executor;
+  PipelineModel* pipeline_part = nullptr;
+  // Pipeline x data: each chunk's gradients start reducing right after its last backward of
+  // the step (DualPipe sums its two copies after the schedule first: reduced after).
+  bool pipeline_overlap = false;
   if (pipelined) {
     pipeline::Schedule pipeline_schedule = pipeline::make_schedule(
         pipeline::parse_schedule_kind(o.pipeline_schedule), parallel.pipeline_size(),
         static_cast<int>(accumulation), static_cast<int>(o.virtual_stages));
     std::vector<int> held = pipeline::stages_of_rank(pipeline_schedule, parallel.pipeline_rank());
-    PipelineModel* part = nullptr;
+    PipelineModel*& part = pipeline_part;
     if (tensor_parallel) {
       // TP x PP: this rank's tensor shards of its pipeline stages.
       tp_model = std::make_unique<TensorParallelGPT>(config, o.seed, o.sequence_parallel,
@@ -317,6 +322,18 @@ TrainResult train_gpt(const TrainOptions& o) {
       std::vector<Fp8State*> states = tp_model ? tp_model->fp8_states() : fp8_states(*stage);
       options.after_compute = [states, &parallel] {
         reduce_fp8_amax(states, parallel.tensor_and_data());
+      };
+    }
+    pipeline_overlap = dp > 1 && o.overlap_grad_reduce && pipeline_schedule.model_copies == 1;
+    if (pipeline_overlap) {
+      options.chunk_gradients_final = [&ddp, part](int chunk) {
+        // wte's copies are summed over the embedding group after the schedule: its bucket
+        // starts in finish_grad_sync, after that.
+        std::vector<Parameter*> ready;
+        for (Parameter* p : part->chunk_parameters(chunk)) {
+          if (p != part->word_embedding()) ready.push_back(p);
+        }
+        ddp->grads_ready(ready);
       };
     }
     executor =
@@ -379,12 +396,33 @@ TrainResult train_gpt(const TrainOptions& o) {
 
   if ((pipelined || tensor_parallel) && dp > 1) {
     // Pipeline or tensor x data: each stage's or shard's gradients are all-reduced over its
-    // data-parallel replicas after the step (no grad-ready hooks there yet: no overlap).
+    // data-parallel replicas: under PP chunk by chunk as the schedule finishes their backward
+    // (buckets in that order: later stages first, wte last), else after the step (tensor
+    // parallelism has no grad-ready hooks yet).
     Module& part = stage ? static_cast<Module&>(*stage) : static_cast<Module&>(*tp_model);
+    std::vector<Parameter*> order;
+    if (pipeline_part) {
+      std::vector<int> chunks(static_cast<size_t>(pipeline_part->chunks()));
+      for (size_t c = 0; c < chunks.size(); ++c) chunks[c] = static_cast<int>(c);
+      std::sort(chunks.begin(), chunks.end(), [&](int a, int b) {
+        return pipeline_part->stage_of_chunk(a) > pipeline_part->stage_of_chunk(b);
+      });
+      for (int chunk : chunks) {
+        for (Parameter* p : pipeline_part->chunk_parameters(chunk)) {
+          if (p != pipeline_part->word_embedding()) order.push_back(p);
+        }
+      }
+      if (pipeline_part->word_embedding()) order.push_back(pipeline_part->word_embedding());
+      OCTET_CHECK(order.size() == part.parameters().size(),
+                  "octet train: the pipeline chunks list ", order.size(),
+                  " parameters, the stage holds ", part.parameters().size());
+    } else {
+      order = part.parameters();
+    }
     DataParallelOptions options;
     options.bucket_elements = o.ddp_bucket_size;
-    options.overlap_grad_reduce = false;
-    ddp = std::make_unique<DistributedDataParallel>(part.parameters(), parallel.data(), options);
+    options.overlap_grad_reduce = pipeline_overlap;
+    ddp = std::make_unique<DistributedDataParallel>(order, parallel.data(), options);
     part.on_parameters_updated();
   } else if (data_parallel) {
     GPT& model = *gpt;

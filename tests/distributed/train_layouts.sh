@@ -33,7 +33,10 @@ run 2 "PP=2 interleaved (1 chunk)" --pipeline-model-parallel-size 2 --pipeline-s
   --virtual-pipeline-model-parallel-size 1
 run 2 "PP=2 ZB1P" --pipeline-model-parallel-size 2 --pipeline-schedule zb1p
 run 2 "PP=2 DualPipe" --pipeline-model-parallel-size 2 --pipeline-schedule dualpipe
-run 4 "PP=2 x DP=2" --pipeline-model-parallel-size 2
+run 4 "PP=2 x DP=2 (each chunk reduced after its last backward)" --pipeline-model-parallel-size 2
+run 4 "PP=2 x DP=2 reduce after the step" --pipeline-model-parallel-size 2 --no-overlap-grad-reduce
+run 4 "PP=2 x DP=2 ZB1P, 2 buckets" --pipeline-model-parallel-size 2 --pipeline-schedule zb1p \
+  --ddp-bucket-size 100000
 # gpt-tiny's vocabulary (50257) is odd: the TP=2 shards hold 25129 and 25128 rows.
 run 2 "TP=2" --tensor-model-parallel-size 2
 run 2 "TP=2 sequence-parallel" --tensor-model-parallel-size 2 --sequence-parallel

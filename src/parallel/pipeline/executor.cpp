@@ -54,6 +54,8 @@ struct PipelineExecutor::State {
   bool reduce_embedding = false;         // wte on two ranks: sum its gradient after
   std::shared_ptr<Communicator> copies;  // DualPipe: ranks r and ranks-1-r
   std::vector<Tensor> abandoned;         // buffers of receives that timed out
+  std::vector<int> backwards_per_chunk;  // micro-batches whose route passes each chunk
+  std::vector<int> backwards_left;       // this step's, counting down
 
   // One step's bookkeeping, keyed by (micro-batch, chunk).
   std::map<Key, std::unique_ptr<PipelineModel::Context>> contexts;
@@ -124,6 +126,10 @@ struct PipelineExecutor::State {
     timing.backward_samples.push_back(seconds);
     if (options.after_compute) options.after_compute();
     contexts.erase(it);
+    if (--backwards_left[static_cast<size_t>(key.second)] == 0 && options.chunk_gradients_final &&
+        !copies) {
+      options.chunk_gradients_final(key.second);
+    }
     if (s == 0) return;
     const Place& previous = schedule.place(key.first, s - 1);
     if (previous.rank == rank) {
@@ -218,6 +224,12 @@ PipelineExecutor::PipelineExecutor(Schedule schedule, PipelineModel& model, Para
   }
   OCTET_CHECK(matches, "pipeline executor: rank ", s.rank, " of ", schedule_name(sc.kind),
               " expects a model of ", sc.stages, " stages holding stages_of_rank() per chunk");
+  s.backwards_per_chunk.assign(static_cast<size_t>(sc.chunks_per_rank), 0);
+  for (int m = 0; m < sc.micro_batches; ++m) {
+    for (int c = 0; c < sc.chunks_per_rank; ++c) {
+      if (sc.stage_of(m, s.rank, c) >= 0) ++s.backwards_per_chunk[static_cast<size_t>(c)];
+    }
+  }
   if (sc.model_copies == 2) {
     const int pair = std::min(s.rank, sc.ranks - 1 - s.rank);
     s.copies = parallel.pipeline().split(pair, s.rank, "pipeline-copies");
@@ -266,6 +278,7 @@ float PipelineExecutor::train_step(const std::vector<Tensor>& ids,
   s.outputs.clear();
   s.doutputs.clear();
   s.dinputs.clear();
+  s.backwards_left = s.backwards_per_chunk;
   s.ids = &ids;
   s.targets = &targets;
   s.grad_scale = grad_scale;
