@@ -5,7 +5,9 @@
 // backward hid. Then the pipeline layouts, each run by a dedicated worker (`octet bench
 // pipeline-worker` under mpirun) that times every action of the executor: its measured bubble
 // beside simulate()'s prediction from the forward / backward times it measured. Last, the
-// pipeline schedule table of the simulator.
+// pipeline schedule table of the simulator. The PyTorch peer (bench/peers/torch_ddp.py: one
+// process, and DistributedDataParallel over gloo) trains the same model and global batch in
+// the same run; its tokens/s and octet's ratio to it are printed beside.
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
@@ -54,6 +56,7 @@ struct Options {
   int pipeline_iters = 4;
   int pipeline_warmup = 1;
   bool pipeline_only = false;
+  bool no_torch = false;
   bool json = false;
 };
 
@@ -140,6 +143,48 @@ Measured run_layout(const Options& o, const Layout& layout, double peak_gflops) 
   m.param_gather_ms /= static_cast<double>(steps);
   std::filesystem::remove_all(dir);
   return m;
+}
+
+// ---- the PyTorch peer: the same model and global batch, one process and DDP over gloo -----
+
+// One JSON object per torch layout (torch_single, torch_ddp); empty with a note when the peer
+// cannot run. FP8 has no torch 1.13 counterpart: its peer is bf16 autocast.
+std::vector<nlohmann::json> measure_torch(const Options& o) {
+  const std::filesystem::path script = bench::find_peer_script("torch_ddp.py");
+  if (script.empty()) {
+    std::fprintf(stderr, "bench parallel: bench/peers/torch_ddp.py not found; no torch figures\n");
+    return {};
+  }
+  const std::string precision = o.precision == "fp32" ? "fp32" : "bf16";
+  const std::string command =
+      "/usr/bin/python3 '" + script.string() + "' --config '" + config_path(o.config) +
+      "' --precision " + precision + " --micro-batch-size " + std::to_string(o.micro_batch_size) +
+      " --seq-length " + std::to_string(o.seq_length) + " --global-batch-size " +
+      std::to_string(o.micro_batch_size * o.ranks) + " --ranks " + std::to_string(o.ranks) +
+      " --steps " + std::to_string(o.iters - o.warmup) + " --warmup " + std::to_string(o.warmup) +
+      " 2>/dev/null";
+  std::fflush(nullptr);
+  FILE* pipe = popen(command.c_str(), "r");
+  if (pipe == nullptr) return {};
+  std::vector<nlohmann::json> out;
+  char line[4096];
+  while (std::fgets(line, sizeof(line), pipe) != nullptr) {
+    auto parsed = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
+    if (!parsed.is_discarded() && parsed.contains("tokens_per_s")) out.push_back(parsed);
+  }
+  const int status = pclose(pipe);
+  if (status != 0) {
+    std::fprintf(stderr, "bench parallel: '%s' failed (status %d); torch figures may be missing\n",
+                 command.c_str(), status);
+  }
+  return out;
+}
+
+double torch_tokens(const std::vector<nlohmann::json>& torch, const std::string& impl) {
+  for (const nlohmann::json& t : torch) {
+    if (t.value("impl", "") == impl) return t.value("tokens_per_s", NAN);
+  }
+  return NAN;
 }
 
 // ---- pipeline layouts: a worker per rank, the parent compares with the simulator ----------
@@ -470,6 +515,17 @@ void run(const Options& o) {
     if (!o.json) std::fprintf(stderr, "bench parallel: %s ...\n", layout.name.c_str());
     results.push_back(run_layout(o, layout, peak));
   }
+  std::vector<nlohmann::json> torch;
+  if (!o.pipeline_only && !o.no_torch) {
+    if (!o.json) std::fprintf(stderr, "bench parallel: PyTorch peer (1 process, DDP) ...\n");
+    torch = measure_torch(o);
+  }
+  // octet's layout beside each torch one: the single process, and DP overlapped (as DDP).
+  const double octet_single = results.empty() ? NAN : results.front().tokens_per_s;
+  double octet_ddp = NAN;
+  for (const Measured& m : results) {
+    if (m.layout.flags.empty() && m.layout.processes > 1) octet_ddp = m.tokens_per_s;
+  }
   std::vector<PipelineMeasured> pipelines;
   for (const std::string& schedule : split_list(o.pipeline_schedules)) {
     if (!o.json) std::fprintf(stderr, "bench parallel: PP=%d %s ...\n", o.ranks, schedule.c_str());
@@ -498,6 +554,12 @@ void run(const Options& o) {
       }
       std::printf("%s\n", line.dump().c_str());
     }
+    for (nlohmann::json t : torch) {
+      const bool ddp = t.value("impl", "") == "torch_ddp";
+      t["octet_tokens_per_s"] = ddp ? octet_ddp : octet_single;
+      t["octet_vs_torch"] = (ddp ? octet_ddp : octet_single) / t.value("tokens_per_s", NAN);
+      std::printf("%s\n", t.dump().c_str());
+    }
     for (const PipelineMeasured& m : pipelines) print_pipeline_json(o, m);
   } else if (!results.empty()) {
     std::printf(
@@ -524,6 +586,22 @@ void run(const Options& o) {
       }
     }
     std::printf("\n");
+    if (!torch.empty()) {
+      std::printf("PyTorch 1.13 peer, same model and global batch (%s), in this run:\n",
+                  torch.front().value("precision", "").c_str());
+      std::printf("%-34s %10s %12s %14s\n", "layout", "torch tok/s", "octet tok/s", "octet/torch");
+      const struct {
+        std::string name, impl;
+        double octet;
+      } rows[] = {{"1 process x " + n + " threads", "torch_single", octet_single},
+                  {"DP=" + n + " overlapped (torch DDP, gloo)", "torch_ddp", octet_ddp}};
+      for (const auto& row : rows) {
+        const double theirs = torch_tokens(torch, row.impl);
+        std::printf("%-34s %10.0f %12.0f %13.2fx\n", row.name.c_str(), theirs, row.octet,
+                    row.octet / theirs);
+      }
+      std::printf("\n");
+    }
     std::fflush(stdout);
   }
   if (!o.json) {
@@ -567,6 +645,7 @@ void register_bench_parallel(CLI::App& bench) {
   cmd->add_option("--pipeline-iters", o->pipeline_iters, "Steps per pipeline layout");
   cmd->add_option("--pipeline-warmup", o->pipeline_warmup, "Pipeline steps left out");
   cmd->add_flag("--pipeline-only", o->pipeline_only, "Skip the data-parallel layouts");
+  cmd->add_flag("--no-torch", o->no_torch, "Skip the PyTorch peer (bench/peers/torch_ddp.py)");
   cmd->add_flag("--json", o->json, "One JSON object per layout");
   cmd->callback([o] { run(*o); });
 
