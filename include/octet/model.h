@@ -169,6 +169,8 @@ class PipelineModel : public Module {
   virtual Parameter* word_embedding() = 0;
   // This chunk's parameters (layers; embeddings, final norm where the chunk holds them).
   virtual std::vector<Parameter*> chunk_parameters(int chunk) = 0;
+  // This rank's chunks by the stage they hold, first stage first (GPT's layer order).
+  std::vector<int> chunks_in_stage_order() const;
 };
 
 // A pipeline-parallel part of a GPT: the model chunks one rank holds. Chunk c holds pipeline

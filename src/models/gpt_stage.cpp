@@ -8,6 +8,14 @@
 
 namespace octet {
 
+std::vector<int> PipelineModel::chunks_in_stage_order() const {
+  std::vector<int> order(static_cast<size_t>(chunks()));
+  for (size_t c = 0; c < order.size(); ++c) order[c] = static_cast<int>(c);
+  std::sort(order.begin(), order.end(),
+            [&](int a, int b) { return stage_of_chunk(a) < stage_of_chunk(b); });
+  return order;
+}
+
 GPTStage::GPTStage(const GPTConfig& config, uint64_t seed, int stages,
                    std::vector<int> stage_of_chunk, bool recompute_activations)
     : config_(config), stages_(stages), stage_of_chunk_(std::move(stage_of_chunk)) {
@@ -51,11 +59,7 @@ void GPTStage::collect_parameters(std::vector<Parameter*>& out) {
   // GPT's order (wte, wpe, layers by index, final norm), wte once.
   if (wte.value.defined()) out.push_back(&wte);
   if (wpe.value.defined()) out.push_back(&wpe);
-  std::vector<int> order(stage_of_chunk_.size());
-  for (size_t c = 0; c < order.size(); ++c) order[c] = static_cast<int>(c);
-  std::sort(order.begin(), order.end(),
-            [&](int a, int b) { return stage_of_chunk(a) < stage_of_chunk(b); });
-  for (int chunk : order) {
+  for (int chunk : chunks_in_stage_order()) {
     for (TransformerLayer& layer : layers(chunk)) layer.collect_parameters(out);
   }
   if (final_norm_) final_norm_->collect_parameters(out);

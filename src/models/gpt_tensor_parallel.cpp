@@ -104,11 +104,7 @@ void TensorParallelGPT::collect_parameters(std::vector<Parameter*>& out) {
   // GPT's order (wte, wpe, layers by index, final norm), wte once.
   if (wte.value.defined()) out.push_back(&wte);
   if (wpe.value.defined()) out.push_back(&wpe);
-  std::vector<int> order(stage_of_chunk_.size());
-  for (size_t c = 0; c < order.size(); ++c) order[c] = static_cast<int>(c);
-  std::sort(order.begin(), order.end(),
-            [&](int a, int b) { return stage_of_chunk(a) < stage_of_chunk(b); });
-  for (int chunk : order) {
+  for (int chunk : chunks_in_stage_order()) {
     for (auto& layer : layers_[static_cast<size_t>(chunk)]) {
       layer->attention.collect_parameters(out);
       layer->mlp.collect_parameters(out);
@@ -144,12 +140,8 @@ std::vector<Parameter*> TensorParallelGPT::sequence_parallel_parameters() {
 }
 
 std::vector<Fp8State*> TensorParallelGPT::fp8_states() {
-  std::vector<int> order(stage_of_chunk_.size());
-  for (size_t c = 0; c < order.size(); ++c) order[c] = static_cast<int>(c);
-  std::sort(order.begin(), order.end(),
-            [&](int a, int b) { return stage_of_chunk(a) < stage_of_chunk(b); });
   std::vector<Fp8State*> out;
-  for (int chunk : order) {
+  for (int chunk : chunks_in_stage_order()) {
     for (auto& layer : layers_[static_cast<size_t>(chunk)]) {
       for (Linear* linear : {&layer->attention.qkv.linear, &layer->attention.proj.linear,
                              &layer->mlp.fc1.linear, &layer->mlp.fc2.linear}) {

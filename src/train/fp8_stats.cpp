@@ -23,12 +23,8 @@ std::vector<Fp8State*> fp8_states(GPT& model) {
 }
 
 std::vector<Fp8State*> fp8_states(GPTStage& stage) {
-  std::vector<int> order(static_cast<size_t>(stage.chunks()));
-  for (int c = 0; c < stage.chunks(); ++c) order[static_cast<size_t>(c)] = c;
-  std::sort(order.begin(), order.end(),
-            [&](int a, int b) { return stage.stage_of_chunk(a) < stage.stage_of_chunk(b); });
   std::vector<Fp8State*> out;
-  for (int chunk : order) {
+  for (int chunk : stage.chunks_in_stage_order()) {
     for (TransformerLayer& layer : stage.layers(chunk)) {
       for (Fp8State* s : layer.self_attention.fp8_states()) out.push_back(s);
       out.push_back(&layer.layernorm_mlp.fc1.fp8_state());

@@ -402,11 +402,9 @@ TrainResult train_gpt(const TrainOptions& o) {
     Module& part = stage ? static_cast<Module&>(*stage) : static_cast<Module&>(*tp_model);
     std::vector<Parameter*> order;
     if (pipeline_part) {
-      std::vector<int> chunks(static_cast<size_t>(pipeline_part->chunks()));
-      for (size_t c = 0; c < chunks.size(); ++c) chunks[c] = static_cast<int>(c);
-      std::sort(chunks.begin(), chunks.end(), [&](int a, int b) {
-        return pipeline_part->stage_of_chunk(a) > pipeline_part->stage_of_chunk(b);
-      });
+      // Later stages finish their backward first.
+      std::vector<int> chunks = pipeline_part->chunks_in_stage_order();
+      std::reverse(chunks.begin(), chunks.end());
       for (int chunk : chunks) {
         for (Parameter* p : pipeline_part->chunk_parameters(chunk)) {
           if (p != pipeline_part->word_embedding()) order.push_back(p);
