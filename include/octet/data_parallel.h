@@ -8,6 +8,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <optional>
 #include <vector>
 
 #include "octet/modules.h"
@@ -98,13 +99,28 @@ class DistributedDataParallel {
       intervals_;
 };
 
+// Which gradients the clipping norm counts, and over which ranks besides the data-parallel
+// group. One model part per data-parallel replica (a pipeline stage, a tensor shard) counts
+// its own parameters, each model parameter once over the whole model (a copy held twice, as
+// the tied embedding on the first and last stage or a replicated norm on every tensor rank,
+// counted on one of them only); the squares are then summed over the model group (tensor x
+// pipeline ranks) too.
+struct GradNormScope {
+  // nullopt: every parameter of the buckets; a rank may count none (a DualPipe copy).
+  std::optional<std::vector<Parameter*>> counted;
+  Communicator* model_group = nullptr;  // null: the data-parallel group alone
+};
+
 // ZeRO-1 AdamW (torch.optim.AdamW semantics, as AdamW) over a DistributedDataParallel built
 // with distributed_optimizer.
 class DistributedOptimizer {
  public:
-  DistributedOptimizer(DistributedDataParallel& ddp, const AdamWOptions& options);
-  // Global-norm clipping across every rank's shard, AdamW on this rank's shard, then the
-  // updated parameters all-gathered. Returns the norm before clipping (non-finite: skipped).
+  DistributedOptimizer(DistributedDataParallel& ddp, const AdamWOptions& options,
+                       GradNormScope scope = {});
+  // Global-norm clipping across every rank's shard (and the scope's model group), AdamW on
+  // this rank's shard, then the updated parameters all-gathered (collective over the data
+  // group, and over the model group when the scope has one). Returns the norm before clipping
+  // (non-finite: skipped).
   double step(float lr);
   int64_t steps() const { return steps_; }
   // The whole state by parameter name, as AdamW::state() gives it (gathered from shards:
@@ -117,9 +133,11 @@ class DistributedOptimizer {
   struct Piece {  // one parameter's part of a bucket shard
     Parameter* parameter;
     int64_t bucket_offset, shard_offset, elements, parameter_offset;
+    bool counted;  // in the clipping norm (GradNormScope)
   };
   DistributedDataParallel& ddp_;
   AdamWOptions options_;
+  Communicator* model_group_ = nullptr;
   std::vector<Tensor> exp_avg_, exp_avg_sq_;  // per bucket, [shard]
   std::vector<std::vector<Piece>> pieces_;    // per bucket
   int64_t steps_ = 0;

@@ -120,6 +120,9 @@ class TensorParallelGPT : public PipelineModel {
   // every tensor rank, replicated ones on tensor rank 0, summed over `model_group` (tensor x
   // pipeline; collective).
   double grad_norm(Communicator& model_group, const std::vector<Parameter*>& counted);
+  // The parameters of `candidates` this rank counts in such a norm: sharded ones, and the
+  // replicated ones on tensor rank 0 only (the distributed optimizer's GradNormScope).
+  std::vector<Parameter*> counted_in_norm(const std::vector<Parameter*>& candidates) const;
 
   // GPT's whole-model tensors of the stages held (collective over the tensor group).
   TensorMap state_dict();

@@ -155,13 +155,21 @@ std::vector<Fp8State*> TensorParallelGPT::fp8_states() {
 double TensorParallelGPT::grad_norm(Communicator& model_group,
                                     const std::vector<Parameter*>& counted) {
   double squares = 0;
-  for (Parameter* p : counted) {
-    if (spec(*p).kind == ShardSpec::Kind::Replicated && tp_->rank() != 0) continue;
+  for (Parameter* p : counted_in_norm(counted)) {
     const Tensor grads[] = {p->grad};
     const double norm = ops::global_grad_norm(grads);
     squares += norm * norm;
   }
   return std::sqrt(model_group.all_reduce(squares, ReduceOp::Sum));
+}
+
+std::vector<Parameter*> TensorParallelGPT::counted_in_norm(
+    const std::vector<Parameter*>& candidates) const {
+  std::vector<Parameter*> out;
+  for (Parameter* p : candidates) {
+    if (spec(*p).kind != ShardSpec::Kind::Replicated || tp_->rank() == 0) out.push_back(p);
+  }
+  return out;
 }
 
 Shape TensorParallelGPT::activation_shape(int64_t batch, int64_t seq_len) const {

@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <set>
 #include <unordered_map>
 
 #include "octet/error.h"
@@ -193,10 +194,22 @@ CommStats DistributedDataParallel::take_stats() {
 }
 
 DistributedOptimizer::DistributedOptimizer(DistributedDataParallel& ddp,
-                                           const AdamWOptions& options)
-    : ddp_(ddp), options_(options) {
+                                           const AdamWOptions& options, GradNormScope scope)
+    : ddp_(ddp), options_(options), model_group_(scope.model_group) {
   OCTET_CHECK(ddp.options().distributed_optimizer,
               "DistributedOptimizer needs buckets built with distributed_optimizer");
+  const bool count_all = !scope.counted.has_value();
+  const std::vector<Parameter*> listed = scope.counted.value_or(std::vector<Parameter*>{});
+  const std::set<const Parameter*> counted(listed.begin(), listed.end());
+  for (const Parameter* p : listed) {
+    bool found = false;
+    for (auto& bucket : ddp.buckets()) {
+      found = found || std::find(bucket.parameters.begin(), bucket.parameters.end(), p) !=
+                           bucket.parameters.end();
+    }
+    OCTET_CHECK(found, "DistributedOptimizer: the norm scope counts '", p->name,
+                "', which no gradient bucket holds");
+  }
   const int64_t dp = ddp.data().size(), rank = ddp.data().rank();
   for (auto& bucket : ddp.buckets()) {
     const int64_t shard = bucket.elements / dp, lo = rank * shard, hi = lo + shard;
@@ -207,7 +220,10 @@ DistributedOptimizer::DistributedOptimizer(DistributedDataParallel& ddp,
       const int64_t begin = bucket.offsets[k];
       const int64_t end = begin + bucket.parameters[k]->value.numel();
       const int64_t a = std::max(begin, lo), b = std::min(end, hi);
-      if (a < b) pieces.push_back({bucket.parameters[k], a, a - lo, b - a, a - begin});
+      if (a < b) {
+        Parameter* p = bucket.parameters[k];
+        pieces.push_back({p, a, a - lo, b - a, a - begin, count_all || counted.count(p) > 0});
+      }
     }
     pieces_.push_back(std::move(pieces));
   }
@@ -221,13 +237,16 @@ double DistributedOptimizer::step(float lr) {
   for (size_t i = 0; i < buckets.size(); ++i) {
     std::vector<Tensor> grads;
     for (const Piece& piece : pieces_[i]) {
+      if (!piece.counted) continue;
       grads.push_back(buckets[i].grad_shard.slice_rows(piece.shard_offset,
                                                        piece.shard_offset + piece.elements));
     }
     const double norm = ops::global_grad_norm(grads);
     squares += norm * norm;
   }
-  const double norm = std::sqrt(data.all_reduce(squares, ReduceOp::Sum));
+  squares = data.all_reduce(squares, ReduceOp::Sum);
+  if (model_group_) squares = model_group_->all_reduce(squares, ReduceOp::Sum);
+  const double norm = std::sqrt(squares);
   if (!std::isfinite(norm)) return norm;
   ++steps_;
   const double coefficient = options_.clip_grad / (norm + 1e-6);

@@ -128,6 +128,16 @@ void clip_gradients(double norm, float clip, const std::vector<Parameter*>& para
   }
 }
 
+// The parameters of `from` that `set` also holds, in from's order.
+std::vector<Parameter*> among(const std::vector<Parameter*>& from,
+                              const std::vector<Parameter*>& set) {
+  std::vector<Parameter*> out;
+  for (Parameter* p : from) {
+    if (std::find(set.begin(), set.end(), p) != set.end()) out.push_back(p);
+  }
+  return out;
+}
+
 double unigram_entropy(const std::string& path) {
   TokenShard shard = TokenShard::open(path, /*check_ids=*/false);
   std::vector<int64_t> counts(static_cast<size_t>(shard.vocab_size()), 0);
@@ -188,21 +198,13 @@ TrainResult train_gpt(const TrainOptions& o) {
   const bool pipelined = parallel.pipeline_size() > 1;
   const bool tensor_parallel = parallel.tensor_size() > 1;
   if (tensor_parallel) {
-    // What the tensor-parallel path does not cover yet: each is a clear error.
-    OCTET_CHECK(!o.use_distributed_optimizer,
-                "octet train: --use-distributed-optimizer with tensor parallelism is not "
-                "implemented yet (got ",
-                parallel.describe(), ")");
+    // What the tensor-parallel path does not cover yet: a clear error.
     OCTET_CHECK(!o.recompute_activations,
                 "octet train: --recompute-activations with tensor parallelism is not "
                 "implemented yet");
   }
   if (pipelined) {
     // What the pipeline path does not cover yet: each is a clear error, not a silent skip.
-    OCTET_CHECK(!o.use_distributed_optimizer,
-                "octet train: --use-distributed-optimizer with pipeline parallelism is not "
-                "implemented yet (got ",
-                parallel.describe(), ")");
     OCTET_CHECK(!o.fp8_stats && (!fp8 || (o.save.empty() && o.load.empty())) &&
                     (o.eval_iters == 0 || (!o.mock_data && o.valid_data.empty())),
                 "octet train: with --pipeline-model-parallel-size > 1, --fp8-stats, FP8 "
@@ -326,12 +328,18 @@ TrainResult train_gpt(const TrainOptions& o) {
     }
     pipeline_overlap = dp > 1 && o.overlap_grad_reduce && pipeline_schedule.model_copies == 1;
     if (pipeline_overlap) {
-      options.chunk_gradients_final = [&ddp, part](int chunk) {
+      options.chunk_gradients_final = [&ddp, &parallel, part, tp = tp_model.get()](int chunk) {
         // wte's copies are summed over the embedding group after the schedule: its bucket
         // starts in finish_grad_sync, after that.
         std::vector<Parameter*> ready;
         for (Parameter* p : part->chunk_parameters(chunk)) {
           if (p != part->word_embedding()) ready.push_back(p);
+        }
+        // Sequence-parallel partial gradients are summed over the tensor ranks before their
+        // buckets reduce over the data ranks (the distributed optimizer keeps only a shard).
+        if (tp) {
+          all_reduce_sequence_parallel_gradients(among(ready, tp->sequence_parallel_parameters()),
+                                                 parallel.tensor());
         }
         ddp->grads_ready(ready);
       };
@@ -339,24 +347,22 @@ TrainResult train_gpt(const TrainOptions& o) {
     executor =
         std::make_unique<pipeline::PipelineExecutor>(pipeline_schedule, *part, parallel, options);
     if (stage) {
-      // Clipping needs the norm over every stage: AdamW clips nothing, the loop does.
-      AdamWOptions unclipped = adam;
-      unclipped.clip_grad = 0;
-      adamw = std::make_unique<AdamW>(stage->parameters(), unclipped);
-      if (!o.load.empty()) {
-        // Whole-model names: a checkpoint of any layout holds this stage's tensors.
-        stage->load_state_dict(loaded_model);
-        adamw->load_state(loaded_optimizer, loaded_steps);
+      // Whole-model names: a checkpoint of any layout holds this stage's tensors.
+      if (!o.load.empty()) stage->load_state_dict(loaded_model);
+      if (!o.use_distributed_optimizer) {
+        // Clipping needs the norm over every stage: AdamW clips nothing, the loop does.
+        AdamWOptions unclipped = adam;
+        unclipped.clip_grad = 0;
+        adamw = std::make_unique<AdamW>(stage->parameters(), unclipped);
+        if (!o.load.empty()) adamw->load_state(loaded_optimizer, loaded_steps);
       }
     }
   }
   // Global-norm clipping across pipeline stages: each rank's owned parameters count once.
   auto clip_pipeline_gradients = [&]() {
     if (tp_model) {
-      // TP x PP: sequence-parallel partial gradients summed first; sharded parameters count
-      // on every tensor rank, replicated ones once, over tensor x pipeline.
-      all_reduce_sequence_parallel_gradients(tp_model->sequence_parallel_parameters(),
-                                             parallel.tensor());
+      // TP x PP: sharded parameters count on every tensor rank, replicated ones once, over
+      // tensor x pipeline (sequence-parallel gradients were summed before).
       const double norm = tp_model->grad_norm(parallel.model(), executor->owned_parameters());
       clip_gradients(norm, o.clip_grad, tp_model->parameters());
       return norm;
@@ -373,10 +379,6 @@ TrainResult train_gpt(const TrainOptions& o) {
   };
 
   if (tp_model) {
-    // Clipping needs the norm over every shard: AdamW clips nothing, the loop does.
-    AdamWOptions unclipped = adam;
-    unclipped.clip_grad = 0;
-    adamw = std::make_unique<AdamW>(tp_model->parameters(), unclipped);
     if (!o.load.empty()) {
       // Whole-model tensors (any layout's checkpoint): this rank's slices of the parameters
       // and of their optimizer state.
@@ -390,11 +392,18 @@ TrainResult train_gpt(const TrainOptions& o) {
           local[p->name + suffix] = tp_model->shard(*p, it->second);
         }
       }
-      adamw->load_state(local, loaded_steps);
+      loaded_optimizer = std::move(local);
+    }
+    if (!o.use_distributed_optimizer) {
+      // Clipping needs the norm over every shard: AdamW clips nothing, the loop does.
+      AdamWOptions unclipped = adam;
+      unclipped.clip_grad = 0;
+      adamw = std::make_unique<AdamW>(tp_model->parameters(), unclipped);
+      if (!o.load.empty()) adamw->load_state(loaded_optimizer, loaded_steps);
     }
   }
 
-  if ((pipelined || tensor_parallel) && dp > 1) {
+  if ((pipelined || tensor_parallel) && data_parallel) {
     // Pipeline or tensor x data: each stage's or shard's gradients are all-reduced over its
     // data-parallel replicas: under PP chunk by chunk as the schedule finishes their backward
     // (buckets in that order: later stages first, wte last), else after the step (tensor
@@ -420,8 +429,19 @@ TrainResult train_gpt(const TrainOptions& o) {
     DataParallelOptions options;
     options.bucket_elements = o.ddp_bucket_size;
     options.overlap_grad_reduce = pipeline_overlap;
+    options.distributed_optimizer = o.use_distributed_optimizer;
     ddp = std::make_unique<DistributedDataParallel>(order, parallel.data(), options);
     part.on_parameters_updated();
+    if (o.use_distributed_optimizer) {
+      // ZeRO-1 over each stage's / shard's data-parallel replicas; the clipping norm counts
+      // every model parameter once over the model group (tensor x pipeline ranks).
+      GradNormScope scope;
+      scope.counted = executor ? executor->owned_parameters() : part.parameters();
+      if (tp_model) scope.counted = tp_model->counted_in_norm(*scope.counted);
+      scope.model_group = &parallel.model();
+      zero = std::make_unique<DistributedOptimizer>(*ddp, adam, scope);
+      if (!o.load.empty()) zero->load_state(loaded_optimizer, loaded_steps);
+    }
   } else if (data_parallel) {
     GPT& model = *gpt;
     // Buckets in the order backward finalizes gradients; parameters move into them.
@@ -577,6 +597,13 @@ TrainResult train_gpt(const TrainOptions& o) {
         if (delayed_scaling) reduce_fp8_amax(*gpt, parallel.tensor_and_data());
       }
     }
+    if (tp_model && !pipeline_overlap) {
+      // Sequence-parallel replicated parameters saw only this rank's tokens: summed over the
+      // tensor ranks before the data-parallel reduction (ZeRO-1 keeps only a shard after it).
+      // With PP x DP overlap each chunk's were summed as its backward finished.
+      all_reduce_sequence_parallel_gradients(tp_model->sequence_parallel_parameters(),
+                                             parallel.tensor());
+    }
     if (ddp) ddp->finish_grad_sync();
     loss = parallel.data().all_reduce(loss, ReduceOp::Sum) / static_cast<double>(accumulation * dp);
     // The step's last micro-batch, per quantized tensor.
@@ -586,20 +613,25 @@ TrainResult train_gpt(const TrainOptions& o) {
                     : nlohmann::json();
     double grad_norm = 0;
     if (executor) {
-      grad_norm = clip_pipeline_gradients();
-      if (std::isfinite(grad_norm)) adamw->step(lr);
+      if (zero) {
+        grad_norm = zero->step(lr);
+      } else {
+        grad_norm = clip_pipeline_gradients();
+        if (std::isfinite(grad_norm)) adamw->step(lr);
+      }
       if (stage) {
         stage->on_parameters_updated();
       } else {
         tp_model->on_parameters_updated();
       }
     } else if (tp_model) {
-      // Sequence-parallel replicated parameters saw only this rank's tokens: sum them first.
-      all_reduce_sequence_parallel_gradients(tp_model->sequence_parallel_parameters(),
-                                             parallel.tensor());
-      grad_norm = tp_model->grad_norm(parallel.model(), tp_model->parameters());
-      clip_gradients(grad_norm, o.clip_grad, tp_model->parameters());
-      if (std::isfinite(grad_norm)) adamw->step(lr);
+      if (zero) {
+        grad_norm = zero->step(lr);
+      } else {
+        grad_norm = tp_model->grad_norm(parallel.model(), tp_model->parameters());
+        clip_gradients(grad_norm, o.clip_grad, tp_model->parameters());
+        if (std::isfinite(grad_norm)) adamw->step(lr);
+      }
       tp_model->on_parameters_updated();
     } else {
       grad_norm = zero ? zero->step(lr) : adamw->step(lr);

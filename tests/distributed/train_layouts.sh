@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
 # `octet train` end to end in every parallel layout it supports, under mpirun: each run's
-# per-step losses (4 decimals, as printed) must equal the single-process run's. Usage:
+# per-step losses (4 decimals, as printed) and gradient norms (3 decimals) must equal the
+# single-process run's; --clip-grad 0.5 is below those norms, so a wrong norm would also
+# change the losses. Usage:
 #   train_layouts.sh OCTET_BINARY CONFIG
 set -euo pipefail
 octet="$1"
 config="$2"
 common=(--config "$config" --mock-data --precision fp32 --micro-batch-size 2
-  --global-batch-size 8 --train-iters 3 --log-interval 1 --eval-iters 0 --peak-gflops 100)
-losses() { grep -o 'loss [0-9.]*' | head -n 3 | tr '\n' ' '; }
+  --global-batch-size 8 --train-iters 3 --log-interval 1 --eval-iters 0 --peak-gflops 100
+  --clip-grad 0.5)
+losses() { grep -oE '(loss|grad norm) [0-9.]+' | head -n 6 | tr '\n' ' '; }
 reference="$(OMP_NUM_THREADS=1 "$octet" train "${common[@]}" | losses)"
 echo "single process: $reference"
 [ -n "$reference" ] || { echo "no losses from the single-process run"; exit 1; }
@@ -27,6 +30,14 @@ run() {
 }
 run 2 "DP=2" 
 run 2 "DP=2 ZeRO-1" --use-distributed-optimizer
+# ZeRO-1 in every layout: the clipping norm counts each parameter once over the model group.
+run 4 "PP=2 x DP=2 ZeRO-1" --pipeline-model-parallel-size 2 --use-distributed-optimizer
+run 2 "PP=2 DualPipe ZeRO-1 (DP=1)" --pipeline-model-parallel-size 2 --pipeline-schedule dualpipe \
+  --use-distributed-optimizer
+run 4 "TP=2 x DP=2 sequence-parallel ZeRO-1" --tensor-model-parallel-size 2 --sequence-parallel \
+  --use-distributed-optimizer
+run 4 "TP=2 x PP=2 sequence-parallel ZeRO-1 (DP=1)" --tensor-model-parallel-size 2 \
+  --pipeline-model-parallel-size 2 --sequence-parallel --use-distributed-optimizer
 run 2 "DP=2 reduce after backward" --no-overlap-grad-reduce
 run 2 "PP=2 1F1B" --pipeline-model-parallel-size 2 --pipeline-schedule 1f1b
 run 2 "PP=2 interleaved (1 chunk)" --pipeline-model-parallel-size 2 --pipeline-schedule interleaved \
@@ -49,13 +60,14 @@ run 4 "TP=2 x PP=2 sequence-parallel DualPipe" --tensor-model-parallel-size 2 \
 # numbers close, not equal (test_gpt_tensor_parallel holds them equal in F32 compute), so
 # these losses must stay within 2e-3 of the single process's.
 fp8_common=("${common[@]/fp32/fp8}")
-fp8_reference="$(OMP_NUM_THREADS=1 "$octet" train "${fp8_common[@]}" | losses)"
+fp8_losses() { grep -o 'loss [0-9.]*' | head -n 3 | tr '\n' ' '; }
+fp8_reference="$(OMP_NUM_THREADS=1 "$octet" train "${fp8_common[@]}" | fp8_losses)"
 close() {
   local ranks="$1" name="$2"
   shift 2
   local got
   got="$(OMP_NUM_THREADS=1 mpiexec -n "$ranks" --oversubscribe "$octet" train \
-    "${fp8_common[@]}" "$@" | losses)"
+    "${fp8_common[@]}" "$@" | fp8_losses)"
   if [ -n "$got" ] && awk -v a="$got" -v b="$fp8_reference" 'BEGIN {
       n = split(a, x, " "); m = split(b, y, " "); if (n != m || n < 6) exit 1
       for (i = 2; i <= n; i += 2) { d = x[i] - y[i]; if (d < -0.002 || d > 0.002) exit 1 } }'
@@ -98,6 +110,9 @@ resume "PP=2 -> 1 process" 2 1 "--pipeline-model-parallel-size 2" ""
 resume "1 process -> PP=2" 1 2 "" "--pipeline-model-parallel-size 2"
 resume "DP=2 ZeRO-1 -> PP=2 x DP=2" 2 4 "--use-distributed-optimizer" \
   "--pipeline-model-parallel-size 2"
+resume "PP=2 x DP=2 ZeRO-1 -> TP=2 x DP=2 sequence-parallel ZeRO-1" 4 4 \
+  "--pipeline-model-parallel-size 2 --use-distributed-optimizer" \
+  "--tensor-model-parallel-size 2 --sequence-parallel --use-distributed-optimizer"
 resume "TP=2 -> 1 process" 2 1 "--tensor-model-parallel-size 2" ""
 resume "1 process -> TP=2 sequence-parallel" 1 2 "" \
   "--tensor-model-parallel-size 2 --sequence-parallel"
