@@ -164,6 +164,10 @@ class PipelineModel : public Module {
   // accumulated instead and the result is undefined. Weight gradients accumulate (the loss
   // gradient already carries grad_scale). Frees ctx.
   virtual Tensor backward(int chunk, const Tensor& doutput, Context& ctx) = 0;
+  // Evaluation: forward's input and output, keeping nothing for backward and computing no
+  // gradient; on the last stage *loss is the micro-batch's mean loss.
+  virtual Tensor evaluate(int chunk, const Tensor& input, const Tensor& ids, const Tensor& targets,
+                          DType dtype, float* loss) = 0;
 
   // The tied word embedding where this rank holds the first or the last stage, else nullptr.
   virtual Parameter* word_embedding() = 0;
@@ -198,6 +202,8 @@ class GPTStage : public PipelineModel {
   Tensor forward(int chunk, const Tensor& input, const Tensor& ids, const Tensor& targets,
                  DType dtype, float grad_scale, PipelineModel::Context& ctx) override;
   Tensor backward(int chunk, const Tensor& doutput, PipelineModel::Context& ctx) override;
+  Tensor evaluate(int chunk, const Tensor& input, const Tensor& ids, const Tensor& targets,
+                  DType dtype, float* loss) override;
 
   int chunks() const override { return static_cast<int>(stage_of_chunk_.size()); }
   int stages() const override { return stages_; }
@@ -230,6 +236,9 @@ class GPTStage : public PipelineModel {
  private:
   bool is_first(int chunk) const { return stage_of_chunk(chunk) == 0; }
   bool is_last(int chunk) const { return stage_of_chunk(chunk) == stages_ - 1; }
+  // forward (ctx given: kept for backward, the loss's gradient computed) or evaluate.
+  Tensor run_forward(int chunk, const Tensor& input, const Tensor& ids, const Tensor& targets,
+                     DType dtype, float grad_scale, Context* ctx, float* loss);
 
   GPTConfig config_;
   int stages_ = 1;

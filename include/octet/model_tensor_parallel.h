@@ -94,6 +94,8 @@ class TensorParallelGPT : public PipelineModel {
   Tensor forward(int chunk, const Tensor& input, const Tensor& ids, const Tensor& targets,
                  DType dtype, float grad_scale, PipelineModel::Context& ctx) override;
   Tensor backward(int chunk, const Tensor& doutput, PipelineModel::Context& ctx) override;
+  Tensor evaluate(int chunk, const Tensor& input, const Tensor& ids, const Tensor& targets,
+                  DType dtype, float* loss) override;
   int chunks() const override { return static_cast<int>(stage_of_chunk_.size()); }
   int stages() const override { return stages_; }
   int stage_of_chunk(int chunk) const override {
@@ -154,6 +156,9 @@ class TensorParallelGPT : public PipelineModel {
   bool is_first(int chunk) const { return stage_of_chunk(chunk) == 0; }
   bool is_last(int chunk) const { return stage_of_chunk(chunk) == stages_ - 1; }
   void check_micro_batch(const Tensor& ids, DType dtype) const;
+  // forward (ctx given: kept for backward, the loss's gradient computed) or evaluate.
+  Tensor run_forward(int chunk, const Tensor& input, const Tensor& ids, const Tensor& targets,
+                     DType dtype, float grad_scale, Context* ctx, float* loss);
   // ids [B,T] -> token + position embeddings [B*T(/TP), C] F32, and their backward from dx.
   Tensor embed(const Tensor& ids);
   void embed_backward(const Tensor& ids, const Tensor& dx);

@@ -219,6 +219,13 @@ class PipelineExecutor {
   // the micro-batches, on every pipeline rank.
   float train_step(const std::vector<Tensor>& ids, const std::vector<Tensor>& targets,
                    float grad_scale);
+  // Validation: the summed loss of ids[k], targets[k] (any count, each [B,T] I32, passed on
+  // every rank as in train_step) through the stages in order, forward only - no contexts kept,
+  // no gradient. Micro-batch by micro-batch along the first route (DualPipe: the first model
+  // copy), each activation sent from the stage's rank to the next stage's; after_compute runs
+  // after each forward. Returns the sum of the micro-batches' mean losses, on every pipeline
+  // rank (collective over the pipeline group).
+  double evaluate(const std::vector<Tensor>& ids, const std::vector<Tensor>& targets);
   const Schedule& schedule() const;
   // The parameters this rank counts once for the whole model: summing a per-parameter
   // quantity (the squared gradient norm for clipping) over them on every pipeline rank counts

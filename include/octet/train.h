@@ -101,8 +101,16 @@ class GPT;
 // Every FP8 state of the model: each Linear inside its layers (a stage: its layers, in layer
 // order; TensorParallelGPT::fp8_states() lists a tensor-parallel model's the same way).
 class GPTStage;
+class PipelineModel;
 std::vector<Fp8State*> fp8_states(GPT& model);
 std::vector<Fp8State*> fp8_states(GPTStage& stage);
+// Each listed state's index in the whole GPT's fp8_states(): the identity for the whole model,
+// and for a pipeline part (a GPTStage or a TensorParallelGPT holding stages) its layers'
+// places in the model of num_layers layers (`states` = the part's list size; every layer
+// holds the same number of states). Checkpoints name the states by these indices.
+std::vector<int64_t> fp8_state_indices(size_t states);
+std::vector<int64_t> fp8_state_indices(const PipelineModel& part, size_t states,
+                                       int64_t num_layers);
 // Delayed scaling across ranks: the amaxes recorded since the last scale update (history
 // row 0 of every meta) become their maximum over `group` (tensor x data parallel), so every
 // rank derives the same scales. Collective; call after each micro-batch's backward (under
@@ -115,6 +123,9 @@ void reduce_fp8_amax(GPT& model, Communicator& group);
 // measured since the last call (keys sorted by name); clears the stats.
 nlohmann::json take_fp8_stats(const std::vector<Fp8State*>& states);
 nlohmann::json take_fp8_stats(GPT& model);
+// Every rank's take_fp8_stats() object merged into one, on every rank (a pipeline group's
+// stages hold different tensors): collective over `group`.
+nlohmann::json gather_fp8_stats(const nlohmann::json& mine, Communicator& group);
 
 // Per tensor over a run: max amax, min and max scale, mean underflow, max saturation.
 class Fp8StatsSummary {

@@ -107,6 +107,17 @@ GPTStage::Context& own_context(PipelineModel::Context& base) {
 Tensor GPTStage::forward(int chunk, const Tensor& input, const Tensor& ids, const Tensor& targets,
                          DType dtype, float grad_scale, PipelineModel::Context& base) {
   Context& ctx = own_context(base);
+  return run_forward(chunk, input, ids, targets, dtype, grad_scale, &ctx, &ctx.loss);
+}
+
+Tensor GPTStage::evaluate(int chunk, const Tensor& input, const Tensor& ids, const Tensor& targets,
+                          DType dtype, float* loss) {
+  return run_forward(chunk, input, ids, targets, dtype, 1.0f, nullptr, loss);
+}
+
+Tensor GPTStage::run_forward(int chunk, const Tensor& input, const Tensor& ids,
+                             const Tensor& targets, DType dtype, float grad_scale, Context* ctx,
+                             float* loss) {
   OCTET_CHECK(dtype == DType::F32 || dtype == DType::BF16,
               "gpt stage: compute dtype expected f32 or bf16, got ", dtype_name(dtype));
   check_dtype(ids, DType::I32, "gpt stage: ids");
@@ -114,7 +125,7 @@ Tensor GPTStage::forward(int chunk, const Tensor& input, const Tensor& ids, cons
   const int64_t B = ids.dim(0), T = ids.dim(1), C = config_.hidden;
   OCTET_CHECK(T <= config_.max_seq_len, "gpt stage: sequence length ", T, " exceeds max_seq_len ",
               config_.max_seq_len);
-  ctx.ids = ids;
+  if (ctx) ctx->ids = ids;
   Tensor h;
   if (is_first(chunk)) {
     Tensor x = gpt_parts::embed(ids, wte, wpe, 0);
@@ -125,13 +136,17 @@ Tensor GPTStage::forward(int chunk, const Tensor& input, const Tensor& ids, cons
     h = input;
   }
   std::vector<TransformerLayer>& stack = layers(chunk);
-  ctx.layers.assign(stack.size(), TransformerLayer::Context{});
-  for (size_t i = 0; i < stack.size(); ++i) h = stack[i].forward(h, ctx.layers[i]);
+  if (ctx) ctx->layers.assign(stack.size(), TransformerLayer::Context{});
+  for (size_t i = 0; i < stack.size(); ++i) {
+    TransformerLayer::Context scratch;
+    h = stack[i].forward(h, ctx ? ctx->layers[i] : scratch);
+  }
   if (!is_last(chunk)) return h;
   check_shape(targets, ids.shape(), "gpt stage: targets", "B,T");
-  Tensor hidden = final_norm_->forward(h, ctx.final_norm).reshape({B * T, C});
-  ctx.loss = gpt_parts::tied_output_loss(hidden, targets.reshape({B * T}), wte, dtype, grad_scale,
-                                         &ctx.doutput, output_cache_);
+  Norm::Context norm_scratch;
+  Tensor hidden = final_norm_->forward(h, ctx ? ctx->final_norm : norm_scratch).reshape({B * T, C});
+  *loss = gpt_parts::tied_output_loss(hidden, targets.reshape({B * T}), wte, dtype, grad_scale,
+                                      ctx ? &ctx->doutput : nullptr, output_cache_);
   return Tensor();
 }
 

@@ -304,9 +304,20 @@ Tensor TensorParallelGPT::forward(int chunk, const Tensor& input, const Tensor& 
                                   const Tensor& targets, DType dtype, float grad_scale,
                                   PipelineModel::Context& base) {
   Context& ctx = own_context(base);
+  return run_forward(chunk, input, ids, targets, dtype, grad_scale, &ctx, &ctx.loss);
+}
+
+Tensor TensorParallelGPT::evaluate(int chunk, const Tensor& input, const Tensor& ids,
+                                   const Tensor& targets, DType dtype, float* loss) {
+  return run_forward(chunk, input, ids, targets, dtype, 1.0f, nullptr, loss);
+}
+
+Tensor TensorParallelGPT::run_forward(int chunk, const Tensor& input, const Tensor& ids,
+                                      const Tensor& targets, DType dtype, float grad_scale,
+                                      Context* ctx, float* loss) {
   check_micro_batch(ids, dtype);
   const int64_t B = ids.dim(0), T = ids.dim(1);
-  ctx.ids = ids;
+  if (ctx) ctx->ids = ids;
   Tensor h;
   if (is_first(chunk)) {
     const Tensor x = embed(ids);
@@ -317,12 +328,14 @@ Tensor TensorParallelGPT::forward(int chunk, const Tensor& input, const Tensor& 
     check_dtype(input, dtype, what);
     h = input;
   }
-  h = layers_forward(chunk, std::move(h), B, T, &ctx.layers);
+  h = layers_forward(chunk, std::move(h), B, T, ctx ? &ctx->layers : nullptr);
   if (!is_last(chunk)) return h;
   check_shape(targets, ids.shape(), "tensor-parallel gpt: targets", "B,T");
-  const Tensor hidden = final_norm_->forward(h, ctx.final_norm);
+  Norm::Context norm_scratch;
+  const Tensor hidden = final_norm_->forward(h, ctx ? ctx->final_norm : norm_scratch);
   h = Tensor();
-  ctx.loss = output_loss(hidden, targets.reshape({B * T}), dtype, grad_scale, &ctx.doutput);
+  *loss = output_loss(hidden, targets.reshape({B * T}), dtype, grad_scale,
+                      ctx ? &ctx->doutput : nullptr);
   return Tensor();
 }
 
@@ -366,14 +379,9 @@ float TensorParallelGPT::evaluate(const Tensor& ids, const Tensor& targets, DTyp
               "tensor-parallel gpt: evaluate needs the whole model; this rank "
               "holds pipeline stages of ",
               stages_);
-  check_micro_batch(ids, dtype);
-  check_shape(targets, ids.shape(), "tensor-parallel gpt: targets", "B,T");
-  const Tensor x = embed(ids);
-  Tensor h =
-      layers_forward(0, dtype == DType::F32 ? x : x.to(dtype), ids.dim(0), ids.dim(1), nullptr);
-  Norm::Context scratch;
-  const Tensor hidden = final_norm_->forward(h, scratch);
-  return output_loss(hidden, targets.reshape({targets.numel()}), dtype, 1.0f, nullptr);
+  float loss = 0.0f;
+  evaluate(0, Tensor(), ids, targets, dtype, &loss);
+  return loss;
 }
 
 }  // namespace octet

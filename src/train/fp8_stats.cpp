@@ -1,7 +1,9 @@
-// FP8 health during training: gathers the stats every Fp8State of a GPT measured in a step
-// (the metrics line's "fp8" object) and summarizes them over the run.
+// FP8 state of a GPT in training: the list of its Fp8States and their checkpoint indices at
+// any layout, the amax reduction across ranks, and FP8 health (the stats every Fp8State
+// measured in a step, the metrics line's "fp8" object, summarized over the run).
 #include <algorithm>
 #include <cstdio>
+#include <cstring>
 
 #include "octet/model.h"
 #include "octet/parallel.h"
@@ -30,6 +32,32 @@ std::vector<Fp8State*> fp8_states(GPTStage& stage) {
       out.push_back(&layer.layernorm_mlp.fc1.fp8_state());
       out.push_back(&layer.layernorm_mlp.fc2.fp8_state());
     }
+  }
+  return out;
+}
+
+std::vector<int64_t> fp8_state_indices(size_t states) {
+  std::vector<int64_t> out(states);
+  for (size_t i = 0; i < states; ++i) out[i] = static_cast<int64_t>(i);
+  return out;
+}
+
+std::vector<int64_t> fp8_state_indices(const PipelineModel& part, size_t states,
+                                       int64_t num_layers) {
+  const int64_t per_stage = num_layers / part.stages();
+  const int64_t layers_held = per_stage * part.chunks();
+  OCTET_CHECK(layers_held > 0 && static_cast<int64_t>(states) % layers_held == 0,
+              "fp8 states: ", states, " states over ", layers_held,
+              " layers held: expected the same number per layer");
+  const int64_t per_layer = static_cast<int64_t>(states) / layers_held;
+  // The part lists its chunks in stage order, each chunk's layers in order.
+  const std::vector<int> chunks = part.chunks_in_stage_order();
+  std::vector<int64_t> out(states);
+  for (int64_t i = 0; i < static_cast<int64_t>(states); ++i) {
+    const int64_t local_layer = i / per_layer;
+    const int stage = part.stage_of_chunk(chunks[static_cast<size_t>(local_layer / per_stage)]);
+    const int64_t layer = stage * per_stage + local_layer % per_stage;
+    out[static_cast<size_t>(i)] = layer * per_layer + i % per_layer;
   }
   return out;
 }
@@ -75,6 +103,23 @@ nlohmann::json take_fp8_stats(const std::vector<Fp8State*>& states) {
     state->clear_stats();
   }
   return out;
+}
+
+nlohmann::json gather_fp8_stats(const nlohmann::json& mine, Communicator& group) {
+  if (group.size() == 1) return mine;
+  // Each rank's JSON text in one row, padded with NULs to the longest.
+  const std::string text = mine.dump();
+  const auto longest =
+      static_cast<int64_t>(group.all_reduce(static_cast<double>(text.size()), ReduceOp::Max));
+  Tensor row = Tensor::zeros({1, longest}, DType::U8);
+  std::memcpy(row.raw(), text.data(), text.size());
+  const Tensor rows = group.all_gather(row);
+  nlohmann::json merged = nlohmann::json::object();
+  for (int r = 0; r < group.size(); ++r) {
+    const char* begin = static_cast<const char*>(rows.raw()) + r * longest;
+    merged.update(nlohmann::json::parse(std::string(begin, strnlen(begin, longest))));
+  }
+  return merged;
 }
 
 void Fp8StatsSummary::add(const nlohmann::json& step_stats) {

@@ -203,13 +203,6 @@ TrainResult train_gpt(const TrainOptions& o) {
                 "octet train: --recompute-activations with tensor parallelism is not "
                 "implemented yet");
   }
-  if (pipelined) {
-    // What the pipeline path does not cover yet: each is a clear error, not a silent skip.
-    OCTET_CHECK(!o.fp8_stats && (!fp8 || (o.save.empty() && o.load.empty())) &&
-                    (o.eval_iters == 0 || (!o.mock_data && o.valid_data.empty())),
-                "octet train: with --pipeline-model-parallel-size > 1, --fp8-stats, FP8 "
-                "checkpoints and validation (--eval-iters > 0) are not implemented yet");
-  }
   const int64_t dp = parallel.data_size(), dp_rank = parallel.data_rank();
   OCTET_CHECK(global_batch % (o.micro_batch_size * dp) == 0, "--global-batch-size (", global_batch,
               ") must be a multiple of --micro-batch-size (", o.micro_batch_size,
@@ -232,7 +225,7 @@ TrainResult train_gpt(const TrainOptions& o) {
                 entropy);
   }
   std::unique_ptr<Batcher> valid_batches;
-  if (!pipelined && (o.mock_data || !o.valid_data.empty())) {
+  if (o.mock_data || !o.valid_data.empty()) {
     valid_batches = std::make_unique<Batcher>(o.mock_data ? "" : o.valid_data, o.mock_data,
                                               config.vocab_size, T, o.seed, 2);
   }
@@ -278,18 +271,6 @@ TrainResult train_gpt(const TrainOptions& o) {
     loaded_optimizer = std::move(checkpoint.optimizer);
     loaded_steps = count("optimizer_steps");
     start_iteration = count("iteration");
-    if (fp8) {
-      // Amax histories and scales continue where they were, so FP8 resumes exactly.
-      std::vector<Fp8State*> states = tp_model ? tp_model->fp8_states()
-                                      : gpt    ? fp8_states(*gpt)
-                                               : std::vector<Fp8State*>{};
-      for (size_t i = 0; i < states.size(); ++i) {
-        std::string prefix = "fp8." + std::to_string(i) + ".";
-        if (loaded_optimizer.count(prefix + "calls")) {
-          states[i]->load_state(loaded_optimizer, prefix, recipe);
-        }
-      }
-    }
   }
 
   // Pipeline parallelism: this rank's stages of the model, run by the schedule's executor.
@@ -392,7 +373,7 @@ TrainResult train_gpt(const TrainOptions& o) {
           local[p->name + suffix] = tp_model->shard(*p, it->second);
         }
       }
-      loaded_optimizer = std::move(local);
+      for (auto& [name, tensor] : local) loaded_optimizer[name] = tensor;
     }
     if (!o.use_distributed_optimizer) {
       // Clipping needs the norm over every shard: AdamW clips nothing, the loop does.
@@ -466,6 +447,24 @@ TrainResult train_gpt(const TrainOptions& o) {
     }
   }
 
+  // This rank's FP8 states, each with its index in the whole GPT's list: checkpoint entries
+  // fp8.{i}. name the same GEMM at every layout.
+  const std::vector<Fp8State*> fp8_part = tp_model ? tp_model->fp8_states()
+                                          : stage  ? fp8_states(*stage)
+                                                   : fp8_states(*gpt);
+  const std::vector<int64_t> fp8_index =
+      pipeline_part ? fp8_state_indices(*pipeline_part, fp8_part.size(), config.num_layers)
+                    : fp8_state_indices(fp8_part.size());
+  if (fp8 && !o.load.empty()) {
+    // Amax histories and scales continue where they were, so FP8 resumes exactly.
+    for (size_t i = 0; i < fp8_part.size(); ++i) {
+      const std::string prefix = "fp8." + std::to_string(fp8_index[i]) + ".";
+      if (loaded_optimizer.count(prefix + "calls")) {
+        fp8_part[i]->load_state(loaded_optimizer, prefix, recipe);
+      }
+    }
+  }
+
   const double peak = o.peak_gflops > 0 ? o.peak_gflops : measure_bf16_peak_gflops();
   const double flops_per_token = config.train_flops_per_token(T);
   const int64_t tokens_per_iteration = global_batch * T;
@@ -500,7 +499,11 @@ TrainResult train_gpt(const TrainOptions& o) {
       Tensor ids, targets;
       valid_batches->fill(k, o.micro_batch_size, ids, targets);
       fp8_autocast scope(fp8, recipe);
-      if (tp_model) {
+      if (executor) {
+        // Through the pipeline stages, forward only (the executor's after_compute keeps the
+        // FP8 amaxes equal over each stage's tensor x data ranks).
+        sum += executor->evaluate({ids}, {targets});
+      } else if (tp_model) {
         sum += tp_model->evaluate(ids, targets, dtype);
         // The shards' weight amaxes differ: reduce so the tensor ranks keep equal scales.
         if (delayed_scaling) reduce_fp8_amax(tp_model->fp8_states(), parallel.tensor());
@@ -527,6 +530,9 @@ TrainResult train_gpt(const TrainOptions& o) {
       }
       checkpoint.optimizer = std::move(whole);
     }
+    for (size_t i = 0; i < fp8_part.size(); ++i) {
+      fp8_part[i]->save_state(checkpoint.optimizer, "fp8." + std::to_string(fp8_index[i]) + ".");
+    }
     if (executor) {
       // Each pipeline stage writes its own part (sharded, collective).
       if (stage) checkpoint.model = to_hf_gpt2_names(stage->state_dict());
@@ -540,10 +546,6 @@ TrainResult train_gpt(const TrainOptions& o) {
     }
     if (!chief) return;
     if (gpt) checkpoint.model = to_hf_gpt2_names(gpt->state_dict());
-    std::vector<Fp8State*> states = gpt ? fp8_states(*gpt) : tp_model->fp8_states();
-    for (size_t i = 0; i < states.size(); ++i) {
-      states[i]->save_state(checkpoint.optimizer, "fp8." + std::to_string(i) + ".");
-    }
     checkpoint.trainer = {{"iteration", iteration},
                           {"optimizer_steps", optimizer_steps()},
                           {"config", config.to_json()},
@@ -575,6 +577,7 @@ TrainResult train_gpt(const TrainOptions& o) {
                            o.micro_batch_size, ids[micro], targets[micro]);
       }
       fp8_autocast scope(fp8, recipe);
+      fp8_stats_scope stats_scope(o.fp8_stats);
       loss = executor->train_step(ids, targets, 1.0f / static_cast<float>(accumulation * dp)) *
              static_cast<double>(accumulation);
     } else {
@@ -606,11 +609,10 @@ TrainResult train_gpt(const TrainOptions& o) {
     }
     if (ddp) ddp->finish_grad_sync();
     loss = parallel.data().all_reduce(loss, ReduceOp::Sum) / static_cast<double>(accumulation * dp);
-    // The step's last micro-batch, per quantized tensor.
-    // Under TP: tensor rank 0's shards (rank 0 writes the metrics).
-    const nlohmann::json fp8_stats =
-        o.fp8_stats ? take_fp8_stats(tp_model ? tp_model->fp8_states() : fp8_states(*gpt))
-                    : nlohmann::json();
+    // The step's last micro-batch, per quantized tensor. Under TP: tensor rank 0's shards
+    // (rank 0 writes the metrics); under PP every stage's, gathered over the pipeline ranks.
+    nlohmann::json fp8_stats = o.fp8_stats ? take_fp8_stats(fp8_part) : nlohmann::json();
+    if (o.fp8_stats && executor) fp8_stats = gather_fp8_stats(fp8_stats, parallel.pipeline());
     double grad_norm = 0;
     if (executor) {
       if (zero) {

@@ -81,6 +81,43 @@ close() {
 close 2 "FP8 TP=2" --tensor-model-parallel-size 2
 close 2 "FP8 TP=2 sequence-parallel" --tensor-model-parallel-size 2 --sequence-parallel
 close 4 "FP8 TP=2 x PP=2" --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2
+close 2 "FP8 PP=2" --pipeline-model-parallel-size 2
+# Validation runs through the pipeline stages (forward only): the single process's losses.
+eval_common=(--config "$config" --mock-data --precision fp32 --micro-batch-size 2
+  --global-batch-size 8 --train-iters 2 --log-interval 1 --eval-iters 3 --eval-interval 1
+  --peak-gflops 100)
+val_losses() { grep -o 'val loss [0-9.]*' | tr '\n' ' '; }
+val_reference="$(OMP_NUM_THREADS=1 "$octet" train "${eval_common[@]}" | val_losses)"
+validate() {
+  local ranks="$1" name="$2"
+  shift 2
+  local got
+  got="$(OMP_NUM_THREADS=1 mpiexec -n "$ranks" --oversubscribe "$octet" train \
+    "${eval_common[@]}" "$@" | val_losses)"
+  if [ -n "$val_reference" ] && [ "$got" = "$val_reference" ]; then
+    echo "ok   validation $name: $got"
+  else
+    echo "FAIL validation $name: '$got' (expected '$val_reference')"
+    status=1
+  fi
+}
+validate 2 "PP=2" --pipeline-model-parallel-size 2
+validate 4 "PP=2 x DP=2" --pipeline-model-parallel-size 2
+validate 2 "PP=2 DualPipe" --pipeline-model-parallel-size 2 --pipeline-schedule dualpipe
+validate 4 "TP=2 x PP=2 sequence-parallel" --tensor-model-parallel-size 2 \
+  --pipeline-model-parallel-size 2 --sequence-parallel
+# --fp8-stats under PP: every stage's tensors, gathered on rank 0, give the single process's
+# summary table (amax, scales, underflow and saturation of all 24 quantized tensors).
+fp8_table() { sed -n '/^FP8 tensors over/,$p'; }
+stats_reference="$(OMP_NUM_THREADS=1 "$octet" train "${fp8_common[@]}" --fp8-stats | fp8_table)"
+stats="$(OMP_NUM_THREADS=1 mpiexec -n 2 --oversubscribe "$octet" train "${fp8_common[@]}" \
+  --fp8-stats --pipeline-model-parallel-size 2 | fp8_table)"
+if [ "$(echo "$stats_reference" | wc -l)" -gt 20 ] && [ "$stats" = "$stats_reference" ]; then
+  echo "ok   FP8 stats PP=2: the single process's table"
+else
+  echo "FAIL FP8 stats PP=2:"; echo "$stats"; echo "expected:"; echo "$stats_reference"
+  status=1
+fi
 # A checkpoint written at one layout resumes at another with the uninterrupted run's losses
 # (constant learning rate, so the schedule does not depend on --train-iters).
 dir="$(mktemp -d)"
@@ -122,7 +159,9 @@ resume "TP=2 x PP=2 (sharded) -> 1 process" 4 1 \
   "--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --sequence-parallel" ""
 resume "1 process -> TP=2 x PP=2" 1 4 "" \
   "--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --pipeline-schedule zb1p"
-# FP8 under TP resumes its amax histories and scales: bit for bit the uninterrupted run.
+# FP8 under TP and PP resumes its amax histories and scales: bit for bit the uninterrupted
+# run. FP8 PP=2 computes what one process does, so its checkpoint (each stage's states under
+# their whole-model indices) also resumes in one process exactly.
 fp8_tp=("${constant[@]/fp32/fp8}" --tensor-model-parallel-size 2)
 tp2() { OMP_NUM_THREADS=1 mpiexec -n 2 --oversubscribe "$octet" train "${fp8_tp[@]}" "$@"; }
 uninterrupted="$(tp2 --train-iters 6 | later)"
@@ -135,6 +174,26 @@ else
   echo "FAIL resume FP8 TP=2 -> FP8 TP=2: '$got' (expected '$uninterrupted')"
   status=1
 fi
+fp8_constant=("${constant[@]/fp32/fp8}")
+uninterrupted="$(OMP_NUM_THREADS=1 "$octet" train "${fp8_constant[@]}" --train-iters 6 | later)"
+rm -rf "$dir/ckpt"
+OMP_NUM_THREADS=1 mpiexec -n 2 --oversubscribe "$octet" train "${fp8_constant[@]}" \
+  --train-iters 3 --pipeline-model-parallel-size 2 --save "$dir/ckpt" >/dev/null
+for target in "PP=2" "1 process"; do
+  if [ "$target" = "PP=2" ]; then
+    got="$(OMP_NUM_THREADS=1 mpiexec -n 2 --oversubscribe "$octet" train "${fp8_constant[@]}" \
+      --train-iters 6 --pipeline-model-parallel-size 2 --load "$dir/ckpt" | later)"
+  else
+    got="$(OMP_NUM_THREADS=1 "$octet" train "${fp8_constant[@]}" --train-iters 6 \
+      --load "$dir/ckpt" | later)"
+  fi
+  if [ -n "$got" ] && [ "$got" = "$uninterrupted" ]; then
+    echo "ok   resume FP8 PP=2 -> FP8 $target: $got"
+  else
+    echo "FAIL resume FP8 PP=2 -> FP8 $target: '$got' (expected '$uninterrupted')"
+    status=1
+  fi
+done
 # Sizes that do not fit are clear errors, not hangs.
 if OMP_NUM_THREADS=1 mpiexec -n 2 --oversubscribe "$octet" train "${common[@]}" \
   --tensor-model-parallel-size 3 >/tmp/octet-layouts-err.txt 2>&1; then

@@ -213,6 +213,45 @@ TEST(Fp8Stats, GptStepReportsEveryQuantizedTensor) {
   EXPECT_NE(summary.table().find("transformer.h.1.layernorm_mlp.fc1.input"), std::string::npos);
 }
 
+// Checkpoints name FP8 states by their index in the whole GPT's list: a pipeline stage's
+// states (here interleaved: stages 1 and 3 of 4 on one rank) map to the same GEMMs there.
+TEST(Fp8Stats, StageStateIndicesNameTheWholeModelsGemms) {
+  GPTConfig config = GPTConfig::from_json({{"vocab_size", 64},
+                                           {"max_seq_len", 16},
+                                           {"num_layers", 8},
+                                           {"hidden", 32},
+                                           {"num_heads", 4}});
+  GPT model(config, 1);
+  GPTStage stage(config, 1, /*stages=*/4, /*stage_of_chunk=*/{3, 1});
+  const std::vector<Fp8State*> whole = fp8_states(model), part = fp8_states(stage);
+  ASSERT_EQ(whole.size(), 32u);
+  ASSERT_EQ(part.size(), 16u);
+  const std::vector<int64_t> index = fp8_state_indices(stage, part.size(), config.num_layers);
+  // Stage 1 holds layers 2-3 (states 8-15), stage 3 layers 6-7 (24-31), in stage order.
+  std::vector<int64_t> expected;
+  for (int64_t i = 8; i < 16; ++i) expected.push_back(i);
+  for (int64_t i = 24; i < 32; ++i) expected.push_back(i);
+  EXPECT_EQ(index, expected);
+  // The same GEMMs: one FP8 forward each, then the stats carry the module names.
+  Tensor ids = Tensor::zeros({1, 16}, DType::I32), targets = Tensor::zeros({1, 16}, DType::I32);
+  {
+    fp8_stats_scope stats;
+    fp8_autocast scope(true, recipe::DelayedScaling{});
+    model.evaluate(ids, targets, DType::BF16);
+    GPTStage::Context ctx;
+    Tensor h = Tensor::zeros({1, 16, 32}, DType::BF16);
+    stage.forward(1, h, ids, targets, DType::BF16, 1.0f, ctx);
+    stage.forward(0, h, ids, targets, DType::BF16, 1.0f, ctx);
+  }
+  for (size_t i = 0; i < part.size(); ++i) {
+    const auto theirs = whole[static_cast<size_t>(index[i])]->stats();
+    const auto ours = part[i]->stats();
+    ASSERT_EQ(ours.size(), theirs.size());
+    for (size_t k = 0; k < ours.size(); ++k) EXPECT_EQ(ours[k].first, theirs[k].first);
+  }
+  EXPECT_EQ(fp8_state_indices(3), (std::vector<int64_t>{0, 1, 2}));
+}
+
 TEST(Fp8Stats, SummaryAggregatesSteps) {
   Fp8StatsSummary summary;
   summary.add({{"a", {{"amax", 2.0}, {"scale", 100.0}, {"underflow", 0.1}, {"saturated", 0.0}}}});

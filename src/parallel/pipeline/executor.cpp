@@ -311,4 +311,48 @@ float PipelineExecutor::train_step(const std::vector<Tensor>& ids,
   return static_cast<float>(loss / static_cast<double>(micro_batches));
 }
 
+double PipelineExecutor::evaluate(const std::vector<Tensor>& ids,
+                                  const std::vector<Tensor>& targets) {
+  State& s = *state_;
+  OCTET_CHECK(ids.size() == targets.size(), "pipeline executor: evaluate expected as many ids (",
+              ids.size(), ") as targets (", targets.size(), ")");
+  const std::vector<Place>& route = s.schedule.routes.at(0);
+  const int stages = s.schedule.stages;
+  Communicator& pipeline = s.parallel.pipeline();
+  double loss_sum = 0.0;
+  for (size_t m = 0; m < ids.size(); ++m) {
+    Tensor activation;
+    for (int stage = 0; stage < stages; ++stage) {
+      const Place& here = route[static_cast<size_t>(stage)];
+      const int from = stage > 0 ? route[static_cast<size_t>(stage - 1)].rank : here.rank;
+      // Tags of training's micro-batch 0 boundaries: evaluation never overlaps a step.
+      const int tag = s.tag(0, std::max(stage - 1, 0), false);
+      if (here.rank != s.rank) {
+        if (from == s.rank) {
+          pipeline.isend(activation, here.rank, tag).wait(s.options.receive_timeout_seconds);
+        }
+        activation = Tensor();
+        continue;
+      }
+      if (from != s.rank) {
+        activation =
+            Tensor::empty(s.model.activation_shape(ids[m].dim(0), ids[m].dim(1)), s.options.dtype);
+        Work work = pipeline.irecv(activation, from, tag);
+        try {
+          work.wait(s.options.receive_timeout_seconds);
+        } catch (...) {
+          s.abandoned.push_back(activation);  // MPI may still write into it
+          throw;
+        }
+      }
+      float loss = 0.0f;
+      activation =
+          s.model.evaluate(here.chunk, activation, ids[m], targets[m], s.options.dtype, &loss);
+      if (s.options.after_compute) s.options.after_compute();
+      if (stage == stages - 1) loss_sum += loss;
+    }
+  }
+  return pipeline.all_reduce(loss_sum, ReduceOp::Sum);
+}
+
 }  // namespace octet::pipeline
