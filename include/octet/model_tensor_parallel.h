@@ -68,8 +68,11 @@ class TensorParallelGPT : public PipelineModel {
   // by `stages`; with sequence_parallel, B*T divisible by TP at run time. Clear errors
   // otherwise. stages = 1, stage_of_chunk = {0}: the whole model; otherwise chunk c holds
   // pipeline stage stage_of_chunk[c] of `stages` (pipeline::stages_of_rank).
+  // recompute_activations: each layer keeps only its input; backward recomputes its forward
+  // (collectives included, as Megatron's full recomputation does) with the FP8 scales frozen.
   TensorParallelGPT(const GPTConfig& config, uint64_t seed, bool sequence_parallel,
-                    Communicator& tp, int stages = 1, std::vector<int> stage_of_chunk = {0});
+                    Communicator& tp, int stages = 1, std::vector<int> stage_of_chunk = {0},
+                    bool recompute_activations = false);
 
   // One micro-batch as GPT::train_step (the whole model only): ids, targets [B,T] I32, dtype
   // F32|BF16. Gradients accumulate (scaled by grad_scale); under sequence parallelism the
@@ -78,10 +81,18 @@ class TensorParallelGPT : public PipelineModel {
   float train_step(const Tensor& ids, const Tensor& targets, DType dtype, float grad_scale);
   float evaluate(const Tensor& ids, const Tensor& targets, DType dtype);
 
-  // One TransformerLayer's contexts.
+  // One TransformerLayer's contexts; under recomputation only its input until backward.
   struct LayerContext {
     TensorParallelSelfAttention::Context attention;
     TensorParallelLayerNormMLP::Context mlp;
+    Tensor input;  // [B*T(/TP), C]: kept for recomputation
+    int64_t batch = 0, seq_len = 0;
+    std::optional<recipe::Recipe> fp8_recipe;  // the forward's, replayed with frozen scales
+    // Each Linear's forward FP8 meta as the forward left it (its scales, its amaxes): the
+    // recomputation quantizes with these, not with scales a later micro-batch's forward
+    // (pipeline schedules) has moved on to, and records nothing into the live histories.
+    std::vector<FP8Meta> fp8_forward_metas;
+    bool recompute = false;
   };
   // The pipeline interface (collective over the tensor group, like everything here).
   struct Context : PipelineModel::Context {
@@ -166,6 +177,9 @@ class TensorParallelGPT : public PipelineModel {
   Tensor layers_forward(int chunk, Tensor h, int64_t B, int64_t T,
                         std::vector<LayerContext>* contexts);
   Tensor layers_backward(int chunk, Tensor d, std::vector<LayerContext>& contexts);
+  // One layer: x + attention(x), then h + mlp(h).
+  Tensor layer_forward(Layer& layer, const Tensor& x, int64_t B, int64_t T, LayerContext& ctx);
+  static std::vector<Linear*> linears(Layer& layer);  // QKV, projection, FC1, FC2
   // The tied output layer + loss over hidden [N(/TP), C]; dhidden shaped like hidden.
   float output_loss(const Tensor& hidden, const Tensor& targets, DType dtype, float grad_scale,
                     Tensor* dhidden);
@@ -174,6 +188,7 @@ class TensorParallelGPT : public PipelineModel {
 
   GPTConfig config_;
   bool sequence_parallel_;
+  bool recompute_activations_ = false;
   Communicator* tp_;
   VocabRange vocab_;
   int stages_ = 1;

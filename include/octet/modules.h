@@ -531,6 +531,10 @@ class TransformerLayer : public Module {
     uint64_t dropout_offset = 0;  // this forward's first hidden-dropout offset
     uint64_t self_attention_rng = 0, inter_attention_rng = 0;
     bool recompute = false;  // backward must recompute the forward first
+    // Each FP8 state's forward meta as the forward left it: the recomputation quantizes with
+    // these, not with scales a later micro-batch's forward (pipeline schedules) moved on to,
+    // and records nothing into the live amax histories.
+    std::vector<FP8Meta> fp8_forward_metas;
     MultiheadAttention::Context self_attention, inter_attention;
     LayerNormMLP::Context mlp;
     // Post-layernorm residuals: the norm re-applied (its output is the residual).
@@ -556,6 +560,8 @@ class TransformerLayer : public Module {
   // Inference over T new tokens with the KV cache (encoder layers; dropout off, no contexts
   // kept): x [B,T,C] -> [B,T,C]. See MultiheadAttention::forward_inference.
   Tensor forward_inference(const Tensor& x, InferenceParams& params, int64_t layer_number);
+  // Every FP8 state: self-attention's, cross-attention's, then FC1 and FC2.
+  std::vector<Fp8State*> fp8_states();
 
   MultiheadAttention self_attention;
   std::optional<MultiheadAttention> inter_attention;
@@ -564,7 +570,6 @@ class TransformerLayer : public Module {
 
  private:
   void run_forward(const Tensor& x, const Tensor* encoder_output, Context& ctx, Tensor& out);
-  void set_fp8_recomputing(bool recomputing);
   TransformerLayerOptions options_;
   uint64_t dropout_offset_ = 0;
 };

@@ -46,9 +46,11 @@ Tensor residual_add(const Tensor& branch, const Tensor& residual) {
 }  // namespace
 
 TensorParallelGPT::TensorParallelGPT(const GPTConfig& config, uint64_t seed, bool sequence_parallel,
-                                     Communicator& tp, int stages, std::vector<int> stage_of_chunk)
+                                     Communicator& tp, int stages, std::vector<int> stage_of_chunk,
+                                     bool recompute_activations)
     : config_(checked(config, tp)),
       sequence_parallel_(sequence_parallel),
+      recompute_activations_(recompute_activations),
       tp_(&tp),
       vocab_(vocab_range(config.vocab_size, tp.rank(), tp.size())),
       stages_(stages),
@@ -243,14 +245,36 @@ Tensor TensorParallelGPT::layers_forward(int chunk, Tensor h, int64_t B, int64_t
   if (contexts) contexts->assign(stack.size(), LayerContext{});
   for (size_t i = 0; i < stack.size(); ++i) {
     LayerContext scratch;
-    LayerContext& ctx = contexts ? (*contexts)[i] : scratch;
-    Layer& layer = *stack[i];
-    const Tensor attention = layer.attention.forward(h, B, T, ctx.attention);
-    h = residual_add(attention, h);
-    const Tensor mlp = layer.mlp.forward(h, ctx.mlp);
-    h = residual_add(mlp, h);
+    if (contexts && recompute_activations_) {
+      LayerContext& kept = (*contexts)[i];
+      kept.input = h;
+      kept.batch = B;
+      kept.seq_len = T;
+      if (fp8_enabled()) kept.fp8_recipe = fp8_recipe();
+      kept.recompute = true;
+    }
+    LayerContext& ctx = contexts && !recompute_activations_ ? (*contexts)[i] : scratch;
+    h = layer_forward(*stack[i], h, B, T, ctx);
+    if (contexts && recompute_activations_ && fp8_enabled()) {
+      for (Linear* linear : linears(*stack[i])) {
+        (*contexts)[i].fp8_forward_metas.push_back(linear->fp8_state().forward_meta());
+      }
+    }
   }
   return h;
+}
+
+std::vector<Linear*> TensorParallelGPT::linears(Layer& layer) {
+  return {&layer.attention.qkv.linear, &layer.attention.proj.linear, &layer.mlp.fc1.linear,
+          &layer.mlp.fc2.linear};
+}
+
+Tensor TensorParallelGPT::layer_forward(Layer& layer, const Tensor& x, int64_t B, int64_t T,
+                                        LayerContext& ctx) {
+  const Tensor attention = layer.attention.forward(x, B, T, ctx.attention);
+  const Tensor h = residual_add(attention, x);
+  const Tensor mlp = layer.mlp.forward(h, ctx.mlp);
+  return residual_add(mlp, h);
 }
 
 Tensor TensorParallelGPT::layers_backward(int chunk, Tensor d,
@@ -260,6 +284,31 @@ Tensor TensorParallelGPT::layers_backward(int chunk, Tensor d,
               " before its forward");
   for (size_t i = stack.size(); i-- > 0;) {
     Layer& layer = *stack[i];
+    if (contexts[i].recompute) {
+      // Replay the forward as it ran: its FP8 recipe and metas (no step counted), then the
+      // live metas back.
+      LayerContext& kept = contexts[i];
+      LayerContext fresh;
+      const std::vector<Linear*> fp8_linears =
+          kept.fp8_recipe ? linears(layer) : std::vector<Linear*>{};
+      std::vector<FP8Meta> live;
+      for (size_t k = 0; k < fp8_linears.size(); ++k) {
+        Fp8State& state = fp8_linears[k]->fp8_state();
+        live.push_back(std::exchange(state.mutable_forward_meta(), kept.fp8_forward_metas.at(k)));
+        state.set_recomputing(true);
+      }
+      {
+        fp8_autocast scope(kept.fp8_recipe.has_value(),
+                           kept.fp8_recipe.value_or(recipe::DelayedScaling{}));
+        layer_forward(layer, kept.input, kept.batch, kept.seq_len, fresh);
+      }
+      for (size_t k = 0; k < fp8_linears.size(); ++k) {
+        Fp8State& state = fp8_linears[k]->fp8_state();
+        state.mutable_forward_meta() = std::move(live[k]);
+        state.set_recomputing(false);
+      }
+      contexts[i] = std::move(fresh);
+    }
     const Tensor dmlp = layer.mlp.backward(d, contexts[i].mlp);
     const Tensor dh = residual_add(dmlp, d);
     const Tensor dattention = layer.attention.backward(dh, contexts[i].attention);

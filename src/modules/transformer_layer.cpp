@@ -2,6 +2,8 @@
 // to its residual by bias_dropout_add, in TransformerEngine's arrangement of pre-norm,
 // post-norm (output_layernorm) and post-layernorm residuals. With `checkpoint` only the
 // inputs are kept and backward replays the forward with the same FP8 scales and dropout masks.
+#include <utility>
+
 #include "modules/common.h"
 #include "modules/tensor_columns.h"
 #include "octet/ops/dropout.h"
@@ -113,14 +115,14 @@ void TransformerLayer::on_parameters_updated() {
   layernorm_mlp.on_parameters_updated();
 }
 
-void TransformerLayer::set_fp8_recomputing(bool recomputing) {
+std::vector<Fp8State*> TransformerLayer::fp8_states() {
   std::vector<Fp8State*> states = self_attention.fp8_states();
   if (inter_attention) {
     for (Fp8State* s : inter_attention->fp8_states()) states.push_back(s);
   }
   states.push_back(&layernorm_mlp.fc1.fp8_state());
   states.push_back(&layernorm_mlp.fc2.fp8_state());
-  for (Fp8State* s : states) s->set_recomputing(recomputing);
+  return states;
 }
 
 void TransformerLayer::run_forward(const Tensor& x, const Tensor* encoder_output, Context& ctx,
@@ -196,6 +198,11 @@ Tensor TransformerLayer::forward(const Tensor& x, Context& ctx, const Tensor* en
     kept.self_attention_rng = ctx.self_attention_rng;
     kept.inter_attention_rng = ctx.inter_attention_rng;
     kept.recompute = true;
+    if (kept.fp8_recipe) {
+      for (Fp8State* state : fp8_states()) {
+        kept.fp8_forward_metas.push_back(state->forward_meta());
+      }
+    }
     ctx = std::move(kept);
   }
   return out;
@@ -251,13 +258,22 @@ Tensor TransformerLayer::backward(const Tensor& dy, Context& ctx, Tensor* d_enco
     dropout_offset_ = ctx.dropout_offset;
     self_attention.core_attention.set_rng_offset(ctx.self_attention_rng);
     if (inter_attention) inter_attention->core_attention.set_rng_offset(ctx.inter_attention_rng);
+    const std::vector<Fp8State*> states = ctx.fp8_recipe ? fp8_states() : std::vector<Fp8State*>{};
+    std::vector<FP8Meta> live;
+    for (size_t k = 0; k < states.size(); ++k) {
+      live.push_back(
+          std::exchange(states[k]->mutable_forward_meta(), std::move(ctx.fp8_forward_metas.at(k))));
+      states[k]->set_recomputing(true);
+    }
     {
       fp8_autocast scope(ctx.fp8_recipe.has_value(),
                          ctx.fp8_recipe.value_or(recipe::DelayedScaling{}));
-      set_fp8_recomputing(true);
       Tensor input = ctx.input, encoder_output = ctx.encoder_output, unused;
       run_forward(input, inter_attention ? &encoder_output : nullptr, ctx, unused);
-      set_fp8_recomputing(false);
+    }
+    for (size_t k = 0; k < states.size(); ++k) {
+      states[k]->mutable_forward_meta() = std::move(live[k]);
+      states[k]->set_recomputing(false);
     }
     dropout_offset_ = dropout_now;
     self_attention.core_attention.set_rng_offset(self_rng_now);

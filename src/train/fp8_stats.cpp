@@ -14,12 +14,7 @@ namespace octet {
 std::vector<Fp8State*> fp8_states(GPT& model) {
   std::vector<Fp8State*> out;
   for (TransformerLayer& layer : model.layers()) {
-    for (Fp8State* s : layer.self_attention.fp8_states()) out.push_back(s);
-    if (layer.inter_attention) {
-      for (Fp8State* s : layer.inter_attention->fp8_states()) out.push_back(s);
-    }
-    out.push_back(&layer.layernorm_mlp.fc1.fp8_state());
-    out.push_back(&layer.layernorm_mlp.fc2.fp8_state());
+    for (Fp8State* s : layer.fp8_states()) out.push_back(s);
   }
   return out;
 }
@@ -28,9 +23,7 @@ std::vector<Fp8State*> fp8_states(GPTStage& stage) {
   std::vector<Fp8State*> out;
   for (int chunk : stage.chunks_in_stage_order()) {
     for (TransformerLayer& layer : stage.layers(chunk)) {
-      for (Fp8State* s : layer.self_attention.fp8_states()) out.push_back(s);
-      out.push_back(&layer.layernorm_mlp.fc1.fp8_state());
-      out.push_back(&layer.layernorm_mlp.fc2.fp8_state());
+      for (Fp8State* s : layer.fp8_states()) out.push_back(s);
     }
   }
   return out;

@@ -197,12 +197,6 @@ TrainResult train_gpt(const TrainOptions& o) {
                          static_cast<int>(o.pipeline_model_parallel_size));
   const bool pipelined = parallel.pipeline_size() > 1;
   const bool tensor_parallel = parallel.tensor_size() > 1;
-  if (tensor_parallel) {
-    // What the tensor-parallel path does not cover yet: a clear error.
-    OCTET_CHECK(!o.recompute_activations,
-                "octet train: --recompute-activations with tensor parallelism is not "
-                "implemented yet");
-  }
   const int64_t dp = parallel.data_size(), dp_rank = parallel.data_rank();
   OCTET_CHECK(global_batch % (o.micro_batch_size * dp) == 0, "--global-batch-size (", global_batch,
               ") must be a multiple of --micro-batch-size (", o.micro_batch_size,
@@ -236,7 +230,8 @@ TrainResult train_gpt(const TrainOptions& o) {
   std::unique_ptr<TensorParallelGPT> tp_model;
   if (tensor_parallel && !pipelined) {
     tp_model =
-        std::make_unique<TensorParallelGPT>(config, o.seed, o.sequence_parallel, parallel.tensor());
+        std::make_unique<TensorParallelGPT>(config, o.seed, o.sequence_parallel, parallel.tensor(),
+                                            1, std::vector<int>{0}, o.recompute_activations);
   } else if (!tensor_parallel) {
     gpt = std::make_unique<GPT>(config, o.seed, o.recompute_activations);
   }
@@ -290,7 +285,7 @@ TrainResult train_gpt(const TrainOptions& o) {
       // TP x PP: this rank's tensor shards of its pipeline stages.
       tp_model = std::make_unique<TensorParallelGPT>(config, o.seed, o.sequence_parallel,
                                                      parallel.tensor(), pipeline_schedule.stages,
-                                                     std::move(held));
+                                                     std::move(held), o.recompute_activations);
       part = tp_model.get();
     } else {
       stage = std::make_unique<GPTStage>(config, o.seed, pipeline_schedule.stages, std::move(held),

@@ -53,6 +53,10 @@ run 2 "TP=2" --tensor-model-parallel-size 2
 run 2 "TP=2 sequence-parallel" --tensor-model-parallel-size 2 --sequence-parallel
 run 4 "TP=2 x DP=2 sequence-parallel" --tensor-model-parallel-size 2 --sequence-parallel
 run 4 "TP=2 x PP=2 1F1B" --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2
+run 2 "TP=2 sequence-parallel, recompute" --tensor-model-parallel-size 2 --sequence-parallel \
+  --recompute-activations
+run 4 "TP=2 x PP=2, recompute" --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 \
+  --recompute-activations
 run 4 "TP=2 x PP=2 sequence-parallel DualPipe" --tensor-model-parallel-size 2 \
   --pipeline-model-parallel-size 2 --pipeline-schedule dualpipe --sequence-parallel
 # FP8 (delayed scaling, BF16 compute): amaxes reduced over the tensor (and data) ranks keep
@@ -82,6 +86,18 @@ close 2 "FP8 TP=2" --tensor-model-parallel-size 2
 close 2 "FP8 TP=2 sequence-parallel" --tensor-model-parallel-size 2 --sequence-parallel
 close 4 "FP8 TP=2 x PP=2" --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2
 close 2 "FP8 PP=2" --pipeline-model-parallel-size 2
+close 4 "FP8 TP=2 x PP=2, recompute" --tensor-model-parallel-size 2 \
+  --pipeline-model-parallel-size 2 --recompute-activations
+# FP8 PP=2 computes exactly what one process does; so must its recomputation, although 1F1B
+# runs micro-batch 1's forward (moving the delayed scales) before micro-batch 0's backward.
+got="$(OMP_NUM_THREADS=1 mpiexec -n 2 --oversubscribe "$octet" train "${fp8_common[@]}" \
+  --pipeline-model-parallel-size 2 --recompute-activations | fp8_losses)"
+if [ "$got" = "$fp8_reference" ]; then
+  echo "ok   FP8 PP=2 recompute: the single process's losses $got"
+else
+  echo "FAIL FP8 PP=2 recompute: '$got' (expected '$fp8_reference')"
+  status=1
+fi
 # Validation runs through the pipeline stages (forward only): the single process's losses.
 eval_common=(--config "$config" --mock-data --precision fp32 --micro-batch-size 2
   --global-batch-size 8 --train-iters 2 --log-interval 1 --eval-iters 3 --eval-interval 1

@@ -698,6 +698,53 @@ TEST(TransformerLayer, CheckpointEqualsNoCheckpointBitwise) {
   }
 }
 
+// Pipeline schedules run a later micro-batch's forward before an earlier one's backward: the
+// recomputation must quantize with the scales its own forward used (not those the later
+// forward moved to) and leave the live amax histories alone. Micro-batch 1 is 16x larger, so
+// its forward changes the delayed scales a lot.
+TEST(TransformerLayer, CheckpointReplaysItsForwardsFp8ScalesAcrossMicroBatches) {
+  TransformerLayerOptions o = layer_options();
+  o.seed = 3;
+  TransformerLayer plain(o);
+  o.checkpoint = true;
+  TransformerLayer recomputed(o);
+  randomize(plain, 81);
+  copy_parameters(plain, recomputed);
+  for (int step = 0; step < 3; ++step) {
+    Tensor x[2], dy[2];
+    for (int m = 0; m < 2; ++m) {
+      std::vector<float> v = random_tensor({2, 8, 48}, DType::F32, 110 + 2 * step + m).to_floats();
+      for (float& e : v) e *= m == 1 ? 16.0f : 1.0f;
+      x[m] = Tensor::from_floats({2, 8, 48}, v).to(DType::BF16);
+      dy[m] = random_tensor({2, 8, 48}, DType::BF16, 120 + 2 * step + m);
+    }
+    TransformerLayer::Context a[2], b[2];
+    Tensor ya[2], yb[2];
+    for (int m = 0; m < 2; ++m) {
+      fp8_autocast scope(true, recipe::DelayedScaling{});
+      ya[m] = plain.forward(x[m], a[m]);
+      yb[m] = recomputed.forward(x[m], b[m]);
+    }
+    for (int m = 0; m < 2; ++m) {
+      SCOPED_TRACE("step " + std::to_string(step) + ", micro-batch " + std::to_string(m));
+      Tensor dxa = plain.backward(dy[m], a[m]);
+      Tensor dxb = recomputed.backward(dy[m], b[m]);
+      EXPECT_EQ(ya[m].to_floats(), yb[m].to_floats());
+      EXPECT_EQ(dxa.to_floats(), dxb.to_floats());
+    }
+    std::vector<Parameter*> pa = plain.parameters(), pb = recomputed.parameters();
+    for (size_t i = 0; i < pa.size(); ++i) {
+      EXPECT_EQ(pa[i]->grad.to_floats(), pb[i]->grad.to_floats()) << pa[i]->name;
+    }
+    const std::vector<Fp8State*> sa = plain.fp8_states(), sb = recomputed.fp8_states();
+    for (size_t i = 0; i < sa.size(); ++i) {
+      EXPECT_EQ(sa[i]->forward_meta().amax_history_data(),
+                sb[i]->forward_meta().amax_history_data());
+      EXPECT_EQ(sa[i]->forward_meta().scales(), sb[i]->forward_meta().scales());
+    }
+  }
+}
+
 TEST(TransformerLayer, DropoutIsDeterministicGivenTheSeed) {
   TransformerLayerOptions o = layer_options();
   o.hidden_dropout = 0.2f;
