@@ -109,8 +109,10 @@ double time_ms(const std::function<void()>& work, int repeats) {
 }
 
 void show_gemms(int64_t m, int64_t n, int64_t k) {
-  std::printf("\n== GEMM %lldx%lldx%lld (Linear: y = x W^T), error against an FP64-accumulated reference ==\n", (long long)m,
-              (long long)n, (long long)k);
+  std::printf(
+      "\n== GEMM %lldx%lldx%lld (Linear: y = x W^T), error against an FP64-accumulated reference "
+      "==\n",
+      (long long)m, (long long)n, (long long)k);
   Tensor x = activation_like(m, k, 1);
   Tensor w = activation_like(n, k, 2);
   Tensor exact = Tensor::empty({m, n}, DType::F32);
