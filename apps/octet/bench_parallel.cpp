@@ -292,7 +292,9 @@ void run_pipeline_worker(const WorkerOptions& o) {
                                  {"wait_s", t.wait_seconds},
                                  {"reduce_s", t.reduce_seconds},
                                  {"forward_samples_s", t.forward_samples},
-                                 {"backward_samples_s", t.backward_samples}};
+                                 {"backward_samples_s", t.backward_samples},
+                                 {"backward_input_samples_s", t.backward_input_samples},
+                                 {"weight_samples_s", t.weight_samples}};
     out << line.dump() << "\n";
   }
   OCTET_CHECK(out.good(), "bench pipeline-worker: writing into '", o.out, "' failed");
@@ -379,6 +381,8 @@ PipelineMeasured run_pipeline_layout(const Options& o, const std::string& schedu
       t.reduce_seconds = line.at("reduce_s").get<double>();
       t.forward_samples = line.at("forward_samples_s").get<std::vector<double>>();
       t.backward_samples = line.at("backward_samples_s").get<std::vector<double>>();
+      t.backward_input_samples = line.at("backward_input_samples_s").get<std::vector<double>>();
+      t.weight_samples = line.at("weight_samples_s").get<std::vector<double>>();
       for (double v : t.forward_samples) rank_forward[rank].push_back(1e3 * v);
       for (double v : t.backward_samples) rank_backward[rank].push_back(1e3 * v);
       waits[static_cast<size_t>(step)].push_back(t.wait_seconds);
@@ -466,8 +470,8 @@ void print_pipeline_table(const Options& o, const std::vector<PipelineMeasured>&
       (long long)(o.micro_batch_size * o.ranks / o.micro_batches), (long long)o.seq_length,
       o.pipeline_warmup + 1, o.pipeline_iters);
   std::printf(
-      "simulated with what the executor runs: measured F, B (median per chunk), W = 0, "
-      "F&B = F + B, latency = measured one-way p2p of one activation\n");
+      "simulated with what the executor runs: measured F, B, W (medians per chunk; ZB1P and "
+      "DualPipe defer W), F&B = F + B, latency = measured one-way p2p of one activation\n");
   std::printf("%-22s %9s %13s %13s %7s %17s %22s %15s %8s %7s\n", "layout", "tokens/s",
               "F ms by rank", "B ms by rank", "p2p ms", "makespan ms m/s", "bubble ms m/replay/s",
               "bubble % m/s", "m/s", "m-s");

@@ -155,10 +155,12 @@ void check_schedule(const Schedule& schedule);
 // Sends are isends waited at the end of the step; receives are irecv + wait with a timeout,
 // so a deadlock or a mismatched message is an error naming the action, never a hang.
 //
-// Not executed as scheduled: our modules compute input and weight gradients in one backward,
-// so BackwardInput runs the whole backward and BackwardWeight does nothing (the W split of
-// ZB1P / DualPipe is simulated, not executed; gradients are the same). ForwardBackward runs
-// its forward, then its backward, one after the other (no overlap).
+// BackwardInput runs the chunk's backward with its weight-gradient GEMMs deferred
+// (defer_weight_gradients: each Linear queues dy^T x), so the input gradient goes upstream at
+// once; BackwardWeight runs that queue. Bias and norm gradients (column sums) are computed
+// in BackwardInput. A chunk's gradients are final after its last W of the step. Not executed
+// as scheduled: ForwardBackward runs its forward, then its backward, one after the other (no
+// overlap of the two).
 struct ExecutorOptions {
   DType dtype = DType::F32;              // compute dtype: F32 or BF16
   double receive_timeout_seconds = 300;  // a receive pending this long is an error
@@ -188,12 +190,15 @@ struct StepTiming {
   double schedule_seconds = 0.0;  // the action list plus the final wait for the sends
   double forward_seconds = 0.0;   // Forward actions and the forward half of F&B
   double backward_seconds = 0.0;  // Backward, BackwardInput and the backward half of F&B
+  double weight_seconds = 0.0;    // BackwardWeight: the deferred weight-gradient GEMMs
   double wait_seconds = 0.0;      // blocked in receives (irecv + wait) and in the send waits
   double reduce_seconds = 0.0;    // after the schedule: gradient and loss all-reduces
   // Each forward / backward of one (micro-batch, chunk), in execution order: for medians.
   std::vector<double> forward_samples;
-  std::vector<double> backward_samples;
-  double compute_seconds() const { return forward_seconds + backward_seconds; }
+  std::vector<double> backward_samples;        // whole backwards (B, the half of F&B)
+  std::vector<double> backward_input_samples;  // BackwardInput
+  std::vector<double> weight_samples;          // BackwardWeight
+  double compute_seconds() const { return forward_seconds + backward_seconds + weight_seconds; }
   // schedule - compute - wait: sends posted, bookkeeping, buffers allocated.
   double other_seconds() const { return schedule_seconds - compute_seconds() - wait_seconds; }
 };
@@ -248,13 +253,14 @@ class PipelineExecutor {
 // makespan minus the least compute of any rank; the figures are medians over the steps.
 //
 // The simulation uses the costs of what the executor runs, not of the schedule's ideal:
-// F and B are the medians of the measured forward / backward actions (all ranks and steps)
-// divided by Schedule::chunk_work, W = 0 (BackwardInput runs the whole backward, so it costs
-// B, and BackwardWeight nothing), F&B = F + B (run one after the other), and the latency given
-// (e.g. a measured point-to-point transfer of one activation).
+// F, B and W are the medians of the measured forward / whole backward / BackwardWeight actions
+// (all ranks and steps; B = BI + W where the schedule runs no whole backward) divided by
+// Schedule::chunk_work, F&B = F + B (run one after the other), and the latency given (e.g. a
+// measured point-to-point transfer of one activation).
 struct BubbleComparison {
   double forward_seconds = 0.0;   // median measured Forward of one (micro-batch, chunk)
   double backward_seconds = 0.0;  // median measured Backward of one (micro-batch, chunk)
+  double weight_seconds = 0.0;    // median measured BackwardWeight (0: the schedule has none)
   Costs costs;                    // what was simulated, in seconds
   double measured_makespan = 0.0;
   double measured_bubble = 0.0;
@@ -269,7 +275,7 @@ struct BubbleComparison {
   double bubble_ratio = 0.0;  // measured / simulated bubble (NaN when the simulated one is 0)
 };
 Costs executed_costs(const Schedule& schedule, double forward_seconds, double backward_seconds,
-                     double latency_seconds);
+                     double weight_seconds, double latency_seconds);
 BubbleComparison compare_bubble(const Schedule& schedule,
                                 const std::vector<std::vector<StepTiming>>& steps,
                                 double latency_seconds);

@@ -6,6 +6,30 @@
 
 namespace octet {
 
+namespace {
+thread_local WeightGradientQueue* active_weight_gradient_queue = nullptr;
+}  // namespace
+
+void WeightGradientQueue::run() {
+  // Taken first: a failing GEMM leaves an empty queue, not half-run work to repeat.
+  std::vector<std::function<void()>> work = std::move(work_);
+  work_.clear();
+  for (auto& gemm_work : work) gemm_work();
+}
+
+defer_weight_gradients::defer_weight_gradients(WeightGradientQueue& queue)
+    : previous_(active_weight_gradient_queue) {
+  active_weight_gradient_queue = &queue;
+}
+
+defer_weight_gradients::~defer_weight_gradients() {
+  active_weight_gradient_queue = previous_;
+}
+
+WeightGradientQueue* deferred_weight_gradients() {
+  return active_weight_gradient_queue;
+}
+
 using modules_detail::add_column_sums;
 using modules_detail::kept_for_backward;
 using modules_detail::needs_columnwise;
@@ -169,7 +193,14 @@ Tensor Linear::backward(const Tensor& dy_in, Context& ctx) {
     fp8_gradients(dyq, ctx, dx);
   } else {
     gemm(dy, weight_as(ctx.dtype), dx, /*trans_a=*/false, /*trans_b=*/false);
-    gemm(dy, ctx.input, weight.grad, /*trans_a=*/true, /*trans_b=*/false, 1.0f, 1.0f);
+    auto weight_gradient = [this, dy, input = ctx.input] {
+      gemm(dy, input, weight.grad, /*trans_a=*/true, /*trans_b=*/false, 1.0f, 1.0f);
+    };
+    if (WeightGradientQueue* queue = deferred_weight_gradients()) {
+      queue->push(std::move(weight_gradient));
+    } else {
+      weight_gradient();
+    }
   }
   ctx = Context{};
   return dx.reshape(with_last(dy_in.shape(), options_.in_features));
@@ -177,7 +208,14 @@ Tensor Linear::backward(const Tensor& dy_in, Context& ctx) {
 
 void Linear::fp8_gradients(const Float8Tensor& dyq, const Context& ctx, Tensor& dx) {
   gemm(dyq, ctx.weight_fp8, dx, /*trans_a=*/false, /*trans_b=*/false);
-  gemm(dyq, ctx.input_fp8, weight.grad, /*trans_a=*/true, /*trans_b=*/false, 1.0f, 1.0f);
+  auto weight_gradient = [this, dyq, input = ctx.input_fp8] {
+    gemm(dyq, input, weight.grad, /*trans_a=*/true, /*trans_b=*/false, 1.0f, 1.0f);
+  };
+  if (WeightGradientQueue* queue = deferred_weight_gradients()) {
+    queue->push(std::move(weight_gradient));
+  } else {
+    weight_gradient();
+  }
 }
 
 Tensor Linear::backward_fp8_grad(const Float8Tensor& dyq, Context& ctx) {

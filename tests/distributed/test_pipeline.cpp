@@ -187,6 +187,31 @@ TEST(Pipeline, ZeroBubbleMatchesSingleProcess) {
       pipeline::schedule_zero_bubble_h1(pipeline_size(), 2 * pipeline_size()));
 }
 
+// ZB1P's split backward is executed: every BackwardInput defers its weight-gradient GEMMs and
+// every BackwardWeight runs them (the gradients above match only if all of them ran).
+TEST(Pipeline, ZeroBubbleRunsItsWeightGradientsInTheWActions) {
+  const int P = pipeline_size();
+  const Schedule schedule = pipeline::schedule_zero_bubble_h1(P, 2 * P);
+  std::shared_ptr<Communicator> world = world_communicator();
+  ParallelState parallel(world, 1, P);
+  const int rank = parallel.pipeline_rank();
+  GPTStage stage(tiny_config(), kSeed, schedule.stages, pipeline::stages_of_rank(schedule, rank));
+  pipeline::PipelineExecutor executor(schedule, stage, parallel);
+  std::vector<Tensor> ids, targets;
+  make_micro_batches(0, 2 * P, ids, targets);
+  executor.train_step(ids, targets, 0.5f);
+  size_t inputs = 0, weights = 0;
+  for (const pipeline::Action& a : schedule.actions[static_cast<size_t>(rank)]) {
+    inputs += a.kind == pipeline::ActionKind::BackwardInput;
+    weights += a.kind == pipeline::ActionKind::BackwardWeight;
+  }
+  const pipeline::StepTiming& t = executor.last_step_timing();
+  EXPECT_GT(weights, 0u);
+  EXPECT_EQ(t.backward_input_samples.size(), inputs);
+  EXPECT_EQ(t.weight_samples.size(), weights);
+  EXPECT_GT(t.weight_seconds, 0.0);
+}
+
 TEST(Pipeline, DualPipeVMatchesSingleProcess) {
   expect_matches_single_process(pipeline::schedule_dualpipev(pipeline_size(), 2 * pipeline_size()));
 }

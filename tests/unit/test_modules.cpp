@@ -147,6 +147,50 @@ TEST(LayerNormMLP, ForwardBackwardMatchTorch) {
   }
 }
 
+// Zero-bubble's split backward: under defer_weight_gradients a Linear's backward gives dx and
+// the bias gradient at once and queues the weight-gradient GEMM; running the queue later
+// accumulates exactly what the immediate backward does (F32, BF16, FP8 delayed scaling).
+TEST(Linear, DeferredWeightGradientEqualsImmediate) {
+  for (DType dtype : {DType::F32, DType::BF16}) {
+    for (bool fp8 : {false, true}) {
+      SCOPED_TRACE(std::string(dtype_name(dtype)) + (fp8 ? " fp8" : ""));
+      LinearOptions o;
+      o.in_features = 48;
+      o.out_features = 32;
+      o.name = "linear";
+      Linear immediate(o), deferred(o);
+      randomize(immediate, 3);
+      randomize(deferred, 3);
+      for (int step = 0; step < 2; ++step) {
+        Tensor x = random_tensor({2, 5, 48}, dtype, 60 + step);
+        Tensor dy = random_tensor({2, 5, 32}, dtype, 70 + step);
+        Linear::Context a, b;
+        {
+          fp8_autocast scope(fp8, recipe::DelayedScaling{});
+          immediate.forward(x, a);
+          deferred.forward(x, b);
+        }
+        const Tensor dxa = immediate.backward(dy, a);
+        const std::vector<float> weight_grad_before = deferred.weight.grad.to_floats();
+        WeightGradientQueue queue;
+        Tensor dxb;
+        {
+          defer_weight_gradients scope(queue);
+          dxb = deferred.backward(dy, b);
+        }
+        EXPECT_EQ(deferred_weight_gradients(), nullptr);  // the scope is closed
+        EXPECT_EQ(queue.size(), 1u);
+        EXPECT_EQ(dxa.to_floats(), dxb.to_floats());
+        EXPECT_EQ(immediate.bias.grad.to_floats(), deferred.bias.grad.to_floats());
+        EXPECT_EQ(deferred.weight.grad.to_floats(), weight_grad_before);  // not yet
+        queue.run();
+        EXPECT_TRUE(queue.empty());
+        EXPECT_EQ(immediate.weight.grad.to_floats(), deferred.weight.grad.to_floats());
+      }
+    }
+  }
+}
+
 TEST(LayerNormMLP, CheckpointRecomputesExactly) {
   for (bool fp8 : {false, true}) {
     SCOPED_TRACE(fp8 ? "fp8" : "bf16");

@@ -7,6 +7,7 @@
 
 #include "octet/error.h"
 #include "octet/model.h"
+#include "octet/modules.h"
 #include "octet/parallel.h"
 #include "octet/pipeline.h"
 
@@ -63,6 +64,7 @@ struct PipelineExecutor::State {
   std::map<Key, Tensor> outputs;   // a Forward's output, until SendForward
   std::map<Key, Tensor> doutputs;  // a Backward's output gradient
   std::map<Key, Tensor> dinputs;   // a Backward's input gradient, until SendBackward
+  std::map<Key, WeightGradientQueue> weight_gradients;  // a BackwardInput's, until its W
   std::vector<std::pair<Work, Tensor>> sends;
   const std::vector<Tensor>* ids = nullptr;
   const std::vector<Tensor>* targets = nullptr;
@@ -114,28 +116,54 @@ struct PipelineExecutor::State {
     }
   }
 
-  void backward(const Key& key) {
+  // The whole backward, or with `deferred` its input-gradient part: the weight-gradient GEMMs
+  // wait in weight_gradients[key] for the BackwardWeight action.
+  void backward(const Key& key, bool deferred = false) {
     const int s = stage(key);
     Tensor doutput = s < schedule.stages - 1 ? take(doutputs, key, "output gradient") : Tensor();
     auto it = contexts.find(key);
     OCTET_CHECK(it != contexts.end(), "backward before its forward");
     const Clock::time_point start = Clock::now();
-    Tensor dinput = model.backward(key.second, doutput, *it->second);
+    Tensor dinput;
+    if (deferred) {
+      OCTET_CHECK(!weight_gradients.count(key), "a second BackwardInput");
+      defer_weight_gradients scope(weight_gradients[key]);
+      dinput = model.backward(key.second, doutput, *it->second);
+    } else {
+      dinput = model.backward(key.second, doutput, *it->second);
+    }
     const double seconds = seconds_since(start);
     timing.backward_seconds += seconds;
-    timing.backward_samples.push_back(seconds);
+    (deferred ? timing.backward_input_samples : timing.backward_samples).push_back(seconds);
     if (options.after_compute) options.after_compute();
     contexts.erase(it);
-    if (--backwards_left[static_cast<size_t>(key.second)] == 0 && options.chunk_gradients_final &&
-        !copies) {
-      options.chunk_gradients_final(key.second);
-    }
+    if (!deferred) weight_gradients_done(key.second);
     if (s == 0) return;
     const Place& previous = schedule.place(key.first, s - 1);
     if (previous.rank == rank) {
       doutputs[{key.first, previous.chunk}] = dinput;
     } else {
       dinputs[key] = dinput;
+    }
+  }
+
+  void backward_weight(const Key& key) {
+    auto it = weight_gradients.find(key);
+    OCTET_CHECK(it != weight_gradients.end(), "BackwardWeight before its BackwardInput");
+    const Clock::time_point start = Clock::now();
+    it->second.run();
+    const double seconds = seconds_since(start);
+    timing.weight_seconds += seconds;
+    timing.weight_samples.push_back(seconds);
+    weight_gradients.erase(it);
+    weight_gradients_done(key.second);
+  }
+
+  // A chunk's gradients are final after its last weight gradient of the step.
+  void weight_gradients_done(int chunk) {
+    if (--backwards_left[static_cast<size_t>(chunk)] == 0 && options.chunk_gradients_final &&
+        !copies) {
+      options.chunk_gradients_final(chunk);
     }
   }
 
@@ -173,10 +201,13 @@ struct PipelineExecutor::State {
         forward(key);
         break;
       case ActionKind::Backward:
-      case ActionKind::BackwardInput:  // the whole backward: see ExecutorOptions' comment
         backward(key);
         break;
+      case ActionKind::BackwardInput:
+        backward(key, /*deferred=*/true);
+        break;
       case ActionKind::BackwardWeight:
+        backward_weight(key);
         break;
       case ActionKind::ForwardBackward:
         forward(key);
@@ -278,6 +309,7 @@ float PipelineExecutor::train_step(const std::vector<Tensor>& ids,
   s.outputs.clear();
   s.doutputs.clear();
   s.dinputs.clear();
+  s.weight_gradients.clear();
   s.backwards_left = s.backwards_per_chunk;
   s.ids = &ids;
   s.targets = &targets;
@@ -298,9 +330,10 @@ float PipelineExecutor::train_step(const std::vector<Tensor>& ids,
   s.timing.wait_seconds += seconds_since(sends_start);
   s.timing.schedule_seconds = seconds_since(step_start);
   OCTET_CHECK(s.contexts.empty() && s.inputs.empty() && s.outputs.empty() && s.doutputs.empty() &&
-                  s.dinputs.empty(),
+                  s.dinputs.empty() && s.weight_gradients.empty(),
               "pipeline executor: rank ", s.rank, " ends the step with ", s.contexts.size(),
-              " forwards without backward and ",
+              " forwards without backward, ", s.weight_gradients.size(),
+              " input gradients without their weight gradients and ",
               s.inputs.size() + s.outputs.size() + s.doutputs.size() + s.dinputs.size(),
               " tensors never used");
   const Clock::time_point reduce_start = Clock::now();

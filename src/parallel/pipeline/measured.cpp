@@ -38,12 +38,12 @@ MessageKey message_key(const Schedule& schedule, int rank, const Action& action)
 }
 
 // One step replayed: every rank runs its actions in order, each compute action taking the
-// duration the executor measured for it (F&B: its forward plus its backward, W: 0), a receive
+// duration the executor measured for it (F&B: its forward plus its backward), a receive
 // waiting for its send + latency. Returns the makespan.
 double replay_makespan(const Schedule& schedule, const std::vector<StepTiming>& ranks,
                        double latency_seconds) {
   const size_t n = static_cast<size_t>(schedule.ranks);
-  std::vector<size_t> next(n, 0), forwards(n, 0), backwards(n, 0);
+  std::vector<size_t> next(n, 0), forwards(n, 0), backwards(n, 0), inputs(n, 0), weights(n, 0);
   std::vector<double> clock(n, 0.0);
   std::map<MessageKey, double> arrivals;
   auto sample = [](const std::vector<double>& samples, size_t& index, int rank) {
@@ -62,9 +62,14 @@ double replay_makespan(const Schedule& schedule, const std::vector<StepTiming>& 
         if (a.kind == ActionKind::Forward || a.kind == ActionKind::ForwardBackward) {
           clock[r] += sample(t.forward_samples, forwards[r], rank);
         }
-        if (a.kind == ActionKind::Backward || a.kind == ActionKind::BackwardInput ||
-            a.kind == ActionKind::ForwardBackward) {
+        if (a.kind == ActionKind::Backward || a.kind == ActionKind::ForwardBackward) {
           clock[r] += sample(t.backward_samples, backwards[r], rank);
+        }
+        if (a.kind == ActionKind::BackwardInput) {
+          clock[r] += sample(t.backward_input_samples, inputs[r], rank);
+        }
+        if (a.kind == ActionKind::BackwardWeight) {
+          clock[r] += sample(t.weight_samples, weights[r], rank);
         }
         if (a.kind == ActionKind::SendForward || a.kind == ActionKind::SendBackward) {
           arrivals[message_key(schedule, rank, a)] = clock[r] + latency_seconds;
@@ -87,13 +92,14 @@ double replay_makespan(const Schedule& schedule, const std::vector<StepTiming>& 
 }  // namespace
 
 Costs executed_costs(const Schedule& schedule, double forward_seconds, double backward_seconds,
-                     double latency_seconds) {
+                     double weight_seconds, double latency_seconds) {
   OCTET_CHECK(schedule.chunk_work > 0, "pipeline: chunk_work expected > 0, got ",
               schedule.chunk_work);
   Costs costs;
   costs.forward = forward_seconds / schedule.chunk_work;
   costs.backward = backward_seconds / schedule.chunk_work;
-  costs.backward_weight = 0.0;    // BackwardInput runs the whole backward; W runs nothing
+  // A W measured longer than a whole B (noise) would make BackwardInput negative.
+  costs.backward_weight = std::min(weight_seconds, backward_seconds) / schedule.chunk_work;
   costs.forward_backward = -1.0;  // F then B, not overlapped
   costs.latency = latency_seconds;
   return costs;
@@ -103,8 +109,8 @@ BubbleComparison compare_bubble(const Schedule& schedule,
                                 const std::vector<std::vector<StepTiming>>& steps,
                                 double latency_seconds) {
   OCTET_CHECK(!steps.empty(), "compare_bubble: no measured steps");
-  std::vector<double> forwards, backwards, makespans, bubbles, fractions, step_times, replayed,
-      replayed_bubbles;
+  std::vector<double> forwards, backwards, inputs, weights, makespans, bubbles, fractions,
+      step_times, replayed, replayed_bubbles;
   for (size_t step = 0; step < steps.size(); ++step) {
     const std::vector<StepTiming>& ranks = steps[step];
     OCTET_CHECK(static_cast<int>(ranks.size()) == schedule.ranks, "compare_bubble: step ", step,
@@ -116,6 +122,8 @@ BubbleComparison compare_bubble(const Schedule& schedule,
       step_time = std::max(step_time, t.step_seconds);
       forwards.insert(forwards.end(), t.forward_samples.begin(), t.forward_samples.end());
       backwards.insert(backwards.end(), t.backward_samples.begin(), t.backward_samples.end());
+      inputs.insert(inputs.end(), t.backward_input_samples.begin(), t.backward_input_samples.end());
+      weights.insert(weights.end(), t.weight_samples.begin(), t.weight_samples.end());
     }
     const double replay = replay_makespan(schedule, ranks, latency_seconds);
     replayed.push_back(replay);
@@ -127,8 +135,11 @@ BubbleComparison compare_bubble(const Schedule& schedule,
   }
   BubbleComparison c;
   c.forward_seconds = median(forwards);
-  c.backward_seconds = median(backwards);
-  c.costs = executed_costs(schedule, c.forward_seconds, c.backward_seconds, latency_seconds);
+  c.weight_seconds = weights.empty() ? 0.0 : median(weights);
+  // B is a whole backward: measured as one where the schedule runs any, else as BI + W.
+  c.backward_seconds = backwards.empty() ? median(inputs) + c.weight_seconds : median(backwards);
+  c.costs = executed_costs(schedule, c.forward_seconds, c.backward_seconds, c.weight_seconds,
+                           latency_seconds);
   c.measured_makespan = median(makespans);
   c.measured_bubble = median(bubbles);
   c.measured_bubble_fraction = median(fractions);
