@@ -289,6 +289,7 @@ void run_pipeline_worker(const WorkerOptions& o) {
                                  {"schedule_s", t.schedule_seconds},
                                  {"forward_s", t.forward_seconds},
                                  {"backward_s", t.backward_seconds},
+                                 {"weight_s", t.weight_seconds},
                                  {"wait_s", t.wait_seconds},
                                  {"reduce_s", t.reduce_seconds},
                                  {"forward_samples_s", t.forward_samples},
@@ -361,7 +362,9 @@ PipelineMeasured run_pipeline_layout(const Options& o, const std::string& schedu
   const int measured = o.pipeline_iters - o.pipeline_warmup;
   std::vector<std::vector<pipeline::StepTiming>> steps(static_cast<size_t>(measured),
                                                        std::vector<pipeline::StepTiming>(o.ranks));
-  std::vector<std::vector<double>> rank_forward(o.ranks), rank_backward(o.ranks);
+  // Per rank: whole backwards, or (split schedules) BackwardInput and W, summed as medians.
+  std::vector<std::vector<double>> rank_forward(o.ranks), rank_backward(o.ranks),
+      rank_input(o.ranks), rank_weight(o.ranks);
   std::vector<std::vector<double>> waits(static_cast<size_t>(measured));
   for (int rank = 0; rank < o.ranks; ++rank) {
     std::ifstream in(dir / ("rank-" + std::to_string(rank) + ".jsonl"));
@@ -377,6 +380,7 @@ PipelineMeasured run_pipeline_layout(const Options& o, const std::string& schedu
       t.schedule_seconds = line.at("schedule_s").get<double>();
       t.forward_seconds = line.at("forward_s").get<double>();
       t.backward_seconds = line.at("backward_s").get<double>();
+      t.weight_seconds = line.at("weight_s").get<double>();
       t.wait_seconds = line.at("wait_s").get<double>();
       t.reduce_seconds = line.at("reduce_s").get<double>();
       t.forward_samples = line.at("forward_samples_s").get<std::vector<double>>();
@@ -385,6 +389,8 @@ PipelineMeasured run_pipeline_layout(const Options& o, const std::string& schedu
       t.weight_samples = line.at("weight_samples_s").get<std::vector<double>>();
       for (double v : t.forward_samples) rank_forward[rank].push_back(1e3 * v);
       for (double v : t.backward_samples) rank_backward[rank].push_back(1e3 * v);
+      for (double v : t.backward_input_samples) rank_input[rank].push_back(1e3 * v);
+      for (double v : t.weight_samples) rank_weight[rank].push_back(1e3 * v);
       waits[static_cast<size_t>(step)].push_back(t.wait_seconds);
       ++lines;
     }
@@ -401,7 +407,9 @@ PipelineMeasured run_pipeline_layout(const Options& o, const std::string& schedu
   m.wait_s = bench::median(longest_waits);
   for (int rank = 0; rank < o.ranks; ++rank) {
     m.rank_forward_ms.push_back(bench::median(rank_forward[rank]));
-    m.rank_backward_ms.push_back(bench::median(rank_backward[rank]));
+    m.rank_backward_ms.push_back(rank_backward[rank].empty() ? bench::median(rank_input[rank]) +
+                                                                   bench::median(rank_weight[rank])
+                                                             : bench::median(rank_backward[rank]));
   }
   std::filesystem::remove_all(dir);
   return m;
