@@ -121,6 +121,14 @@ class TensorParallelGPT : public PipelineModel {
 
   void collect_parameters(std::vector<Parameter*>& out) override;
   void on_parameters_updated() override;
+  // The whole model's backward (train_step) calls the hook with the parameters whose
+  // gradients became final for the micro-batch: the final norm, each layer from the last, then
+  // the embeddings (wpe, this rank's wte rows). Data parallelism starts reducing them while
+  // backward continues (sequence-parallel ones are still partial: sum them over the tensor
+  // ranks first). Not called through the pipeline interface (the executor reports chunks).
+  void set_grad_ready_hook(GPT::GradReadyHook hook) { grad_ready_hook_ = std::move(hook); }
+  // Every parameter, in the order the hook reports them.
+  std::vector<Parameter*> parameters_in_backward_order();
   // Replicated parameters applied to token shards: partial gradients under SP (else empty).
   std::vector<Parameter*> sequence_parallel_parameters();
   // Every FP8 state (per layer: QKV, projection, FC1, FC2), in fp8_states(GPT&)'s order, so
@@ -198,6 +206,8 @@ class TensorParallelGPT : public PipelineModel {
   std::optional<Norm> final_norm_;  // last stage only
   TiedOutputCache output_cache_;
   std::map<std::string, ShardSpec> specs_;
+  GPT::GradReadyHook grad_ready_hook_;
+  bool reporting_grads_ = false;  // inside train_step: backward calls grad_ready_hook_
 };
 
 }  // namespace octet

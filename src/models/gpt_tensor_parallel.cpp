@@ -115,6 +115,22 @@ void TensorParallelGPT::collect_parameters(std::vector<Parameter*>& out) {
   if (final_norm_) final_norm_->collect_parameters(out);
 }
 
+std::vector<Parameter*> TensorParallelGPT::parameters_in_backward_order() {
+  std::vector<Parameter*> out;
+  if (final_norm_) out = final_norm_->parameters();
+  std::vector<int> chunks = chunks_in_stage_order();
+  for (auto chunk = chunks.rbegin(); chunk != chunks.rend(); ++chunk) {
+    Stack& stack = layers_[static_cast<size_t>(*chunk)];
+    for (size_t i = stack.size(); i-- > 0;) {
+      for (Parameter* p : stack[i]->mlp.parameters()) out.push_back(p);
+      for (Parameter* p : stack[i]->attention.parameters()) out.push_back(p);
+    }
+  }
+  if (wpe.value.defined()) out.push_back(&wpe);
+  if (wte.value.defined()) out.push_back(&wte);
+  return out;
+}
+
 void TensorParallelGPT::on_parameters_updated() {
   output_cache_.invalidate();
   for (Stack& stack : layers_) {
@@ -314,6 +330,11 @@ Tensor TensorParallelGPT::layers_backward(int chunk, Tensor d,
     const Tensor dattention = layer.attention.backward(dh, contexts[i].attention);
     d = residual_add(dattention, dh);
     contexts[i] = LayerContext{};
+    if (reporting_grads_) {
+      std::vector<Parameter*> ready = layer.mlp.parameters();
+      for (Parameter* p : layer.attention.parameters()) ready.push_back(p);
+      grad_ready_hook_(ready);
+    }
   }
   return d;
 }
@@ -396,6 +417,7 @@ Tensor TensorParallelGPT::backward(int chunk, const Tensor& doutput, PipelineMod
                 "tensor-parallel gpt: backward of the last stage before its forward");
     d = final_norm_->backward(ctx.doutput, ctx.final_norm);
     ctx.doutput = Tensor();
+    if (reporting_grads_) grad_ready_hook_(final_norm_->parameters());
   } else {
     d = doutput;
   }
@@ -406,6 +428,12 @@ Tensor TensorParallelGPT::backward(int chunk, const Tensor& doutput, PipelineMod
   }
   embed_backward(ctx.ids, d);
   ctx = Context{};
+  if (reporting_grads_) {
+    std::vector<Parameter*> ready;
+    if (wpe.value.defined()) ready.push_back(&wpe);
+    ready.push_back(&wte);
+    grad_ready_hook_(ready);
+  }
   return Tensor();
 }
 
@@ -419,7 +447,14 @@ float TensorParallelGPT::train_step(const Tensor& ids, const Tensor& targets, DT
   Context ctx;
   forward(0, Tensor(), ids, targets, dtype, grad_scale, ctx);
   const float loss = ctx.loss;
-  backward(0, Tensor(), ctx);  // frees ctx
+  reporting_grads_ = static_cast<bool>(grad_ready_hook_);
+  try {
+    backward(0, Tensor(), ctx);  // frees ctx
+  } catch (...) {
+    reporting_grads_ = false;
+    throw;
+  }
+  reporting_grads_ = false;
   return loss;
 }
 

@@ -379,11 +379,14 @@ TrainResult train_gpt(const TrainOptions& o) {
     }
   }
 
+  // Tensor x data without PP: each layer's gradients start reducing as its backward ends.
+  const bool tensor_overlap = tp_model && !pipelined && dp > 1 && o.overlap_grad_reduce;
+  bool last_micro_batch = true;  // of the step: the one whose gradients are final
   if ((pipelined || tensor_parallel) && data_parallel) {
-    // Pipeline or tensor x data: each stage's or shard's gradients are all-reduced over its
-    // data-parallel replicas: under PP chunk by chunk as the schedule finishes their backward
-    // (buckets in that order: later stages first, wte last), else after the step (tensor
-    // parallelism has no grad-ready hooks yet).
+    // Pipeline or tensor x data: each stage's or shard's gradients are reduced over its
+    // data-parallel replicas as backward finalizes them: under PP chunk by chunk as the
+    // schedule finishes their backward (buckets in that order: later stages first, wte last),
+    // under TP layer by layer.
     Module& part = stage ? static_cast<Module&>(*stage) : static_cast<Module&>(*tp_model);
     std::vector<Parameter*> order;
     if (pipeline_part) {
@@ -396,18 +399,28 @@ TrainResult train_gpt(const TrainOptions& o) {
         }
       }
       if (pipeline_part->word_embedding()) order.push_back(pipeline_part->word_embedding());
-      OCTET_CHECK(order.size() == part.parameters().size(),
-                  "octet train: the pipeline chunks list ", order.size(),
-                  " parameters, the stage holds ", part.parameters().size());
     } else {
-      order = part.parameters();
+      order = tp_model->parameters_in_backward_order();
     }
+    OCTET_CHECK(order.size() == part.parameters().size(), "octet train: ", order.size(),
+                " parameters in backward order, the model part holds ", part.parameters().size());
     DataParallelOptions options;
     options.bucket_elements = o.ddp_bucket_size;
-    options.overlap_grad_reduce = pipeline_overlap;
+    options.overlap_grad_reduce = pipeline_overlap || tensor_overlap;
     options.distributed_optimizer = o.use_distributed_optimizer;
     ddp = std::make_unique<DistributedDataParallel>(order, parallel.data(), options);
     part.on_parameters_updated();
+    if (tensor_overlap) {
+      tp_model->set_grad_ready_hook([&ddp, &parallel, &last_micro_batch,
+                                     tp = tp_model.get()](const std::vector<Parameter*>& ready) {
+        // Only the step's last micro-batch: earlier ones' gradients are not final, and their
+        // sequence-parallel parts must be summed once, after accumulation.
+        if (!last_micro_batch) return;
+        all_reduce_sequence_parallel_gradients(among(ready, tp->sequence_parallel_parameters()),
+                                               parallel.tensor());
+        ddp->grads_ready(ready);
+      });
+    }
     if (o.use_distributed_optimizer) {
       // ZeRO-1 over each stage's / shard's data-parallel replicas; the clipping norm counts
       // every model parameter once over the model group (tensor x pipeline ranks).
@@ -583,7 +596,8 @@ TrainResult train_gpt(const TrainOptions& o) {
         train_batches.fill(iteration * micro_batches_per_step + micro * dp + dp_rank,
                            o.micro_batch_size, ids, targets);
         // Gradients start reducing in the last micro-batch's backward.
-        if (ddp) ddp->set_sync(micro + 1 == accumulation);
+        last_micro_batch = micro + 1 == accumulation;
+        if (ddp) ddp->set_sync(last_micro_batch);
         fp8_autocast scope(fp8, recipe);
         const float grad_scale = 1.0f / static_cast<float>(accumulation * dp);
         if (tp_model) {
@@ -595,10 +609,10 @@ TrainResult train_gpt(const TrainOptions& o) {
         if (delayed_scaling) reduce_fp8_amax(*gpt, parallel.tensor_and_data());
       }
     }
-    if (tp_model && !pipeline_overlap) {
+    if (tp_model && !pipeline_overlap && !tensor_overlap) {
       // Sequence-parallel replicated parameters saw only this rank's tokens: summed over the
       // tensor ranks before the data-parallel reduction (ZeRO-1 keeps only a shard after it).
-      // With PP x DP overlap each chunk's were summed as its backward finished.
+      // With PP x DP or TP x DP overlap they were summed as their backward finished.
       all_reduce_sequence_parallel_gradients(tp_model->sequence_parallel_parameters(),
                                              parallel.tensor());
     }

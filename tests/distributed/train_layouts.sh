@@ -34,8 +34,8 @@ run 2 "DP=2 ZeRO-1" --use-distributed-optimizer
 run 4 "PP=2 x DP=2 ZeRO-1" --pipeline-model-parallel-size 2 --use-distributed-optimizer
 run 2 "PP=2 DualPipe ZeRO-1 (DP=1)" --pipeline-model-parallel-size 2 --pipeline-schedule dualpipe \
   --use-distributed-optimizer
-run 4 "TP=2 x DP=2 sequence-parallel ZeRO-1" --tensor-model-parallel-size 2 --sequence-parallel \
-  --use-distributed-optimizer
+run 4 "TP=2 x DP=2 sequence-parallel ZeRO-1, 100k-element buckets" --tensor-model-parallel-size 2 \
+  --sequence-parallel --use-distributed-optimizer --ddp-bucket-size 100000
 run 4 "TP=2 x PP=2 sequence-parallel ZeRO-1 (DP=1)" --tensor-model-parallel-size 2 \
   --pipeline-model-parallel-size 2 --sequence-parallel --use-distributed-optimizer
 run 2 "DP=2 reduce after backward" --no-overlap-grad-reduce
@@ -51,7 +51,11 @@ run 4 "PP=2 x DP=2 ZB1P, 2 buckets" --pipeline-model-parallel-size 2 --pipeline-
 # gpt-tiny's vocabulary (50257) is odd: the TP=2 shards hold 25129 and 25128 rows.
 run 2 "TP=2" --tensor-model-parallel-size 2
 run 2 "TP=2 sequence-parallel" --tensor-model-parallel-size 2 --sequence-parallel
-run 4 "TP=2 x DP=2 sequence-parallel" --tensor-model-parallel-size 2 --sequence-parallel
+run 4 "TP=2 x DP=2 sequence-parallel (each layer reduced after its backward)" \
+  --tensor-model-parallel-size 2 --sequence-parallel
+run 4 "TP=2 x DP=2 sequence-parallel, 100k-element buckets" --tensor-model-parallel-size 2 \
+  --sequence-parallel --ddp-bucket-size 100000
+run 4 "TP=2 x DP=2 reduce after the step" --tensor-model-parallel-size 2 --no-overlap-grad-reduce
 run 4 "TP=2 x PP=2 1F1B" --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2
 run 2 "TP=2 sequence-parallel, recompute" --tensor-model-parallel-size 2 --sequence-parallel \
   --recompute-activations
