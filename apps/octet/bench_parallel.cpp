@@ -90,7 +90,9 @@ std::string config_path(const std::string& config) {
 Measured run_layout(const Options& o, const Layout& layout, double peak_gflops) {
   Measured m;
   m.layout = layout;
-  m.data_parallel = layout.processes > 1 || layout.flags.find("distributed") != std::string::npos;
+  m.data_parallel =
+      (layout.processes > 1 || layout.flags.find("distributed") != std::string::npos) &&
+      layout.flags.find("tensor-model-parallel") == std::string::npos;
   const auto dir = std::filesystem::temp_directory_path() /
                    ("octet-bench-parallel-" + std::to_string(::getpid()));
   std::filesystem::create_directories(dir);
@@ -519,6 +521,8 @@ void run(const Options& o) {
         {"DP=" + n + ", reduce after backward", o.ranks, "--no-overlap-grad-reduce"},
         {"DP=" + n + ", overlapped", o.ranks, ""},
         {"DP=" + n + ", ZeRO-1, overlapped", o.ranks, "--use-distributed-optimizer"},
+        {"TP=" + n + ", sequence-parallel", o.ranks,
+         "--tensor-model-parallel-size " + n + " --sequence-parallel"},
     };
   }
   const double peak = layouts.empty() ? 0.0 : measure_bf16_peak_gflops();
