@@ -465,6 +465,7 @@ void print_pipeline_json(const Options& o, const PipelineMeasured& m) {
     line["simulated_makespan_ms"] = 1e3 * c.simulated.makespan;
     line["simulated_bubble_ms"] = 1e3 * c.simulated.bubble;
     line["simulated_bubble_fraction"] = c.simulated.bubble_fraction;
+    line["uniform_simulated_bubble_ms"] = 1e3 * c.uniform.bubble;
     line["bubble_ratio_measured_vs_simulated"] = c.bubble_ratio;
     line["bubble_fraction_difference"] = c.measured_bubble_fraction - c.simulated.bubble_fraction;
   }
@@ -480,11 +481,11 @@ void print_pipeline_table(const Options& o, const std::vector<PipelineMeasured>&
       (long long)(o.micro_batch_size * o.ranks / o.micro_batches), (long long)o.seq_length,
       o.pipeline_warmup + 1, o.pipeline_iters);
   std::printf(
-      "simulated with what the executor runs: measured F, B, W (medians per chunk; ZB1P and "
+      "simulated with what the executor runs: measured F, B, W per stage (medians; ZB1P and "
       "DualPipe defer W), F&B = F + B, latency = measured one-way p2p of one activation\n");
-  std::printf("%-22s %9s %13s %13s %7s %17s %22s %15s %8s %7s\n", "layout", "tokens/s",
-              "F ms by rank", "B ms by rank", "p2p ms", "makespan ms m/s", "bubble ms m/replay/s",
-              "bubble % m/s", "m/s", "m-s");
+  std::printf("%-22s %9s %13s %13s %7s %17s %29s %15s %8s %7s\n", "layout", "tokens/s",
+              "F ms by rank", "B ms by rank", "p2p ms", "makespan ms m/s",
+              "bubble ms m/replay/s/uniform", "bubble % m/s", "m/s", "m-s");
   for (const PipelineMeasured& m : rows) {
     if (!m.error.empty()) {
       std::printf("%-22s %s\n", m.name.c_str(), m.error.c_str());
@@ -492,18 +493,20 @@ void print_pipeline_table(const Options& o, const std::vector<PipelineMeasured>&
     }
     const pipeline::BubbleComparison& c = m.comparison;
     std::printf(
-        "%-22s %9.0f %13s %13s %7.2f %8.0f/%-8.0f %6.0f/%6.0f/%-8.0f %6.1f/%-8.1f %7.2fx %6.1f\n",
+        "%-22s %9.0f %13s %13s %7.2f %8.0f/%-8.0f %6.0f/%6.0f/%6.0f/%-8.0f %6.1f/%-8.1f %7.2fx "
+        "%6.1f\n",
         m.name.c_str(), m.tokens_per_s, join_ms(m.rank_forward_ms).c_str(),
         join_ms(m.rank_backward_ms).c_str(), 1e3 * m.latency_s, 1e3 * c.measured_makespan,
         1e3 * c.simulated.makespan, 1e3 * c.measured_bubble, 1e3 * c.replayed_bubble,
-        1e3 * c.simulated.bubble, 100 * c.measured_bubble_fraction,
+        1e3 * c.simulated.bubble, 1e3 * c.uniform.bubble, 100 * c.measured_bubble_fraction,
         100 * c.simulated.bubble_fraction, c.bubble_ratio,
         100 * (c.measured_bubble_fraction - c.simulated.bubble_fraction));
   }
   std::printf(
       "m = measured (the longest rank's schedule time minus the least compute of a rank), s = "
-      "simulated, replay = the schedule replayed with each action's measured duration; m-s in "
-      "points of bubble %%\n");
+      "simulated with per-stage costs, uniform = simulated with one F, B, W for all stages, "
+      "replay = the schedule replayed with each action's measured duration; m-s in points of "
+      "bubble %%\n");
   std::printf("\n");
   std::fflush(stdout);
 }

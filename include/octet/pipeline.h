@@ -100,6 +100,11 @@ struct Costs {
   double backward_weight = 1.0;    // W; BackwardInput costs B - W
   double forward_backward = -1.0;  // F&B, the overlapped pair; negative means F + B
   double latency = 0.0;            // point-to-point: arrival = send time + latency
+  // Measured runs: the F, B and W of one action of each pipeline stage (seconds of that
+  // stage's chunk; chunk_work is not applied), e.g. the last stage's F carrying the loss.
+  // Empty: every stage costs the uniform figures above. F&B costs its forward stage's F plus
+  // its backward stage's B (the executor runs them one after the other).
+  std::vector<double> stage_forward, stage_backward, stage_weight;
   double overlapped() const { return forward_backward < 0 ? forward + backward : forward_backward; }
 };
 
@@ -252,15 +257,18 @@ class PipelineExecutor {
 // measured makespan is the longest schedule_seconds and the bubble, as simulate()'s, the
 // makespan minus the least compute of any rank; the figures are medians over the steps.
 //
-// The simulation uses the costs of what the executor runs, not of the schedule's ideal:
-// F, B and W are the medians of the measured forward / whole backward / BackwardWeight actions
-// (all ranks and steps; B = BI + W where the schedule runs no whole backward) divided by
-// Schedule::chunk_work, F&B = F + B (run one after the other), and the latency given (e.g. a
-// measured point-to-point transfer of one activation).
+// The simulation uses the costs of what the executor runs, not of the schedule's ideal: per
+// pipeline stage, F, B and W are the medians of the measured forward / whole backward /
+// BackwardWeight actions of that stage (all ranks and steps; B = BI + W where the stage runs
+// no whole backward), F&B = F + B (run one after the other), and the latency given (e.g. a
+// measured point-to-point transfer of one activation). `uniform` simulates the same with one
+// F, B, W for every stage (the medians over all stages, divided by Schedule::chunk_work).
 struct BubbleComparison {
   double forward_seconds = 0.0;   // median measured Forward of one (micro-batch, chunk)
   double backward_seconds = 0.0;  // median measured Backward of one (micro-batch, chunk)
   double weight_seconds = 0.0;    // median measured BackwardWeight (0: the schedule has none)
+  Costs uniform_costs;            // one F, B, W for all stages
+  SimulationReport uniform;       // simulated with them
   Costs costs;                    // what was simulated, in seconds
   double measured_makespan = 0.0;
   double measured_bubble = 0.0;

@@ -106,6 +106,37 @@ TEST(PipelineSchedule, OneFOneBMakespanAndLatency) {
   }
 }
 
+// Per-stage costs (measured runs): equal to the uniform ones they change nothing, for every
+// schedule; a slower last stage (the loss) becomes the 1F1B bottleneck.
+TEST(PipelineSchedule, PerStageCosts) {
+  const Costs uniform = make_costs(1, 3, 1, -1);
+  for (const Schedule& s :
+       {schedule_1f1b(4, 8), schedule_interleaved_1f1b(4, 8, 2), schedule_zero_bubble_h1(4, 8),
+        schedule_dualpipe(4, 8), schedule_dualpipev(4, 8)}) {
+    SCOPED_TRACE(schedule_name(s.kind));
+    Costs staged = uniform;
+    staged.stage_forward.assign(static_cast<size_t>(s.stages), 1.0 * s.chunk_work);
+    staged.stage_backward.assign(static_cast<size_t>(s.stages), 3.0 * s.chunk_work);
+    staged.stage_weight.assign(static_cast<size_t>(s.stages), 1.0 * s.chunk_work);
+    const SimulationReport a = simulate(s, uniform), b = simulate(s, staged);
+    EXPECT_DOUBLE_EQ(a.makespan, b.makespan);
+    EXPECT_DOUBLE_EQ(a.bubble, b.bubble);
+  }
+  // PP=2, M micro-batches, F = (1, 2), B = 2: rank 1 computes F+B = 4 per micro-batch without
+  // a break from t = 1 (rank 0 feeds it faster), then rank 0 runs the last B: 1 + 4M + 2.
+  Costs slow_last = make_costs(1, 2, 0, -1);
+  slow_last.stage_forward = {1, 2};
+  slow_last.stage_backward = {2, 2};
+  slow_last.stage_weight = {0, 0};
+  for (int m : {2, 4, 7}) {
+    EXPECT_DOUBLE_EQ(simulate(schedule_1f1b(2, m), slow_last).makespan, 3.0 + 4.0 * m) << m;
+  }
+  slow_last.stage_weight = {0, 3};  // W > B
+  EXPECT_THROW(simulate(schedule_1f1b(2, 2), slow_last), Error);
+  slow_last.stage_weight = {0};  // one value for two stages
+  EXPECT_THROW(simulate(schedule_1f1b(2, 2), slow_last), Error);
+}
+
 // Where F differs from B - W the DualPipe formula is no longer exact; the simulation is. With
 // F&B = F + B every rank computes the same and idles the same.
 TEST(PipelineSchedule, DualPipeBeyondTheFormula) {

@@ -37,40 +37,58 @@ MessageKey message_key(const Schedule& schedule, int rank, const Action& action)
   }
 }
 
+// What one action of a rank's list took in a measured step: its forward part (Forward, the
+// forward of F&B) and its backward part (Backward, BackwardInput, BackwardWeight, the
+// backward of F&B); zeros for messages.
+struct ActionTime {
+  double forward = 0.0, backward = 0.0;
+};
+
+// The executor's samples of one rank's step matched to its actions, in order.
+std::vector<ActionTime> action_times(const Schedule& schedule, int rank, const StepTiming& t) {
+  size_t forwards = 0, backwards = 0, inputs = 0, weights = 0;
+  auto sample = [rank](const std::vector<double>& samples, size_t& index) {
+    OCTET_CHECK(index < samples.size(), "replay: rank ", rank, " has only ", samples.size(),
+                " timed actions of a kind its schedule runs more often");
+    return samples[index++];
+  };
+  const std::vector<Action>& actions = schedule.actions[static_cast<size_t>(rank)];
+  std::vector<ActionTime> times(actions.size());
+  for (size_t i = 0; i < actions.size(); ++i) {
+    const ActionKind kind = actions[i].kind;
+    if (kind == ActionKind::Forward || kind == ActionKind::ForwardBackward) {
+      times[i].forward = sample(t.forward_samples, forwards);
+    }
+    if (kind == ActionKind::Backward || kind == ActionKind::ForwardBackward) {
+      times[i].backward = sample(t.backward_samples, backwards);
+    }
+    if (kind == ActionKind::BackwardInput) {
+      times[i].backward = sample(t.backward_input_samples, inputs);
+    }
+    if (kind == ActionKind::BackwardWeight) times[i].backward = sample(t.weight_samples, weights);
+  }
+  return times;
+}
+
 // One step replayed: every rank runs its actions in order, each compute action taking the
 // duration the executor measured for it (F&B: its forward plus its backward), a receive
 // waiting for its send + latency. Returns the makespan.
 double replay_makespan(const Schedule& schedule, const std::vector<StepTiming>& ranks,
                        double latency_seconds) {
   const size_t n = static_cast<size_t>(schedule.ranks);
-  std::vector<size_t> next(n, 0), forwards(n, 0), backwards(n, 0), inputs(n, 0), weights(n, 0);
+  std::vector<size_t> next(n, 0);
   std::vector<double> clock(n, 0.0);
+  std::vector<std::vector<ActionTime>> times(n);
+  for (size_t r = 0; r < n; ++r) times[r] = action_times(schedule, static_cast<int>(r), ranks[r]);
   std::map<MessageKey, double> arrivals;
-  auto sample = [](const std::vector<double>& samples, size_t& index, int rank) {
-    OCTET_CHECK(index < samples.size(), "replay: rank ", rank, " has only ", samples.size(),
-                " timed actions of a kind its schedule runs more often");
-    return samples[index++];
-  };
   for (bool progress = true; progress;) {
     progress = false;
     for (size_t r = 0; r < n; ++r) {
       const std::vector<Action>& actions = schedule.actions[r];
-      const StepTiming& t = ranks[r];
       const int rank = static_cast<int>(r);
       for (; next[r] < actions.size(); ++next[r], progress = true) {
         const Action& a = actions[next[r]];
-        if (a.kind == ActionKind::Forward || a.kind == ActionKind::ForwardBackward) {
-          clock[r] += sample(t.forward_samples, forwards[r], rank);
-        }
-        if (a.kind == ActionKind::Backward || a.kind == ActionKind::ForwardBackward) {
-          clock[r] += sample(t.backward_samples, backwards[r], rank);
-        }
-        if (a.kind == ActionKind::BackwardInput) {
-          clock[r] += sample(t.backward_input_samples, inputs[r], rank);
-        }
-        if (a.kind == ActionKind::BackwardWeight) {
-          clock[r] += sample(t.weight_samples, weights[r], rank);
-        }
+        clock[r] += times[r][next[r]].forward + times[r][next[r]].backward;
         if (a.kind == ActionKind::SendForward || a.kind == ActionKind::SendBackward) {
           arrivals[message_key(schedule, rank, a)] = clock[r] + latency_seconds;
         }
@@ -111,6 +129,10 @@ BubbleComparison compare_bubble(const Schedule& schedule,
   OCTET_CHECK(!steps.empty(), "compare_bubble: no measured steps");
   std::vector<double> forwards, backwards, inputs, weights, makespans, bubbles, fractions,
       step_times, replayed, replayed_bubbles;
+  // Per stage: forward, whole backward, BackwardInput and W samples.
+  const size_t stages = static_cast<size_t>(schedule.stages);
+  std::vector<std::vector<double>> stage_forwards(stages), stage_backwards(stages),
+      stage_inputs(stages), stage_weights(stages);
   for (size_t step = 0; step < steps.size(); ++step) {
     const std::vector<StepTiming>& ranks = steps[step];
     OCTET_CHECK(static_cast<int>(ranks.size()) == schedule.ranks, "compare_bubble: step ", step,
@@ -125,6 +147,36 @@ BubbleComparison compare_bubble(const Schedule& schedule,
       inputs.insert(inputs.end(), t.backward_input_samples.begin(), t.backward_input_samples.end());
       weights.insert(weights.end(), t.weight_samples.begin(), t.weight_samples.end());
     }
+    for (int rank = 0; rank < schedule.ranks; ++rank) {
+      const std::vector<Action>& actions = schedule.actions[static_cast<size_t>(rank)];
+      const std::vector<ActionTime> times =
+          action_times(schedule, rank, ranks[static_cast<size_t>(rank)]);
+      for (size_t i = 0; i < actions.size(); ++i) {
+        const Action& a = actions[i];
+        if (!is_compute(a.kind)) continue;
+        const auto stage = static_cast<size_t>(schedule.stage_of(a.micro_batch, rank, a.chunk));
+        switch (a.kind) {
+          case ActionKind::Forward:
+            stage_forwards[stage].push_back(times[i].forward);
+            break;
+          case ActionKind::Backward:
+            stage_backwards[stage].push_back(times[i].backward);
+            break;
+          case ActionKind::BackwardInput:
+            stage_inputs[stage].push_back(times[i].backward);
+            break;
+          case ActionKind::BackwardWeight:
+            stage_weights[stage].push_back(times[i].backward);
+            break;
+          default: {  // F&B: the forward's stage and the backward's
+            stage_forwards[stage].push_back(times[i].forward);
+            const auto backward_stage = static_cast<size_t>(
+                schedule.stage_of(a.backward_micro_batch, rank, a.backward_chunk));
+            stage_backwards[backward_stage].push_back(times[i].backward);
+          }
+        }
+      }
+    }
     const double replay = replay_makespan(schedule, ranks, latency_seconds);
     replayed.push_back(replay);
     replayed_bubbles.push_back(replay - least_compute);
@@ -138,8 +190,18 @@ BubbleComparison compare_bubble(const Schedule& schedule,
   c.weight_seconds = weights.empty() ? 0.0 : median(weights);
   // B is a whole backward: measured as one where the schedule runs any, else as BI + W.
   c.backward_seconds = backwards.empty() ? median(inputs) + c.weight_seconds : median(backwards);
-  c.costs = executed_costs(schedule, c.forward_seconds, c.backward_seconds, c.weight_seconds,
-                           latency_seconds);
+  c.uniform_costs = executed_costs(schedule, c.forward_seconds, c.backward_seconds,
+                                   c.weight_seconds, latency_seconds);
+  c.uniform = simulate(schedule, c.uniform_costs);
+  c.costs = c.uniform_costs;
+  for (size_t stage = 0; stage < stages; ++stage) {
+    const double w = stage_weights[stage].empty() ? 0.0 : median(stage_weights[stage]);
+    const double b = stage_backwards[stage].empty() ? median(stage_inputs[stage]) + w
+                                                    : median(stage_backwards[stage]);
+    c.costs.stage_forward.push_back(median(stage_forwards[stage]));
+    c.costs.stage_backward.push_back(b);
+    c.costs.stage_weight.push_back(std::min(w, b));
+  }
   c.measured_makespan = median(makespans);
   c.measured_bubble = median(bubbles);
   c.measured_bubble_fraction = median(fractions);

@@ -105,9 +105,10 @@ class Simulation {
   }
   StageState& at(int micro_batch, int stage) { return state_[micro_batch * s_.stages + stage]; }
 
-  double cost(ActionKind kind) const {
+  double cost(int rank, const Action& a) const {
+    if (!costs_.stage_forward.empty()) return stage_cost(rank, a);
     const double scale = s_.chunk_work;
-    switch (kind) {
+    switch (a.kind) {
       case ActionKind::Forward:
         return costs_.forward * scale;
       case ActionKind::Backward:
@@ -118,6 +119,27 @@ class Simulation {
         return costs_.backward_weight * scale;
       case ActionKind::ForwardBackward:
         return costs_.overlapped() * scale;
+      default:
+        return 0.0;
+    }
+  }
+  double stage_cost(int rank, const Action& a) const {
+    auto of = [&](const std::vector<double>& per_stage, int micro_batch, int chunk) {
+      return per_stage[static_cast<size_t>(s_.stage_of(micro_batch, rank, chunk))];
+    };
+    switch (a.kind) {
+      case ActionKind::Forward:
+        return of(costs_.stage_forward, a.micro_batch, a.chunk);
+      case ActionKind::Backward:
+        return of(costs_.stage_backward, a.micro_batch, a.chunk);
+      case ActionKind::BackwardInput:
+        return of(costs_.stage_backward, a.micro_batch, a.chunk) -
+               of(costs_.stage_weight, a.micro_batch, a.chunk);
+      case ActionKind::BackwardWeight:
+        return of(costs_.stage_weight, a.micro_batch, a.chunk);
+      case ActionKind::ForwardBackward:
+        return of(costs_.stage_forward, a.micro_batch, a.chunk) +
+               of(costs_.stage_backward, a.backward_micro_batch, a.backward_chunk);
       default:
         return 0.0;
     }
@@ -248,7 +270,7 @@ class Simulation {
     }
     if (is_compute(a.kind)) {
       const double start = clock_[rank];
-      clock_[rank] += cost(a.kind);
+      clock_[rank] += cost(rank, a);
       RankReport& r = report_.ranks[rank];
       if (r.timeline.empty()) r.first_start = start;
       r.timeline.push_back({pc_[rank], start, clock_[rank]});
@@ -339,6 +361,21 @@ SimulationReport simulate(const Schedule& schedule, const Costs& costs) {
   OCTET_CHECK(costs.backward_weight >= 0 && costs.backward_weight <= costs.backward,
               "pipeline costs: expected 0 <= W <= B (BackwardInput costs B - W), got W=",
               costs.backward_weight, " B=", costs.backward);
+  if (!costs.stage_forward.empty()) {
+    const size_t stages = static_cast<size_t>(schedule.stages);
+    OCTET_CHECK(costs.stage_forward.size() == stages && costs.stage_backward.size() == stages &&
+                    costs.stage_weight.size() == stages,
+                "pipeline costs: per-stage F, B, W expected ", stages, " values each, got ",
+                costs.stage_forward.size(), ", ", costs.stage_backward.size(), ", ",
+                costs.stage_weight.size());
+    for (size_t i = 0; i < stages; ++i) {
+      OCTET_CHECK(costs.stage_forward[i] >= 0 && costs.stage_weight[i] >= 0 &&
+                      costs.stage_weight[i] <= costs.stage_backward[i],
+                  "pipeline costs: stage ", i,
+                  " expected F >= 0 and 0 <= W <= B, got F=", costs.stage_forward[i],
+                  " B=", costs.stage_backward[i], " W=", costs.stage_weight[i]);
+    }
+  }
   return Simulation(schedule, costs).run();
 }
 
