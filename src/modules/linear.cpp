@@ -30,6 +30,19 @@ WeightGradientQueue* deferred_weight_gradients() {
   return active_weight_gradient_queue;
 }
 
+namespace {
+
+// A weight-gradient GEMM: queued inside a defer_weight_gradients scope, else run now.
+void run_or_defer(std::function<void()> weight_gradient) {
+  if (WeightGradientQueue* queue = deferred_weight_gradients()) {
+    queue->push(std::move(weight_gradient));
+  } else {
+    weight_gradient();
+  }
+}
+
+}  // namespace
+
 using modules_detail::add_column_sums;
 using modules_detail::kept_for_backward;
 using modules_detail::needs_columnwise;
@@ -193,14 +206,9 @@ Tensor Linear::backward(const Tensor& dy_in, Context& ctx) {
     fp8_gradients(dyq, ctx, dx);
   } else {
     gemm(dy, weight_as(ctx.dtype), dx, /*trans_a=*/false, /*trans_b=*/false);
-    auto weight_gradient = [this, dy, input = ctx.input] {
+    run_or_defer([this, dy, input = ctx.input] {
       gemm(dy, input, weight.grad, /*trans_a=*/true, /*trans_b=*/false, 1.0f, 1.0f);
-    };
-    if (WeightGradientQueue* queue = deferred_weight_gradients()) {
-      queue->push(std::move(weight_gradient));
-    } else {
-      weight_gradient();
-    }
+    });
   }
   ctx = Context{};
   return dx.reshape(with_last(dy_in.shape(), options_.in_features));
@@ -208,14 +216,9 @@ Tensor Linear::backward(const Tensor& dy_in, Context& ctx) {
 
 void Linear::fp8_gradients(const Float8Tensor& dyq, const Context& ctx, Tensor& dx) {
   gemm(dyq, ctx.weight_fp8, dx, /*trans_a=*/false, /*trans_b=*/false);
-  auto weight_gradient = [this, dyq, input = ctx.input_fp8] {
+  run_or_defer([this, dyq, input = ctx.input_fp8] {
     gemm(dyq, input, weight.grad, /*trans_a=*/true, /*trans_b=*/false, 1.0f, 1.0f);
-  };
-  if (WeightGradientQueue* queue = deferred_weight_gradients()) {
-    queue->push(std::move(weight_gradient));
-  } else {
-    weight_gradient();
-  }
+  });
 }
 
 Tensor Linear::backward_fp8_grad(const Float8Tensor& dyq, Context& ctx) {
