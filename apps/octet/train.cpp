@@ -52,6 +52,9 @@ void register_train(CLI::App& app) {
                   "Tensor-parallel ranks (consecutive ranks)");
   cmd->add_flag("--sequence-parallel", o->sequence_parallel,
                 "With tensor parallelism: norms, residuals and dropout-free adds on token shards");
+  cmd->add_flag(
+      "--tp-comm-overlap", o->tp_comm_overlap,
+      "With --sequence-parallel: overlap each all-gather with the GEMM of the local rows");
   cmd->add_option("--pipeline-model-parallel-size", o->pipeline_model_parallel_size,
                   "Pipeline stages");
   cmd->add_option("--pipeline-schedule", o->pipeline_schedule,

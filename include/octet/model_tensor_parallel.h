@@ -127,6 +127,9 @@ class TensorParallelGPT : public PipelineModel {
   // backward continues (sequence-parallel ones are still partial: sum them over the tensor
   // ranks first). Not called through the pipeline interface (the executor reports chunks).
   void set_grad_ready_hook(GPT::GradReadyHook hook) { grad_ready_hook_ = std::move(hook); }
+  // --tp-comm-overlap: every column GEMM's sequence-parallel all-gather overlapped with the
+  // GEMM of the local rows (ColumnParallelLinear::set_overlap_gather).
+  void set_tp_comm_overlap(bool on);
   // Every parameter, in the order the hook reports them.
   std::vector<Parameter*> parameters_in_backward_order();
   // Replicated parameters applied to token shards: partial gradients under SP (else empty).

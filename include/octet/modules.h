@@ -215,6 +215,13 @@ class Linear : public Module {
   explicit Linear(const LinearOptions& options);
   // x [N, in] -> y [N, out] in x's dtype. `saved` matters under fp8_autocast only.
   Tensor forward(const Tensor& x, Context& ctx, SavedInput saved = SavedInput::Fp8);
+  // forward(x) of an input still arriving (a sequence-parallel all-gather): rows [first,
+  // first + part.rows()) of x are `part`, at hand now, and their GEMM runs first; then
+  // `arrive()` waits for the whole x [rows, in] (part's rows included) and the other rows'
+  // GEMMs run. Same result and context as forward(x). Not under fp8_autocast (per-tensor
+  // scaling quantizes x whole): the caller gathers first there.
+  Tensor forward_arriving(const Tensor& part, int64_t first, int64_t rows,
+                          const std::function<Tensor()>& arrive, Context& ctx);
   // dy [N, out] -> dx [N, in]; accumulates weight.grad and bias.grad.
   Tensor backward(const Tensor& dy, Context& ctx);
   // FP8 contexts: backward from dy [N, out] already quantized by grad_output_quantizer(0)

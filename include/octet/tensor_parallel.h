@@ -101,12 +101,16 @@ class ColumnParallelLinear : public Module {
   void on_parameters_updated() override { linear.on_parameters_updated(); }
   const ParallelLinearOptions& options() const { return options_; }
   int64_t local_out_features() const { return linear.options().out_features; }
+  // Under sequence parallelism (not FP8): the GEMM of this rank's own token rows runs while
+  // the all-gather brings the other ranks' (Linear::forward_arriving); off: gather, then GEMM.
+  void set_overlap_gather(bool on) { overlap_gather_ = on; }
 
   Linear linear;  // the local shard: [out/TP, in]
 
  private:
   ParallelLinearOptions options_;
   Communicator* tp_;
+  bool overlap_gather_ = false;
 };
 
 // y = x W^T + b with W's columns (inputs) split: rank r holds W [out, in/TP]; b [out] is

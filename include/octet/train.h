@@ -189,6 +189,10 @@ struct TrainOptions {
   // With tensor parallelism: the residual stream, norms and position embedding on token
   // shards [B*T/TP, C] (Megatron's --sequence-parallel); ignored at TP = 1.
   bool sequence_parallel = false;
+  // With --sequence-parallel: each column GEMM starts on this rank's token rows while the
+  // all-gather brings the others' (Megatron's --tp-comm-overlap). Off by default: on one host
+  // the gather costs 2-3% of the GEMM and the split GEMM lost more than that (measured).
+  bool tp_comm_overlap = false;
   // Pipeline schedule (--pipeline-model-parallel-size > 1): 1f1b | interleaved | zb1p |
   // dualpipe | dualpipev; micro-batches per step = global batch / micro batch.
   std::string pipeline_schedule = "1f1b";

@@ -115,6 +115,15 @@ void TensorParallelGPT::collect_parameters(std::vector<Parameter*>& out) {
   if (final_norm_) final_norm_->collect_parameters(out);
 }
 
+void TensorParallelGPT::set_tp_comm_overlap(bool on) {
+  for (Stack& stack : layers_) {
+    for (auto& layer : stack) {
+      layer->attention.qkv.set_overlap_gather(on);
+      layer->mlp.fc1.set_overlap_gather(on);
+    }
+  }
+}
+
 std::vector<Parameter*> TensorParallelGPT::parameters_in_backward_order() {
   std::vector<Parameter*> out;
   if (final_norm_) out = final_norm_->parameters();

@@ -130,6 +130,39 @@ Tensor Linear::forward(const Tensor& x, Context& ctx, SavedInput saved) {
   return y.reshape(with_last(x.shape(), options_.out_features));
 }
 
+Tensor Linear::forward_arriving(const Tensor& part, int64_t first, int64_t rows,
+                                const std::function<Tensor()>& arrive, Context& ctx) {
+  OCTET_CHECK(!fp8_enabled(), options_.name,
+              ": forward_arriving runs outside fp8_autocast only (FP8 quantizes the whole input)");
+  check_dtype_in(part, {DType::F32, DType::BF16}, options_.name + ": input");
+  const int64_t count = part.rows();
+  OCTET_CHECK(part.ndim() == 2 && part.cols() == options_.in_features && first >= 0 &&
+                  first + count <= rows,
+              options_.name, ": input part expected [n, in_features=", options_.in_features,
+              "] within ", rows, " rows from row ", first, ", got ", shape_str(part.shape()));
+  ctx = Context{};
+  ctx.dtype = part.dtype();
+  ctx.rows = rows;
+  Tensor y = Tensor::empty({rows, options_.out_features}, part.dtype());
+  PackedWeight& packed = packed_weight(part.dtype());
+  auto rows_gemm = [&](const Tensor& x, int64_t begin, int64_t end) {
+    if (begin == end) return;
+    Tensor out = y.slice_rows(begin, end);
+    gemm(x, packed, out, /*trans_a=*/false, 1.0f, 0.0f, forward_epilogue());
+  };
+  rows_gemm(part, first, first + count);
+  const Tensor whole = arrive();
+  OCTET_CHECK(whole.ndim() == 2 && whole.rows() == rows && whole.cols() == options_.in_features &&
+                  whole.dtype() == part.dtype(),
+              options_.name, ": arrived input expected [", rows, ",", options_.in_features, "] ",
+              dtype_name(part.dtype()), ", got ", shape_str(whole.shape()), " ",
+              dtype_name(whole.dtype()));
+  rows_gemm(whole.slice_rows(0, first), 0, first);
+  rows_gemm(whole.slice_rows(first + count, rows), first + count, rows);
+  ctx.input = whole;
+  return y;
+}
+
 Tensor Linear::forward_fp8_input(const Float8Tensor& xq, const Quantizer& quantizer,
                                  DType out_dtype, Context& ctx, SavedInput saved) {
   OCTET_CHECK(xq.cols == options_.in_features, options_.name, ": FP8 input expected ",

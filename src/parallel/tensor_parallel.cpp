@@ -225,10 +225,27 @@ void ColumnParallelLinear::load_full(const Tensor& weight, const Tensor* bias) {
 }
 
 Tensor ColumnParallelLinear::forward(const Tensor& x, Context& ctx) {
-  const Tensor total = options_.linear.sequence_parallel
-                           ? gather_from_sequence_parallel_region(x, *tp_)
-                           : copy_to_tensor_parallel_region(as_rows(x), *tp_);
-  Tensor y = linear.forward(total, ctx.linear);
+  Tensor y;
+  if (overlap_gather_ && options_.linear.sequence_parallel && tp_->size() > 1 && !fp8_enabled()) {
+    // The sequence-parallel all-gather moves the other ranks' token rows while the GEMM of
+    // this rank's own rows runs (gather_from_sequence_parallel_region, overlapped).
+    const Tensor mine = as_rows(x);
+    const int64_t rows = mine.rows() * tp_->size();
+    Tensor total = Tensor::empty({rows, mine.cols()}, mine.dtype());
+    Work gather = tp_->iall_gather(mine, total);
+    y = linear.forward_arriving(
+        mine, tp_->rank() * mine.rows(), rows,
+        [&] {
+          gather.wait();
+          return total;
+        },
+        ctx.linear);
+  } else {
+    const Tensor total = options_.linear.sequence_parallel
+                             ? gather_from_sequence_parallel_region(x, *tp_)
+                             : copy_to_tensor_parallel_region(as_rows(x), *tp_);
+    y = linear.forward(total, ctx.linear);
+  }
   if (options_.gather_output) y = gather_columns_from_tensor_parallel_region(y, *tp_);
   return y;
 }

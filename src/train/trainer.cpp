@@ -355,6 +355,7 @@ TrainResult train_gpt(const TrainOptions& o) {
   };
 
   if (tp_model) {
+    tp_model->set_tp_comm_overlap(o.tp_comm_overlap);
     if (!o.load.empty()) {
       // Whole-model tensors (any layout's checkpoint): this rank's slices of the parameters
       // and of their optimizer state.

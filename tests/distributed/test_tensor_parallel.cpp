@@ -236,14 +236,17 @@ TEST_F(TensorParallel, InvalidSizesAreClearErrors) {
 struct LinearCase {
   bool sequence_parallel;
   bool gather_output;
+  bool overlap_gather = false;
 };
 
 TEST_F(TensorParallel, ColumnParallelLinearEqualsLinear) {
   const int64_t tokens = 4 * n, in = 12, out = 6 * n;
-  for (LinearCase c :
-       {LinearCase{false, false}, LinearCase{true, false}, LinearCase{false, true}}) {
+  // The last case overlaps the sequence-parallel all-gather with the local rows' GEMM.
+  for (LinearCase c : {LinearCase{false, false}, LinearCase{true, false}, LinearCase{false, true},
+                       LinearCase{true, false, true}}) {
     const std::string what = std::string("column sp=") + (c.sequence_parallel ? "1" : "0") +
-                             " gather=" + (c.gather_output ? "1" : "0");
+                             " gather=" + (c.gather_output ? "1" : "0") +
+                             " overlap=" + (c.overlap_gather ? "1" : "0");
     const LinearOptions l = linear_options(in, out, 11);
     Linear full(l);
     full.bias.value.copy_from(random_tensor({out}, 12));
@@ -253,6 +256,7 @@ TEST_F(TensorParallel, ColumnParallelLinearEqualsLinear) {
     o.gather_output = c.gather_output;
     ColumnParallelLinear column(o, *tp);
     column.load_full(full.weight.value, &full.bias.value);
+    column.set_overlap_gather(c.overlap_gather);
 
     const Tensor x = random_tensor({tokens, in}, 13), dy = random_tensor({tokens, out}, 14);
     Linear::Context full_ctx;

@@ -51,6 +51,8 @@ run 4 "PP=2 x DP=2 ZB1P, 2 buckets" --pipeline-model-parallel-size 2 --pipeline-
 # gpt-tiny's vocabulary (50257) is odd: the TP=2 shards hold 25129 and 25128 rows.
 run 2 "TP=2" --tensor-model-parallel-size 2
 run 2 "TP=2 sequence-parallel" --tensor-model-parallel-size 2 --sequence-parallel
+run 2 "TP=2 sequence-parallel, all-gathers overlapped with the GEMMs" \
+  --tensor-model-parallel-size 2 --sequence-parallel --tp-comm-overlap
 run 4 "TP=2 x DP=2 sequence-parallel (each layer reduced after its backward)" \
   --tensor-model-parallel-size 2 --sequence-parallel
 run 4 "TP=2 x DP=2 sequence-parallel, 100k-element buckets" --tensor-model-parallel-size 2 \
