@@ -137,6 +137,38 @@ TEST(PipelineSchedule, PerStageCosts) {
   EXPECT_THROW(simulate(schedule_1f1b(2, 2), slow_last), Error);
 }
 
+// compare_bubble attributes each measured action to its stage: when every stage's actions take
+// a constant, stage-specific time, the per-stage simulation, the replay and the measurement
+// agree exactly (here interleaved, stages on alternating ranks; uniform costs cannot).
+TEST(PipelineSchedule, MeasuredStageCostsAreAttributedToTheirStages) {
+  const Schedule s = schedule_interleaved_1f1b(2, 8, 2);
+  Costs truth;
+  truth.stage_forward = {1, 2, 3, 4};
+  truth.stage_backward = {10, 11, 12, 13};
+  truth.stage_weight = {0, 0, 0, 0};
+  const SimulationReport run = simulate(s, truth);
+  std::vector<StepTiming> ranks(2);
+  for (int r = 0; r < 2; ++r) {
+    StepTiming& t = ranks[static_cast<size_t>(r)];
+    for (const Action& a : s.actions[static_cast<size_t>(r)]) {
+      const auto stage = static_cast<size_t>(s.stage_of(a.micro_batch, r, a.chunk));
+      if (a.kind == ActionKind::Forward) t.forward_samples.push_back(truth.stage_forward[stage]);
+      if (a.kind == ActionKind::Backward) t.backward_samples.push_back(truth.stage_backward[stage]);
+    }
+    for (double v : t.forward_samples) t.forward_seconds += v;
+    for (double v : t.backward_samples) t.backward_seconds += v;
+    t.schedule_seconds = run.ranks[static_cast<size_t>(r)].last_end;
+    t.step_seconds = run.makespan;
+  }
+  const BubbleComparison c = compare_bubble(s, {ranks}, 0.0);
+  EXPECT_EQ(c.costs.stage_forward, truth.stage_forward);
+  EXPECT_EQ(c.costs.stage_backward, truth.stage_backward);
+  EXPECT_DOUBLE_EQ(c.measured_bubble, run.bubble);
+  EXPECT_DOUBLE_EQ(c.replayed_bubble, run.bubble);
+  EXPECT_DOUBLE_EQ(c.simulated.bubble, run.bubble);
+  EXPECT_NE(c.uniform.bubble, run.bubble);
+}
+
 // Where F differs from B - W the DualPipe formula is no longer exact; the simulation is. With
 // F&B = F + B every rank computes the same and idles the same.
 TEST(PipelineSchedule, DualPipeBeyondTheFormula) {
