@@ -6,6 +6,7 @@
 
 #include "commands.h"
 #include "octet/cpu.h"
+#include "octet/gemm.h"
 
 namespace octet::cli {
 namespace {
@@ -51,6 +52,7 @@ void print_info(bool as_json) {
       {"onednn_version", std::to_string(version->major) + "." + std::to_string(version->minor) +
                              "." + std::to_string(version->patch)},
       {"onednn_isa", onednn_isa_name(dnnl::get_effective_cpu_isa())},
+      {"bf16_gemm", gemm_bf16_native() ? "onednn bf16" : "widened to f32 (no oneDNN bf16 matmul)"},
       {"threads", num_threads()},
   };
   if (as_json) {
@@ -68,6 +70,7 @@ void print_info(bool as_json) {
               isa_name(active_isa()));
   std::printf("oneDNN         %s, isa %s\n", info["onednn_version"].get<std::string>().c_str(),
               info["onednn_isa"].get<std::string>().c_str());
+  std::printf("bf16 gemm      %s\n", info["bf16_gemm"].get<std::string>().c_str());
   std::printf("threads        %d\n", num_threads());
 }
 

@@ -56,6 +56,12 @@ void gemm(const Float8Tensor& A, const Float8Tensor& B, Tensor& C, bool trans_a,
 void gemm(const Float8Tensor& A, PackedWeight& B, Tensor& C, bool trans_a, float alpha = 1.0f,
           float beta = 0.0f, const Epilogue& epilogue = {});
 
+// Whether BF16 GEMMs run as oneDNN BF16 matmuls (AVX-512 BF16 / AMX, or AVX-512 emulation).
+// Without AVX-512 oneDNN 2.6 has no BF16 matmul: the operands, exact in F32, are widened and
+// the F32 matmul runs with the same FP32 accumulation (a BF16 C rounded to nearest even after).
+// OCTET_GEMM_BF16=widen forces the widened path (tests hold it against the native one).
+bool gemm_bf16_native();
+
 // Naive triple loop with FP64 accumulation over F32 views of the operands (the test oracle).
 void gemm_reference(const Tensor& A, const Tensor& B, Tensor& C, bool trans_a, bool trans_b,
                     float alpha = 1.0f, float beta = 0.0f, const Epilogue& epilogue = {});

@@ -142,7 +142,9 @@ void gemm(const Float8Tensor& A, const Float8Tensor& B, Tensor& C, bool trans_a,
   const gemm_detail::Fp8Operand b = gemm_detail::select_b_operand(B, trans_b, "gemm: FP8 B");
   if (k == 0) return gemm_detail::apply_epilogue_only(C, m, n, beta, epilogue);
 
-  const DType work = gemm_detail::bf16_foldable(a.matrix) && gemm_detail::bf16_foldable(b.matrix)
+  // Without a oneDNN BF16 matmul, FP8 widens straight to F32 (as exact, one pass fewer).
+  const DType work = gemm_bf16_native() && gemm_detail::bf16_foldable(a.matrix) &&
+                             gemm_detail::bf16_foldable(b.matrix)
                          ? DType::BF16
                          : DType::F32;
   gemm_detail::Fp8Workspace& workspace = gemm_detail::fp8_workspace();
@@ -191,8 +193,9 @@ void gemm(const Float8Tensor& A, PackedWeight& B, Tensor& C, bool trans_a, float
     std::lock_guard<std::mutex> lock(weight.mutex);
     weight_foldable = weight.foldable;
   }
-  const DType work =
-      gemm_detail::bf16_foldable(a.matrix) && weight_foldable ? DType::BF16 : DType::F32;
+  const DType work = gemm_bf16_native() && gemm_detail::bf16_foldable(a.matrix) && weight_foldable
+                         ? DType::BF16
+                         : DType::F32;
   gemm_detail::Fp8Workspace& workspace = gemm_detail::fp8_workspace();
   void* a_data = workspace.a.reserve(static_cast<size_t>(m * k) * dtype_bytes(work));
   gemm_detail::widen(a.matrix, work, a_data);

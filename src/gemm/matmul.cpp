@@ -1,12 +1,16 @@
 #include "gemm/matmul.h"
 
 #include <bit>
+#include <cstdlib>
 #include <map>
 #include <memory>
 #include <mutex>
+#include <string>
 #include <unordered_map>
 
+#include "core/convert.h"
 #include "gemm/packed_weight.h"
+#include "gemm/workspace.h"
 
 namespace octet::gemm_detail {
 
@@ -123,7 +127,66 @@ std::shared_ptr<const MatmulEntry> find_or_create(const MatmulKey& key) {
   return entry;
 }
 
+// A [rows, cols] BF16 matrix (any storage order: the elements are widened in place order)
+// as F32 in `buffer`.
+const float* widened(const void* data, int64_t elements, Buffer& buffer) {
+  float* out = static_cast<float*>(buffer.reserve(static_cast<size_t>(elements) * sizeof(float)));
+  convert_bf16_to_f32(static_cast<const bfloat16*>(data), out, static_cast<size_t>(elements));
+  return out;
+}
+
+// Without a oneDNN BF16 matmul: every BF16 operand widened exactly to F32, the F32 matmul run
+// (same FP32 accumulation), a BF16 C staged in F32 and rounded to nearest even afterwards.
+void run_widened(const MatmulArgs& args) {
+  struct Scratch {
+    Buffer a, b, c, bias;
+  };
+  thread_local Scratch scratch;
+  MatmulArgs f32 = args;
+  f32.a_dtype = f32.b_dtype = f32.c_dtype = DType::F32;
+  if (args.a_dtype == DType::BF16) f32.a = widened(args.a, args.m * args.k, scratch.a);
+  // A packed BF16 weight is widened when packed for the F32 primitive (packed_for).
+  if (args.packed == nullptr && args.b_dtype == DType::BF16) {
+    f32.b = widened(args.b, args.k * args.n, scratch.b);
+  }
+  Tensor bias;
+  if (args.bias != nullptr && args.bias->dtype() == DType::BF16) {
+    bias = args.bias->to(DType::F32);
+    f32.bias = &bias;
+  }
+  float* staged = nullptr;
+  const size_t c_elements = static_cast<size_t>(args.m * args.n);
+  if (args.c_dtype == DType::BF16) {
+    staged = static_cast<float*>(scratch.c.reserve(c_elements * sizeof(float)));
+    if (args.beta != 0.0f) {
+      convert_bf16_to_f32(static_cast<const bfloat16*>(args.c), staged, c_elements);
+    }
+    f32.c = staged;
+  }
+  OCTET_CHECK(args.c_dtype == DType::F32 || args.c_dtype == DType::BF16,
+              "gemm: a widened BF16 matmul expected an F32 or BF16 C, got ",
+              dtype_name(args.c_dtype));
+  run_matmul(f32);
+  if (staged != nullptr) convert_f32_to_bf16(staged, static_cast<bfloat16*>(args.c), c_elements);
+}
+
 }  // namespace
+
+bool gemm_bf16_native_detail() {
+  static const bool native = [] {
+    const char* forced = std::getenv("OCTET_GEMM_BF16");
+    if (forced != nullptr && std::string(forced) == "widen") return false;
+    try {
+      const memory::desc md({2, 2}, memory::data_type::bf16, memory::format_tag::ab);
+      const dnnl::matmul::desc desc(md, md, md);
+      dnnl::matmul::primitive_desc pd(desc, dnnl::primitive_attr(), cpu_engine());
+      return true;
+    } catch (const dnnl::error&) {
+      return false;  // no BF16 matmul on this processor (oneDNN 2.6 needs AVX-512)
+    }
+  }();
+  return native;
+}
 
 size_t matmul_cache_size() {
   std::lock_guard<std::mutex> lock(cache_mutex);
@@ -132,6 +195,10 @@ size_t matmul_cache_size() {
 
 void run_matmul(const MatmulArgs& args) {
   if (args.m == 0 || args.n == 0) return;
+  if ((args.a_dtype == DType::BF16 || args.b_dtype == DType::BF16 || args.c_dtype == DType::BF16) &&
+      !gemm_bf16_native_detail()) {
+    return run_widened(args);
+  }
   const MatmulKey key{args.m,
                       args.n,
                       args.k,
@@ -176,3 +243,9 @@ void run_matmul(const MatmulArgs& args) {
 }
 
 }  // namespace octet::gemm_detail
+
+namespace octet {
+bool gemm_bf16_native() {
+  return gemm_detail::gemm_bf16_native_detail();
+}
+}  // namespace octet

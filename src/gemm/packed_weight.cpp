@@ -2,6 +2,7 @@
 
 #include <memory>
 
+#include "core/convert.h"
 #include "gemm/matmul.h"
 #include "gemm/workspace.h"
 
@@ -104,6 +105,13 @@ dnnl::memory PackedWeightState::packed_for(const dnnl::memory::desc& desc) {
     void* data = widened->reserve(static_cast<size_t>(m.rows * m.cols) * dtype_bytes(dtype));
     widen(m, dtype, data);
     source = dnnl::memory(matrix_desc(k, n, dtype, operand.transposed), engine, data);
+  } else if (tensor.dtype() == DType::BF16 && desc.data_type() == dnnl::memory::data_type::f32) {
+    // A BF16 weight for the widened F32 matmul (no oneDNN BF16 matmul here): exact.
+    widened = std::make_unique<Buffer>();
+    void* data = widened->reserve(static_cast<size_t>(k * n) * sizeof(float));
+    convert_bf16_to_f32(static_cast<const bfloat16*>(tensor.raw()), static_cast<float*>(data),
+                        static_cast<size_t>(k * n));
+    source = dnnl::memory(matrix_desc(k, n, DType::F32, trans), engine, data);
   } else {
     source = dnnl::memory(matrix_desc(k, n, tensor.dtype(), trans), engine,
                           const_cast<void*>(tensor.raw()));
