@@ -42,6 +42,11 @@ void register_train(CLI::App& app) {
   cmd->add_option("--save", o->save, "Checkpoint directory to write");
   cmd->add_option("--load", o->load, "Checkpoint directory to resume from");
   cmd->add_option("--save-interval", o->save_interval, "Checkpoint every N steps (0: at the end)");
+  cmd->add_option("--dump-grads", o->dump_grads,
+                  "After each step write DIR/step-N: the step's gradients (whole-model names, "
+                  "gathered from every shard and stage), the updated parameters, FP8 states");
+  cmd->add_option("--dump-steps", o->dump_steps, "Steps --dump-grads writes (default: every one)")
+      ->delimiter(',');
   cmd->add_option("--metrics", o->metrics, "Write metrics as JSON lines to FILE");
   cmd->add_option("--plot", o->plot, "Write the loss curve as an SVG to FILE");
   cmd->add_option("--seed", o->seed, "Seed for initialization and data order");

@@ -70,6 +70,10 @@ class DistributedDataParallel {
   // the sum over data-parallel ranks (all-reduce), or, with the distributed optimizer, each
   // bucket's grad_shard holds this rank's summed shard.
   void finish_grad_sync();
+  // After finish_grad_sync: every gradient holds the sum over data-parallel ranks on every
+  // rank, also with the distributed optimizer (each bucket's reduced shards all-gathered into
+  // its gradients; collective). For inspecting the step's gradients (octet train --dump-grads).
+  void gather_grad_shards();
   void zero_grad();
 
   std::vector<Bucket>& buckets() { return buckets_; }

@@ -181,6 +181,11 @@ void DistributedDataParallel::finish_grad_sync() {
   keep_alive_.clear();
 }
 
+void DistributedDataParallel::gather_grad_shards() {
+  if (!options_.distributed_optimizer) return;
+  for (Bucket& bucket : buckets_) data_.iall_gather(bucket.grad_shard, bucket.grads).wait();
+}
+
 void DistributedDataParallel::zero_grad() {
   for (Bucket& bucket : buckets_) bucket.grads.zero_();
 }

@@ -138,6 +138,12 @@ std::vector<Parameter*> among(const std::vector<Parameter*>& from,
   return out;
 }
 
+bool dump_this_step(const TrainOptions& o, int64_t step) {
+  if (o.dump_grads.empty()) return false;
+  return o.dump_steps.empty() ||
+         std::find(o.dump_steps.begin(), o.dump_steps.end(), step) != o.dump_steps.end();
+}
+
 double unigram_entropy(const std::string& path) {
   TokenShard shard = TokenShard::open(path, /*check_ids=*/false);
   std::vector<int64_t> counts(static_cast<size_t>(shard.vocab_size()), 0);
@@ -185,6 +191,12 @@ TrainResult train_gpt(const TrainOptions& o) {
   OCTET_CHECK(o.mock_data || !o.train_data.empty(),
               "no training data: give --train-data SHARD (from `octet tokenize -o`) or "
               "--mock-data");
+  OCTET_CHECK(o.dump_steps.empty() || !o.dump_grads.empty(),
+              "--dump-steps names the steps --dump-grads writes: give --dump-grads DIR too");
+  for (int64_t step : o.dump_steps) {
+    OCTET_CHECK(step >= 1 && step <= o.train_iters, "--dump-steps expected steps in [1, ",
+                o.train_iters, "], got ", step);
+  }
   const DType dtype = compute_dtype(o.precision);
   const bool fp8 = o.precision == "fp8";
   const recipe::Recipe recipe = fp8 ? make_recipe(o) : recipe::Recipe{};
@@ -563,6 +575,52 @@ TrainResult train_gpt(const TrainOptions& o) {
     save_checkpoint(o.save, checkpoint);
   };
 
+  // --dump-grads: whole-model tensors under their names whatever the layout, so two layouts'
+  // dumps compare tensor by tensor (tests/distributed/train_layouts.sh).
+  auto part_parameters = [&]() {
+    return tp_model ? tp_model->parameters() : stage ? stage->parameters() : gpt->parameters();
+  };
+  auto whole_parameters = [&]() {
+    // Tensor shards gathered (collective over the tensor group), copied: the step changes them.
+    TensorMap out = tp_model ? tp_model->state_dict()
+                    : stage  ? stage->state_dict()
+                             : gpt->state_dict();
+    for (auto& [name, tensor] : out) tensor = tensor.clone();
+    return out;
+  };
+  // Before the step: the summed, unclipped gradients ("grad.NAME") and the parameters.
+  auto whole_gradients = [&]() {
+    if (ddp) ddp->gather_grad_shards();  // ZeRO-1 keeps only its reduced shard (collective)
+    TensorMap out;
+    for (Parameter* p : part_parameters()) {
+      // Copied, since clipping scales the gradients in place.
+      out["grad." + p->name] = tp_model ? tp_model->gather(*p, p->grad).clone() : p->grad.clone();
+    }
+    for (auto& [name, value] : whole_parameters()) out["before." + name] = value;
+    return out;
+  };
+  // After it: the parameters, each one's update ("update.NAME" = after - before) and the FP8
+  // states, one file per pipeline stage (its tensor and data rank 0 write it) in every layout.
+  auto dump = [&](int64_t step, TensorMap tensors) {
+    Checkpoint part;
+    part.model = whole_parameters();
+    for (const auto& [name, after] : part.model) {
+      auto before = tensors.extract("before." + name);
+      OCTET_CHECK(!before.empty(), "--dump-grads: no value of '", name, "' before the step");
+      Tensor update = after.clone();
+      const float* old_value = before.mapped().data<float>();
+      float* delta = update.data<float>();
+      for (int64_t i = 0; i < update.numel(); ++i) delta[i] -= old_value[i];
+      tensors["update." + name] = update;
+    }
+    part.optimizer = std::move(tensors);
+    for (size_t i = 0; i < fp8_part.size(); ++i) {
+      fp8_part[i]->save_state(part.optimizer, "fp8." + std::to_string(fp8_index[i]) + ".");
+    }
+    part.trainer = {{"iteration", step}, {"config", config.to_json()}, {"precision", o.precision}};
+    save_checkpoint_sharded(o.dump_grads + "/step-" + std::to_string(step), part, parallel);
+  };
+
   const auto run_start = Clock::now();
   double busy_seconds = 0;
   for (int64_t iteration = start_iteration; iteration < o.train_iters; ++iteration) {
@@ -619,6 +677,9 @@ TrainResult train_gpt(const TrainOptions& o) {
     }
     if (ddp) ddp->finish_grad_sync();
     loss = parallel.data().all_reduce(loss, ReduceOp::Sum) / static_cast<double>(accumulation * dp);
+    const bool dumping = dump_this_step(o, iteration + 1);
+    TensorMap dumped_gradients;
+    if (dumping) dumped_gradients = whole_gradients();  // before clipping and the update
     // The step's last micro-batch, per quantized tensor. Under TP: tensor rank 0's shards
     // (rank 0 writes the metrics); under PP every stage's, gathered over the pipeline ranks.
     nlohmann::json fp8_stats = o.fp8_stats ? take_fp8_stats(fp8_part) : nlohmann::json();
@@ -649,6 +710,7 @@ TrainResult train_gpt(const TrainOptions& o) {
       grad_norm = zero ? zero->step(lr) : adamw->step(lr);
       gpt->on_parameters_updated();
     }
+    if (dumping) dump(iteration + 1, std::move(dumped_gradients));
     const double step_seconds = seconds_since(step_start);
     busy_seconds += step_seconds;
     const double tokens_per_second = tokens_per_iteration / step_seconds;

@@ -243,7 +243,19 @@ TEST_F(Collectives, DifferentCollectivesInFlightTogetherMatchAcrossRanks) {
   std::vector<double> scattered = sum_over_ranks({n * 70000});
   EXPECT_EQ(values(scatter_out), std::vector<double>(scattered.begin() + r * 70000,
                                                      scattered.begin() + (r + 1) * 70000));
-  EXPECT_EQ(values(gathered).size(), static_cast<size_t>(300 * n * 4));
+  // The gather stacks every rank's block in rank order.
+  std::vector<double> stacked;
+  for (int q = 0; q < n; ++q) {
+    std::vector<double> v = values(rank_tensor(q, {300, 4}, DType::F32));
+    stacked.insert(stacked.end(), v.begin(), v.end());
+  }
+  EXPECT_EQ(values(gathered), stacked);
+  std::vector<double> largest = values(rank_tensor(0, {17}, DType::F32));
+  for (int q = 1; q < n; ++q) {
+    std::vector<double> v = values(rank_tensor(q, {17}, DType::F32));
+    for (size_t i = 0; i < v.size(); ++i) largest[i] = std::max(largest[i], v[i]);
+  }
+  EXPECT_EQ(values(small), largest);
 }
 
 TEST_F(Collectives, AWorldOfOneCopiesNothing) {
