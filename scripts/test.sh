@@ -7,7 +7,14 @@ bash scripts/setup.sh
 bash scripts/fetch_data.sh  # the tokenizer tests compare against the pinned reference encoder
 
 bash scripts/build.sh build
+build/octet info  # the processor, the kernel instruction set and the BF16 GEMM path under test
 (cd build && ctest --output-on-failure -j 2)
+# Which instruction-set paths the suites ran (each test binary reports its own).
+isa_paths() {
+  grep -h '\[ ISA paths \]' "$1/Testing/Temporary/LastTest.log" | sort | uniq -c ||
+    { echo "no test reported its instruction-set paths"; exit 1; }
+}
+isa_paths build
 
 bash scripts/build.sh build-sanitize -DOCTET_SANITIZE=ON -DCMAKE_BUILD_TYPE=RelWithDebInfo
 # oneDNN's JIT and libgomp keep allocations alive for the process lifetime: leaks are not
@@ -15,3 +22,4 @@ bash scripts/build.sh build-sanitize -DOCTET_SANITIZE=ON -DCMAKE_BUILD_TYPE=RelW
 (cd build-sanitize && ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 \
   UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
   ctest --output-on-failure -j 2)
+isa_paths build-sanitize

@@ -49,6 +49,7 @@ void print_info(bool as_json) {
       {"amx_tile", f.amx_tile},
       {"amx_bf16", f.amx_bf16},
       {"kernel_isa", isa_name(active_isa())},
+      {"avx512_unavailable", isa_unavailable_reason(Isa::Avx512)},
       {"onednn_version", std::to_string(version->major) + "." + std::to_string(version->minor) +
                              "." + std::to_string(version->patch)},
       {"onednn_isa", onednn_isa_name(dnnl::get_effective_cpu_isa())},
@@ -68,6 +69,11 @@ void print_info(bool as_json) {
   std::printf("amx tile/bf16  %s / %s\n", yes(f.amx_tile), yes(f.amx_bf16));
   std::printf("kernel isa     %s (octet's own kernels; OCTET_ISA=scalar|avx2|avx512 lowers it)\n",
               isa_name(active_isa()));
+  for (Isa isa : {Isa::Avx512, Isa::Avx2}) {
+    const std::string reason = isa_unavailable_reason(isa);
+    if (!reason.empty())
+      std::printf("               %s kernels unavailable: %s\n", isa_name(isa), reason.c_str());
+  }
   std::printf("oneDNN         %s, isa %s\n", info["onednn_version"].get<std::string>().c_str(),
               info["onednn_isa"].get<std::string>().c_str());
   std::printf("bf16 gemm      %s\n", info["bf16_gemm"].get<std::string>().c_str());

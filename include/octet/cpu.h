@@ -26,6 +26,10 @@ const CpuFeatures& cpu_features();
 Isa active_isa();
 void set_active_isa(Isa isa);  // clamps to what the processor supports
 const char* isa_name(Isa isa);
+// Why this processor cannot run `isa`'s kernels, e.g. "no AVX512BW, AVX512VL" (features the
+// processor lacks or the OS does not enable); empty when it can. set_active_isa clamps such
+// an isa to the best one available.
+std::string isa_unavailable_reason(Isa isa);
 int num_threads();  // OpenMP threads kernels use
 
 }  // namespace octet

@@ -61,14 +61,36 @@ CpuFeatures detect() {
   return f;
 }
 
+// The features `isa`'s kernels need that `f` lacks, by name ("" when it has them all).
+// One list, so that best_isa and the reason a path is unavailable cannot disagree.
+std::string missing_features(const CpuFeatures& f, Isa isa) {
+  std::string missing;
+  auto need = [&missing](bool have, const char* name) {
+    if (have) return;
+    if (!missing.empty()) missing += ", ";
+    missing += name;
+  };
+  if (isa == Isa::Avx512) {
+    need(f.avx512f, "AVX512F");
+    need(f.avx512bw, "AVX512BW");
+    need(f.avx512vl, "AVX512VL");
+    need(f.f16c, "F16C");
+  } else if (isa == Isa::Avx2) {
+    need(f.avx2, "AVX2");
+    need(f.fma, "FMA");
+    need(f.f16c, "F16C");
+  }
+  return missing;
+}
+
 Isa best_isa(const CpuFeatures& f) {
-  if (f.avx512f && f.avx512bw && f.avx512vl && f.f16c) return Isa::Avx512;
-  if (f.avx2 && f.fma && f.f16c) return Isa::Avx2;
+  if (missing_features(f, Isa::Avx512).empty()) return Isa::Avx512;
+  if (missing_features(f, Isa::Avx2).empty()) return Isa::Avx2;
   return Isa::Scalar;
 }
 
 Isa clamp_isa(Isa wanted) {
-  Isa best = best_isa(cpu_features());
+  static const Isa best = best_isa(cpu_features());
   return static_cast<int>(wanted) < static_cast<int>(best) ? wanted : best;
 }
 
@@ -100,6 +122,11 @@ Isa active_isa() {
 
 void set_active_isa(Isa isa) {
   isa_slot().store(clamp_isa(isa), std::memory_order_relaxed);
+}
+
+std::string isa_unavailable_reason(Isa isa) {
+  const std::string missing = missing_features(cpu_features(), isa);
+  return missing.empty() ? missing : "no " + missing;
 }
 
 const char* isa_name(Isa isa) {

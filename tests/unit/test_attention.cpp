@@ -3,17 +3,21 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <functional>
 #include <random>
+#include <string>
 
 #include "octet/cpu.h"
 #include "octet/ops/attention.h"
 #include "octet/rng.h"
 #include "ops/attention/checks.h"
+#include "test_util.h"
 #include "torch_reference.h"
 
 namespace octet {
 namespace {
 
+using octet::testing::available_isas;
 using ops::AttentionOptions;
 
 Tensor random_tensor(const Shape& shape, DType dtype, uint32_t seed) {
@@ -148,9 +152,8 @@ TEST_P(AttentionCase, FastMatchesReferenceOnEveryIsaAndTorch) {
   const double tol = tolerance(c.dtype);
   Grads reference = run_reference(q, k, v, dout, o);
   const Isa saved = active_isa();
-  for (Isa isa : {Isa::Scalar, Isa::Avx2, Isa::Avx512}) {
+  for (Isa isa : available_isas()) {
     set_active_isa(isa);
-    if (active_isa() != isa) continue;  // the processor lacks it
     expect_grads_close(run_fast(q, k, v, dout, o), reference, tol,
                        std::string("fast/") + isa_name(isa));
   }
@@ -334,6 +337,16 @@ TEST(Attention, DropoutKeepRateAndDeterminism) {
   EXPECT_NE(first, forward(no_dropout));
 }
 
+// `run` throws an octet::Error whose message is exactly `message`.
+void expect_error(const std::function<void()>& run, const std::string& message) {
+  try {
+    run();
+    ADD_FAILURE() << "no error; expected: " << message;
+  } catch (const Error& e) {
+    EXPECT_EQ(std::string(e.what()), message);
+  }
+}
+
 TEST(Attention, BadArgumentsThrow) {
   Tensor q = Tensor::zeros({1, 4, 4, 32}, DType::F32);
   Tensor k = Tensor::zeros({1, 6, 2, 32}, DType::F32);
@@ -347,10 +360,30 @@ TEST(Attention, BadArgumentsThrow) {
   EXPECT_THROW(ops::flash_attention_forward(q, k, v_short, o, out, lse), Error);
   Tensor k_bf16 = Tensor::zeros({1, 6, 2, 32}, DType::BF16);
   EXPECT_THROW(ops::flash_attention_forward(q, k_bf16, k_bf16, o, out, lse), Error);
-  Tensor q_wide = Tensor::zeros({1, 4, 4, 264}, DType::F32);
-  Tensor k_wide = Tensor::zeros({1, 6, 2, 264}, DType::F32);
-  Tensor out_wide = Tensor::empty(q_wide.shape(), DType::F32);
-  EXPECT_THROW(ops::flash_attention_forward(q_wide, k_wide, k_wide, o, out_wide, lse), Error);
+  {
+    // Head dims past 256 are unsupported: every entry point says so, not some later check.
+    Tensor q_wide = Tensor::zeros({1, 4, 4, 264}, DType::F32);
+    Tensor k_wide = Tensor::zeros({1, 6, 2, 264}, DType::F32);
+    Tensor out_wide = Tensor::empty(q_wide.shape(), DType::F32);
+    Tensor dk_wide = Tensor::empty(k_wide.shape(), DType::F32);
+    Tensor dv_wide = Tensor::empty(k_wide.shape(), DType::F32);
+    expect_error([&] { ops::flash_attention_forward(q_wide, k_wide, k_wide, o, out_wide, lse); },
+                 "flash_attention_forward: head dim D expected in [1,256], got 264");
+    expect_error(
+        [&] { ops::reference::flash_attention_forward(q_wide, k_wide, k_wide, o, out_wide, lse); },
+        "flash_attention_forward: head dim D expected in [1,256], got 264");
+    expect_error(
+        [&] {
+          ops::flash_attention_backward(q_wide, k_wide, k_wide, out_wide, lse, out_wide, o,
+                                        out_wide, dk_wide, dv_wide);
+        },
+        "flash_attention_backward: head dim D expected in [1,256], got 264");
+    // 256 itself is supported.
+    Tensor q_256 = Tensor::zeros({1, 4, 4, 256}, DType::F32);
+    Tensor k_256 = Tensor::zeros({1, 6, 2, 256}, DType::F32);
+    Tensor out_256 = Tensor::empty(q_256.shape(), DType::F32);
+    EXPECT_NO_THROW(ops::flash_attention_forward(q_256, k_256, k_256, o, out_256, lse));
+  }
   Tensor bad_lse = Tensor::empty({1, 4, 5}, DType::F32);
   EXPECT_THROW(ops::flash_attention_forward(q, k, k, o, out, bad_lse), Error);
   Tensor q3 = Tensor::zeros({4, 4, 32}, DType::F32);

@@ -13,9 +13,12 @@
 #include "core/convert.h"
 #include "octet/cpu.h"
 #include "octet/dtype.h"
+#include "test_util.h"
 
 namespace octet {
 namespace {
+
+using octet::testing::available_isas;
 
 constexpr float kInf = std::numeric_limits<float>::infinity();
 constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
@@ -31,16 +34,6 @@ struct IsaGuard {
   Isa saved = active_isa();
   ~IsaGuard() { set_active_isa(saved); }
 };
-
-std::vector<Isa> available_isas() {
-  IsaGuard guard;
-  std::vector<Isa> isas;
-  for (Isa isa : {Isa::Scalar, Isa::Avx2, Isa::Avx512}) {
-    set_active_isa(isa);
-    if (active_isa() == isa) isas.push_back(isa);
-  }
-  return isas;
-}
 
 // Bulk conversion of one value on the active path, padded so vector blocks see it too.
 uint16_t bulk_to_bf16(float value) {
@@ -174,7 +167,7 @@ void expect_all_codes_round_trip(float (*widen)(uint16_t), uint16_t (*narrow)(fl
   for (Isa isa : available_isas()) {
     set_active_isa(isa);
     for (size_t offset : {size_t{0}, size_t{5}}) {
-      SCOPED_TRACE(testing::Message() << isa_name(isa) << " offset " << offset);
+      SCOPED_TRACE(::testing::Message() << isa_name(isa) << " offset " << offset);
       const size_t n = 65536 + offset;
       std::vector<Half> codes(n);
       for (size_t i = 0; i < n; ++i) codes[i].bits = uint16_t(i < offset ? 0x3C00 : i - offset);
@@ -250,7 +243,7 @@ TEST(Convert, RandomFloatsMatchScalarOnEveryIsa) {
     }
     for (Isa isa : available_isas()) {
       set_active_isa(isa);
-      SCOPED_TRACE(testing::Message() << isa_name(isa) << " n " << n);
+      SCOPED_TRACE(::testing::Message() << isa_name(isa) << " n " << n);
       std::vector<bfloat16> bf16(n, bfloat16{0x1234});
       convert_f32_to_bf16(x.data(), bf16.data(), n);
       std::vector<float16> f16(n, float16{0x1234});

@@ -14,9 +14,12 @@
 #include "octet/cpu.h"
 #include "octet/error.h"
 #include "octet/fp8.h"
+#include "test_util.h"
 
 namespace octet {
 namespace {
+
+using octet::testing::available_isas;
 
 constexpr float kInf = std::numeric_limits<float>::infinity();
 constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
@@ -37,17 +40,6 @@ struct IsaGuard {
   Isa saved = active_isa();
   ~IsaGuard() { set_active_isa(saved); }
 };
-
-// The instruction sets this processor can run (set_active_isa clamps to them).
-std::vector<Isa> available_isas() {
-  IsaGuard guard;
-  std::vector<Isa> isas;
-  for (Isa isa : {Isa::Scalar, Isa::Avx2, Isa::Avx512}) {
-    set_active_isa(isa);
-    if (active_isa() == isa) isas.push_back(isa);
-  }
-  return isas;
-}
 
 // The OCP value of a code, straight from its sign, exponent and mantissa fields.
 float ocp_value(uint8_t code, DType format) {
@@ -73,7 +65,7 @@ void expect_decodes_all_codes(DType format) {
   for (int code = 0; code < 256; ++code) {
     const float expected = ocp_value(uint8_t(code), format);
     const float got = fp8_to_float(uint8_t(code), format);
-    SCOPED_TRACE(testing::Message() << dtype_name(format) << " code 0x" << std::hex << code);
+    SCOPED_TRACE(::testing::Message() << dtype_name(format) << " code 0x" << std::hex << code);
     if (std::isnan(expected)) {
       EXPECT_TRUE(std::isnan(got));
     } else {
@@ -143,8 +135,8 @@ TEST(Fp8Format, TiesRoundToEven) {
       const int even = (low % 2 == 0) ? low : high;
       for (int sign : {0x00, 0x80}) {
         const float s = sign ? -1.0f : 1.0f;
-        SCOPED_TRACE(testing::Message() << dtype_name(format) << " between codes " << low << " and "
-                                        << high << " sign " << sign);
+        SCOPED_TRACE(::testing::Message() << dtype_name(format) << " between codes " << low
+                                          << " and " << high << " sign " << sign);
         EXPECT_EQ(float_to_fp8(s * mid, format, false), sign | even);
         EXPECT_EQ(float_to_fp8(s * next_down(mid), format, false), sign | low);
         EXPECT_EQ(float_to_fp8(s * next_up(mid), format, false), sign | high);
@@ -383,8 +375,8 @@ TEST(Fp8Kernels, QuantizeMatchesScalarOnEveryIsa) {
           const std::vector<uint8_t> expected16 = reference_codes(x16_wide, scale, format);
           for (Isa isa : available_isas()) {
             set_active_isa(isa);
-            SCOPED_TRACE(testing::Message() << isa_name(isa) << " " << dtype_name(format) << " n "
-                                            << n << " scale " << scale << " nan " << with_nan);
+            SCOPED_TRACE(::testing::Message() << isa_name(isa) << " " << dtype_name(format) << " n "
+                                              << n << " scale " << scale << " nan " << with_nan);
             std::vector<uint8_t> codes(n, 0xAA);
             expect_same_amax(quantize_fp8(x.data(), n, scale, format, codes.data()),
                              reference_amax(x));
@@ -421,8 +413,8 @@ TEST(Fp8Kernels, DequantizeAndWidenMatchScalarOnEveryIsa) {
         }
         for (Isa isa : available_isas()) {
           set_active_isa(isa);
-          SCOPED_TRACE(testing::Message() << isa_name(isa) << " " << dtype_name(format) << " n "
-                                          << n << " scale_inv " << scale_inv);
+          SCOPED_TRACE(::testing::Message() << isa_name(isa) << " " << dtype_name(format) << " n "
+                                            << n << " scale_inv " << scale_inv);
           std::vector<float> out(n, -1.0f);
           dequantize_fp8(codes.data(), n, format, scale_inv, out.data());
           std::vector<uint32_t> got(n);
@@ -499,8 +491,8 @@ TEST(Fp8Kernels, CastTransposeEqualsCastThenTransposeOnEveryIsa) {
       for (Isa isa : available_isas()) {
         set_active_isa(isa);
         for (DType format : kFormats) {
-          SCOPED_TRACE(testing::Message() << isa_name(isa) << " " << dtype_name(format) << " ["
-                                          << rows << "," << cols << "] nan " << with_nan);
+          SCOPED_TRACE(::testing::Message() << isa_name(isa) << " " << dtype_name(format) << " ["
+                                            << rows << "," << cols << "] nan " << with_nan);
           expect_cast_transpose_matches(x, rows, cols, format, 0.5f);
           expect_cast_transpose_matches(x16, rows, cols, format, 3.0f);
         }

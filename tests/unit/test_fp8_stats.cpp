@@ -9,6 +9,7 @@
 #include "octet/fp8.h"
 #include "octet/model.h"
 #include "octet/train.h"
+#include "test_util.h"  // also reports the instruction-set paths run
 
 namespace octet {
 namespace {

@@ -19,6 +19,7 @@
 #include "gemm/packed_weight.h"
 #include "octet/gemm.h"
 #include "octet/recipe.h"
+#include "test_util.h"  // also reports the instruction-set paths run
 
 namespace octet {
 namespace {

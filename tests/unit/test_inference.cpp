@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "octet/infer.h"
+#include "test_util.h"  // also reports the instruction-set paths run
 
 namespace octet {
 namespace {

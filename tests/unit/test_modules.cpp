@@ -3,8 +3,14 @@
 // scaling state over several steps; fused against unfused; activation recomputation.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <array>
 #include <cmath>
 #include <random>
+#include <string>
+#include <type_traits>
+#include <variant>
+#include <vector>
 
 #include "octet/modules.h"
 #include "test_util.h"
@@ -46,6 +52,70 @@ void expect_grads(Module& m, const std::string& strip_prefix, const TensorMap& t
   }
 }
 
+constexpr double kUnitRoundoff = 1.0 / (1 << 24);
+
+std::vector<float> transposed(const std::vector<float>& x, int64_t rows, int64_t cols) {
+  std::vector<float> out(x.size());
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t c = 0; c < cols; ++c) out[c * rows + r] = x[r * cols + c];
+  }
+  return out;
+}
+
+// A reference result in FP64 and, per element, sum |terms|: the scale of its rounding error.
+struct Reference {
+  std::vector<double> value, magnitude;
+};
+
+std::vector<double> as_doubles(const std::vector<float>& v) {
+  return std::vector<double>(v.begin(), v.end());
+}
+
+// PyTorch's FP64 result, with the sums of |terms| of `ours` as its rounding scale.
+Reference torch_with_magnitude(const Tensor& torch, Reference terms) {
+  terms.value = as_doubles(torch.to_floats());
+  return terms;
+}
+
+// c [m, n] = a [m, k] b [n, k]^T (+ bias [n]).
+Reference matmul_nt(const std::vector<double>& a, const std::vector<double>& b, int64_t m,
+                    int64_t n, int64_t k, const std::vector<float>& bias = {}) {
+  Reference c{std::vector<double>(m * n), std::vector<double>(m * n)};
+  for (int64_t i = 0; i < m; ++i) {
+    for (int64_t j = 0; j < n; ++j) {
+      double sum = bias.empty() ? 0.0 : bias[j], magnitude = 0;
+      for (int64_t l = 0; l < k; ++l) {
+        sum += a[i * k + l] * b[j * k + l];
+        magnitude += std::fabs(a[i * k + l] * b[j * k + l]);
+      }
+      c.value[i * n + j] = sum;
+      c.magnitude[i * n + j] = magnitude;
+    }
+  }
+  return c;
+}
+
+// A GEMM (or column sum) of K products accumulated in F32, against an FP64 reference on the
+// same operand values. As in test_gemm.cpp: |error| <= 2 (K + 4) u sum|a||b| covers the
+// accumulation, F32 products and one F32 rounding per operand (FP8 codes times non-power-of-
+// two block scales); the output's own roundings (scale, bias add, F32 store) add <= 2 u |c|.
+void expect_within_rounding(const Tensor& got, const Reference& expected, int64_t k,
+                            const std::string& what) {
+  const std::vector<float> g = got.to_floats();
+  ASSERT_EQ(g.size(), expected.value.size()) << what;
+  int failures = 0;
+  for (size_t i = 0; i < g.size(); ++i) {
+    const double e = expected.value[i];
+    const double bound =
+        2.0 * (k + 4) * kUnitRoundoff * expected.magnitude[i] + 2.0 * kUnitRoundoff * std::fabs(e);
+    if (!(std::fabs(g[i] - e) <= bound) && failures++ < 3) {
+      ADD_FAILURE() << what << "[" << i << "]: got " << g[i] << ", reference " << e << " (error "
+                    << std::fabs(g[i] - e) << " > bound " << bound << ")";
+    }
+  }
+  EXPECT_EQ(failures, 0) << what << ": elements outside the FP32 rounding bound";
+}
+
 // F32: GEMMs accumulate in F32 over K <= 192 terms of O(1) values: ~K * 2^-24 relative.
 // BF16: inputs, weights and outputs are rounded to BF16 (2^-8), errors add over layers.
 struct Tolerance {
@@ -78,7 +148,22 @@ TEST(Linear, ForwardBackwardMatchTorch) {
     Tolerance t = tolerance(dtype);
     EXPECT_LE(worst(y, torch.at("y"), t.atol, t.rtol), 1.0);
     EXPECT_LE(worst(dx, torch.at("x.grad"), t.atol, t.rtol), 1.0);
-    expect_grads(linear, "l.", torch, t.atol * 20, t.rtol);
+    // dW = dy^T x and db = column sums of dy take x and dy as given (torch gets the same BF16
+    // or F32 values) and no weight: only the F32 sum over N = 21 tokens rounds, within
+    // 2 (N + 4) u sum|dy||x| (expect_within_rounding).
+    const int64_t tokens = 21;
+    const std::vector<float> xv = x.to_floats(), dyv = dy.to_floats();
+    const std::vector<double> x_columns = as_doubles(transposed(xv, tokens, 33));
+    const std::vector<double> dy_columns = as_doubles(transposed(dyv, tokens, 65));
+    const std::vector<double> ones(tokens, 1.0);
+    expect_within_rounding(linear.weight.grad,
+                           torch_with_magnitude(torch.at("weight.grad"),
+                                                matmul_nt(dy_columns, x_columns, 65, 33, tokens)),
+                           tokens, "weight.grad");
+    expect_within_rounding(
+        linear.bias.grad,
+        torch_with_magnitude(torch.at("bias.grad"), matmul_nt(ones, dy_columns, 1, 65, tokens)),
+        tokens, "bias.grad");
   }
 }
 
@@ -384,6 +469,186 @@ TEST(Fp8Linear, EveryRecipeRunsAndStaysClose) {
     EXPECT_LT(relative_rms(y, y_ref), 0.05);
     EXPECT_LT(relative_rms(dx, dx_ref), 0.08);
     EXPECT_GT(relative_rms(y, y_ref), 1e-3);  // it really ran in FP8
+  }
+}
+
+// ---- FP8 Linear against a quantize-dequantize reference, weight gradients included ----
+
+// How a recipe scales one GEMM operand, in the orientation that GEMM reads it (blocks along
+// its reduction dimension K, the operand's last dimension): one scale for the whole tensor,
+// one FP32 scale per block_rows x block_cols block, or one E8M0 scale per 1x32 block.
+struct OperandScaling {
+  ScalingMode mode = ScalingMode::PerTensor;
+  DType format = DType::E4M3;
+  float scale = 1.0f;  // per tensor: the scale applied before the cast
+  int64_t block_rows = 1, block_cols = 1;
+  bool power_2_scale = false;
+};
+
+// x [rows, cols] row-major quantized and dequantized by the scalar rules of src/fp8 (not the
+// bulk quantizer under test): code = fp8(x * scale) saturating, value = code * scale_inv of
+// its block, in FP64.
+std::vector<double> quantize_dequantize(const std::vector<float>& x, int64_t rows, int64_t cols,
+                                        const OperandScaling& s) {
+  const bool per_tensor = s.mode == ScalingMode::PerTensor;
+  const int64_t block_rows = per_tensor ? rows : s.block_rows;
+  const int64_t block_cols = per_tensor ? cols : s.mode == ScalingMode::MXFP8 ? 32 : s.block_cols;
+  const float max_value = fp8_max(s.format);
+  std::vector<double> out(x.size());
+  for (int64_t r0 = 0; r0 < rows; r0 += block_rows) {
+    for (int64_t c0 = 0; c0 < cols; c0 += block_cols) {
+      const int64_t r1 = std::min(rows, r0 + block_rows), c1 = std::min(cols, c0 + block_cols);
+      float amax = 0.0f;
+      for (int64_t r = r0; r < r1; ++r) {
+        for (int64_t c = c0; c < c1; ++c) amax = std::max(amax, std::fabs(x[r * cols + c]));
+      }
+      float scale = s.scale, scale_inv = 1.0f / s.scale;
+      if (s.mode == ScalingMode::Block) {
+        scale = compute_scale_from_amax(amax, max_value, s.power_2_scale, 0.0f);
+        scale_inv = 1.0f / scale;
+      } else if (s.mode == ScalingMode::MXFP8) {
+        scale_inv = e8m0_to_float(float_to_e8m0_ceil(amax / max_value));
+        scale = 1.0f / scale_inv;
+      }
+      for (int64_t r = r0; r < r1; ++r) {
+        for (int64_t c = c0; c < c1; ++c) {
+          const uint8_t code = float_to_fp8(x[r * cols + c] * scale, s.format, true);
+          out[r * cols + c] = double(fp8_to_float(code, s.format)) * scale_inv;
+        }
+      }
+    }
+  }
+  return out;
+}
+
+// Normal values times 2^((row % 4) - 2 + (col / 32) % 3) * stddev: every 1x32, 1x128 and
+// 128x128 block, in either orientation, gets its own amax and scale.
+Tensor block_varied(int64_t rows, int64_t cols, uint32_t seed, float stddev) {
+  std::vector<float> v = random_tensor({rows, cols}, DType::F32, seed).to_floats();
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t c = 0; c < cols; ++c) {
+      v[r * cols + c] *= stddev * std::ldexp(1.0f, int(r % 4) - 2 + int((c / 32) % 3));
+    }
+  }
+  return Tensor::from_floats({rows, cols}, v);
+}
+
+float amax_of(const std::vector<float>& v) {
+  float amax = 0.0f;
+  for (float value : v) amax = std::max(amax, std::fabs(value));
+  return amax;
+}
+
+// The three GEMM operands of a Linear under a recipe: input and weight (forward), output
+// gradient; formats per the recipe's Format (HYBRID: E5M2 gradients). Per-tensor scales come
+// from `tensor_amax` (the amax the recipe scales by: this tensor's under current scaling, the
+// previous step's under delayed scaling).
+struct LinearScalings {
+  OperandScaling input, weight, grad_output;
+};
+
+LinearScalings scalings_of(const recipe::Recipe& r, const std::array<float, 3>& tensor_amax) {
+  LinearScalings s;
+  std::visit(
+      [&](const auto& rr) {
+        using R = std::decay_t<decltype(rr)>;
+        const bool hybrid = rr.fp8_format == recipe::Format::HYBRID;
+        s.input.format = s.weight.format = DType::E4M3;
+        s.grad_output.format = hybrid ? DType::E5M2 : DType::E4M3;
+        OperandScaling* operands[3] = {&s.input, &s.weight, &s.grad_output};
+        for (int i = 0; i < 3; ++i) {
+          OperandScaling& o = *operands[i];
+          if constexpr (std::is_same_v<R, recipe::DelayedScaling>) {
+            o.scale = fp8_max(o.format) / tensor_amax[i];  // margin 0, window max
+          } else if constexpr (std::is_same_v<R, recipe::Float8CurrentScaling>) {
+            o.scale = compute_scale_from_amax(tensor_amax[i], fp8_max(o.format), rr.power_2_scale,
+                                              rr.amax_epsilon);
+          } else if constexpr (std::is_same_v<R, recipe::MXFP8BlockScaling>) {
+            o.mode = ScalingMode::MXFP8;
+          } else {
+            o.mode = ScalingMode::Block;
+            o.power_2_scale = rr.power_2_scale;
+            const bool weight = i == 1;
+            o.block_rows = weight ? rr.weight_block : 1;
+            o.block_cols = weight ? rr.weight_block : rr.activation_block;
+          }
+        }
+      },
+      r);
+  return s;
+}
+
+// y = x W^T + b, dx = dy W, dW = dy^T x, db = column sums of dy, each GEMM on the operands
+// quantized the way the recipe prescribes for it: forward rowwise x and W (blocks along
+// in_features); dgrad rowwise dy and W's transpose (blocks along out_features); wgrad the
+// columnwise copies of dy and x (blocks along the tokens). Compared on the second step, when
+// delayed scaling has real scales (from the first step's amaxes, which differ from this one's).
+TEST(Fp8Linear, EveryRecipeMatchesQuantizedReferenceWeightGradientsIncluded) {
+  recipe::DelayedScaling delayed_e4m3;
+  delayed_e4m3.fp8_format = recipe::Format::E4M3;
+  recipe::Float8CurrentScaling current_e4m3;
+  current_e4m3.fp8_format = recipe::Format::E4M3;
+  recipe::MXFP8BlockScaling mxfp8_hybrid;
+  mxfp8_hybrid.fp8_format = recipe::Format::HYBRID;
+  recipe::Float8BlockScaling block_hybrid_fp32_scales;
+  block_hybrid_fp32_scales.fp8_format = recipe::Format::HYBRID;
+  block_hybrid_fp32_scales.power_2_scale = false;  // the GEMM widens to F32
+  const recipe::Recipe recipes[] = {recipe::DelayedScaling{},       delayed_e4m3,
+                                    recipe::Float8CurrentScaling{}, current_e4m3,
+                                    recipe::MXFP8BlockScaling{},    mxfp8_hybrid,
+                                    recipe::Float8BlockScaling{},   block_hybrid_fp32_scales};
+  // Not multiples of 32 or 128 along any reduction: partial blocks everywhere.
+  const int64_t tokens = 48, in = 160, out = 96;
+  LinearOptions o;
+  o.in_features = in;
+  o.out_features = out;
+  const Tensor x_before = block_varied(tokens, in, 120, 2.0f);
+  const Tensor dy_before = block_varied(tokens, out, 121, 3e-3f);
+  const Tensor x = block_varied(tokens, in, 122, 1.0f);
+  const Tensor dy = block_varied(tokens, out, 123, 1e-3f);
+  const std::vector<float> xv = x.to_floats(), dyv = dy.to_floats();
+  for (const recipe::Recipe& r : recipes) {
+    SCOPED_TRACE(recipe::describe(r));
+    Linear linear(o);
+    randomize(linear, 25);
+    const std::vector<float> wv = linear.weight.value.to_floats();
+    const std::vector<float> bv = linear.bias.value.to_floats();
+    {  // a first step: delayed scaling records the amaxes this step's scales come from
+      Linear::Context ctx;
+      fp8_autocast scope(true, r);
+      linear.forward(x_before, ctx);
+      linear.backward(dy_before, ctx);
+    }
+    linear.zero_grad();
+    Linear::Context ctx;
+    Tensor y, dx;
+    {
+      fp8_autocast scope(true, r);
+      y = linear.forward(x, ctx);
+      dx = linear.backward(dy, ctx);
+    }
+    // Current and block scaling scale by this step's tensors, delayed scaling by the amaxes
+    // of the step before (margin 0; the window holds that one step).
+    const bool delayed = std::holds_alternative<recipe::DelayedScaling>(r);
+    const LinearScalings s =
+        scalings_of(r, {amax_of((delayed ? x_before : x).to_floats()), amax_of(wv),
+                        amax_of((delayed ? dy_before : dy).to_floats())});
+    const std::vector<float> xt = transposed(xv, tokens, in), dyt = transposed(dyv, tokens, out);
+    const std::vector<double> x_rows = quantize_dequantize(xv, tokens, in, s.input);
+    const std::vector<double> w_rows = quantize_dequantize(wv, out, in, s.weight);
+    const std::vector<double> w_columns =
+        quantize_dequantize(transposed(wv, out, in), in, out, s.weight);
+    const std::vector<double> dy_rows = quantize_dequantize(dyv, tokens, out, s.grad_output);
+    const std::vector<double> x_columns = quantize_dequantize(xt, in, tokens, s.input);
+    const std::vector<double> dy_columns = quantize_dequantize(dyt, out, tokens, s.grad_output);
+
+    expect_within_rounding(y, matmul_nt(x_rows, w_rows, tokens, out, in, bv), in, "y");
+    expect_within_rounding(dx, matmul_nt(dy_rows, w_columns, tokens, in, out), out, "dx");
+    expect_within_rounding(linear.weight.grad, matmul_nt(dy_columns, x_columns, out, in, tokens),
+                           tokens, "dW");
+    const std::vector<double> ones(tokens, 1.0);
+    expect_within_rounding(linear.bias.grad, matmul_nt(ones, as_doubles(dyt), 1, out, tokens),
+                           tokens, "db");
   }
 }
 

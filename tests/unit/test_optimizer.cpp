@@ -15,11 +15,13 @@
 #include "octet/cpu.h"
 #include "octet/fp8.h"
 #include "octet/ops/optimizer.h"
+#include "test_util.h"
 #include "torch_reference.h"
 
 namespace octet {
 namespace {
 
+using octet::testing::available_isas;
 using octet::testing::run_torch;
 using ops::AdamWHyper;
 using ops::AdamWTensor;
@@ -130,7 +132,7 @@ void expect_model_is_conversion(const AdamWTensor& t) {
 TEST(AdamW, FastMatchesReferenceOnEveryIsa) {
   IsaGuard guard;
   const AdamWHyper hyper{3e-2f, 0.9f, 0.95f, 1e-8f, 1};
-  for (Isa isa : {Isa::Scalar, Isa::Avx2, Isa::Avx512}) {
+  for (Isa isa : available_isas()) {
     set_active_isa(isa);
     SCOPED_TRACE(isa_name(active_isa()));
     std::vector<AdamWTensor> ref = make_state(kSpecs);
@@ -279,7 +281,7 @@ TEST(GradNorm, FastMatchesReferenceOnEveryIsa) {
   const double ref_norm = ops::reference::global_grad_norm(grads);
   std::vector<Tensor> ref_clipped = clone_all(grads);
   ops::reference::clip_grad_norm(ref_clipped, 0.5);
-  for (Isa isa : {Isa::Scalar, Isa::Avx2, Isa::Avx512}) {
+  for (Isa isa : available_isas()) {
     set_active_isa(isa);
     SCOPED_TRACE(isa_name(active_isa()));
     EXPECT_NEAR(ops::global_grad_norm(grads), ref_norm, 1e-12 * ref_norm);

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "octet/recipe.h"
+#include "test_util.h"  // also reports the instruction-set paths run
 
 namespace octet {
 namespace {
@@ -427,7 +428,7 @@ TEST(Float8TensorDequantize, WithinHalfUlpInEveryMode) {
                                     Quantizer::block(format, 128, 128, true),
                                     Quantizer::mxfp8(format)};
     for (const Quantizer& quantizer : quantizers) {
-      SCOPED_TRACE(testing::Message()
+      SCOPED_TRACE(::testing::Message()
                    << dtype_name(format) << " " << scaling_mode_name(quantizer.mode()));
       const Float8Tensor q = quantizer.quantize(x, true, true);
       const std::vector<float> deq = q.dequantize().to_floats();

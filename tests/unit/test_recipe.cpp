@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "octet/recipe.h"
+#include "test_util.h"  // also reports the instruction-set paths run
 
 namespace octet {
 namespace {
@@ -252,7 +253,7 @@ TEST_P(FP8MetaSequence, MatchesModelAfterEveryUpdate) {
     meta.update(recipe);
     for (int t = 0; t < 2; ++t) {
       model_update(model[t], history_len, margin, algo);
-      SCOPED_TRACE(testing::Message() << "step " << step << " tensor " << t);
+      SCOPED_TRACE(::testing::Message() << "step " << step << " tensor " << t);
       EXPECT_EQ(meta.scale(t), model[t].scale);
       EXPECT_EQ(meta.scale_inv(t), 1.0f / model[t].scale);
       for (int row = 0; row < history_len; ++row) {

@@ -4,9 +4,11 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <string>
 
 #include "octet/cpu.h"
 #include "octet/tensor.h"
+#include "test_util.h"  // also reports the instruction-set paths run
 
 namespace octet {
 namespace {
@@ -129,6 +131,19 @@ TEST(Cpu, FeaturesAreConsistent) {
   EXPECT_EQ(active_isa(), Isa::Scalar);
   set_active_isa(Isa::Avx512);  // clamps to what the processor has
   EXPECT_TRUE(f.avx512f || active_isa() != Isa::Avx512);
+  // A path is unavailable exactly when set_active_isa clamps it away, and then names what
+  // the processor lacks.
+  for (Isa isa : {Isa::Scalar, Isa::Avx2, Isa::Avx512}) {
+    set_active_isa(isa);
+    EXPECT_EQ(isa_unavailable_reason(isa).empty(), active_isa() == isa)
+        << isa_name(isa) << ": '" << isa_unavailable_reason(isa) << "'";
+  }
+  EXPECT_EQ(isa_unavailable_reason(Isa::Scalar), "");
+  EXPECT_EQ(isa_unavailable_reason(Isa::Avx512).empty(),
+            f.avx512f && f.avx512bw && f.avx512vl && f.f16c);
+  if (!f.avx512bw) {
+    EXPECT_NE(isa_unavailable_reason(Isa::Avx512).find("AVX512BW"), std::string::npos);
+  }
   set_active_isa(original);
   EXPECT_GE(num_threads(), 1);
 }

@@ -14,6 +14,7 @@
 #include "modules/tensor_columns.h"
 #include "octet/modules.h"
 #include "octet/ops/attention.h"
+#include "test_util.h"  // also reports the instruction-set paths run
 #include "torch_reference.h"
 
 namespace octet {

@@ -1,9 +1,15 @@
-// Helpers the unit tests share: seeded inputs, error measures, the ISA paths to loop over.
+// Helpers the unit tests share: seeded inputs, error measures, the ISA paths to loop over
+// (and a report of the ones a test binary ran).
 #pragma once
+
+#include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
+#include <cstdlib>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "octet/cpu.h"
@@ -50,6 +56,14 @@ inline double relative_rms(const Tensor& a, const Tensor& b) {
   return std::sqrt(error / norm);
 }
 
+namespace detail {
+// The instruction sets available_isas() handed to per-ISA loops in this test binary.
+inline std::vector<Isa>& looped_isas() {
+  static std::vector<Isa> isas;
+  return isas;
+}
+}  // namespace detail
+
 // Scalar, then AVX2 and AVX-512 where this processor has them.
 inline std::vector<Isa> available_isas() {
   std::vector<Isa> isas = {Isa::Scalar};
@@ -59,8 +73,52 @@ inline std::vector<Isa> available_isas() {
     if (active_isa() == isa) isas.push_back(isa);
   }
   set_active_isa(original);
+  for (Isa isa : isas) {
+    std::vector<Isa>& looped = detail::looped_isas();
+    if (std::find(looped.begin(), looped.end(), isa) == looped.end()) looped.push_back(isa);
+  }
   return isas;
 }
+
+// One line per test binary naming the instruction-set paths it ran and why the others did not
+// run, so that a green CI log says what it covered, e.g.
+//   [ ISA paths ] run: scalar avx2 (avx512 skipped: no AVX512F, AVX512BW, AVX512VL)
+// The active path (OCTET_ISA lowers it) runs everything; per-ISA loops add the rest.
+class IsaPathsReport : public ::testing::Environment {
+ public:
+  void SetUp() override { default_isa_ = active_isa(); }
+  void TearDown() override {
+    const std::vector<Isa>& looped = detail::looped_isas();
+    std::string run, skipped;
+    for (Isa isa : {Isa::Scalar, Isa::Avx2, Isa::Avx512}) {
+      const bool ran =
+          isa == default_isa_ || std::find(looped.begin(), looped.end(), isa) != looped.end();
+      if (ran) {
+        run += std::string(" ") + isa_name(isa);
+        continue;
+      }
+      std::string why = isa_unavailable_reason(isa);
+      if (why.empty() && static_cast<int>(isa) > static_cast<int>(default_isa_)) {
+        const char* env = std::getenv("OCTET_ISA");
+        why = std::string("OCTET_ISA=") + (env != nullptr ? env : "");
+      } else if (why.empty()) {
+        why = "no per-ISA loop ran";
+      }
+      skipped += std::string(skipped.empty() ? "" : "; ") + isa_name(isa) + " skipped: " + why;
+    }
+    std::printf("[ ISA paths ] run:%s%s\n", run.c_str(),
+                skipped.empty() ? "" : (" (" + skipped + ")").c_str());
+    std::fflush(stdout);
+  }
+
+ private:
+  Isa default_isa_ = Isa::Scalar;
+};
+
+namespace detail {
+inline ::testing::Environment* const isa_paths_report =
+    ::testing::AddGlobalTestEnvironment(new IsaPathsReport);
+}  // namespace detail
 
 // Runs a scope with one ISA forced, restoring the previous choice on exit.
 class IsaScope {
