@@ -6,12 +6,12 @@ import json
 import struct
 
 import numpy as np
-import torch
 
 _NUMPY = {"F32": np.float32, "F16": np.float16, "I32": np.int32, "I64": np.int64, "U8": np.uint8}
 
 
-def load(path):
+def load_raw(path):
+    """name -> (dtype name, shape, raw bytes), without torch (fast to import)."""
     with open(path, "rb") as f:
         blob = f.read()
     (header_len,) = struct.unpack("<Q", blob[:8])
@@ -22,9 +22,25 @@ def load(path):
         if name == "__metadata__":
             continue
         begin, end = entry["data_offsets"]
-        raw = data[begin:end]
-        shape = entry["shape"]
-        dtype = entry["dtype"]
+        out[name] = (entry["dtype"], entry["shape"], data[begin:end])
+    return out
+
+
+def load_numpy(path):
+    """name -> numpy array (every dtype but BF16, which numpy lacks)."""
+    out = {}
+    for name, (dtype, shape, raw) in load_raw(path).items():
+        if dtype not in _NUMPY:
+            raise ValueError(f"{path}: tensor {name}: dtype {dtype} has no numpy type")
+        out[name] = np.frombuffer(raw, dtype=_NUMPY[dtype]).reshape(shape)
+    return out
+
+
+def load(path):
+    import torch  # here, so that load_numpy's users do not pay for importing torch
+
+    out = {}
+    for name, (dtype, shape, raw) in load_raw(path).items():
         if dtype == "BF16":
             bits = np.frombuffer(raw, dtype=np.uint16).astype(np.int32) << 16
             tensor = torch.from_numpy(bits.view(np.float32).copy()).to(torch.bfloat16)
@@ -37,6 +53,8 @@ def load(path):
 
 
 def save(path, tensors):
+    import torch
+
     header = {}
     chunks = []
     offset = 0
