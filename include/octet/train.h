@@ -178,13 +178,13 @@ struct TrainOptions {
   std::string load;           // resume from this checkpoint directory
   int64_t save_interval = 0;  // 0 = only at the end (when save is set)
   std::string metrics;        // JSON lines file
+  std::string plot;           // loss curve SVG
   // Layout comparison: after each chosen step (1-based; empty = every step) a checkpoint-
-  // shaped directory DIR/step-N holding every parameter's summed, unclipped gradient of the
-  // step ("grad.NAME", whole-model tensors gathered from shards and stages), the parameters
-  // after the update and the FP8 states, whatever the layout.
+  // shaped directory DIR/step-N with, under whole-model names gathered from shards and stages:
+  // every parameter's summed, unclipped gradient ("grad.NAME"), the parameter after the
+  // update ("NAME"), the update ("update.NAME") and the FP8 states.
   std::string dump_grads;
   std::vector<int64_t> dump_steps;
-  std::string plot;  // loss curve SVG
   uint64_t seed = 1234;
   double peak_gflops = 0;  // 0 = measure the BF16 GEMM peak at start-up
   bool quiet = false;

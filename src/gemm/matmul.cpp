@@ -138,8 +138,11 @@ const float* widened(const void* data, int64_t elements, Buffer& buffer) {
 // Without a oneDNN BF16 matmul: every BF16 operand widened exactly to F32, the F32 matmul run
 // (same FP32 accumulation), a BF16 C staged in F32 and rounded to nearest even afterwards.
 void run_widened(const MatmulArgs& args) {
+  OCTET_CHECK(args.c_dtype == DType::F32 || args.c_dtype == DType::BF16,
+              "gemm: a widened BF16 matmul expected an F32 or BF16 C, got ",
+              dtype_name(args.c_dtype));
   struct Scratch {
-    Buffer a, b, c, bias;
+    Buffer a, b, c;
   };
   thread_local Scratch scratch;
   MatmulArgs f32 = args;
@@ -163,30 +166,11 @@ void run_widened(const MatmulArgs& args) {
     }
     f32.c = staged;
   }
-  OCTET_CHECK(args.c_dtype == DType::F32 || args.c_dtype == DType::BF16,
-              "gemm: a widened BF16 matmul expected an F32 or BF16 C, got ",
-              dtype_name(args.c_dtype));
   run_matmul(f32);
   if (staged != nullptr) convert_f32_to_bf16(staged, static_cast<bfloat16*>(args.c), c_elements);
 }
 
 }  // namespace
-
-bool gemm_bf16_native_detail() {
-  static const bool native = [] {
-    const char* forced = std::getenv("OCTET_GEMM_BF16");
-    if (forced != nullptr && std::string(forced) == "widen") return false;
-    try {
-      const memory::desc md({2, 2}, memory::data_type::bf16, memory::format_tag::ab);
-      const dnnl::matmul::desc desc(md, md, md);
-      dnnl::matmul::primitive_desc pd(desc, dnnl::primitive_attr(), cpu_engine());
-      return true;
-    } catch (const dnnl::error&) {
-      return false;  // no BF16 matmul on this processor (oneDNN 2.6 needs AVX-512)
-    }
-  }();
-  return native;
-}
 
 size_t matmul_cache_size() {
   std::lock_guard<std::mutex> lock(cache_mutex);
@@ -196,7 +180,7 @@ size_t matmul_cache_size() {
 void run_matmul(const MatmulArgs& args) {
   if (args.m == 0 || args.n == 0) return;
   if ((args.a_dtype == DType::BF16 || args.b_dtype == DType::BF16 || args.c_dtype == DType::BF16) &&
-      !gemm_bf16_native_detail()) {
+      !gemm_bf16_native()) {
     return run_widened(args);
   }
   const MatmulKey key{args.m,
@@ -245,7 +229,26 @@ void run_matmul(const MatmulArgs& args) {
 }  // namespace octet::gemm_detail
 
 namespace octet {
+
 bool gemm_bf16_native() {
-  return gemm_detail::gemm_bf16_native_detail();
+  static const bool native = [] {
+    const char* forced = std::getenv("OCTET_GEMM_BF16");
+    if (forced != nullptr && *forced != '\0') {
+      OCTET_CHECK(std::string(forced) == "widen",
+                  "OCTET_GEMM_BF16 expected 'widen' (or unset), got '", forced, "'");
+      return false;
+    }
+    try {
+      using dnnl::memory;
+      const memory::desc md({2, 2}, memory::data_type::bf16, memory::format_tag::ab);
+      const dnnl::matmul::desc desc(md, md, md);
+      dnnl::matmul::primitive_desc pd(desc, dnnl::primitive_attr(), gemm_detail::cpu_engine());
+      return true;
+    } catch (const dnnl::error&) {
+      return false;  // no BF16 matmul on this processor (oneDNN 2.6 needs AVX-512)
+    }
+  }();
+  return native;
 }
+
 }  // namespace octet

@@ -38,7 +38,6 @@ struct MatmulArgs {
   Activation activation = Activation::None;
 };
 void run_matmul(const MatmulArgs& args);
-bool gemm_bf16_native_detail();
 
 // Number of distinct primitives created so far (tests check the cache is used).
 size_t matmul_cache_size();

@@ -144,6 +144,20 @@ bool dump_this_step(const TrainOptions& o, int64_t step) {
          std::find(o.dump_steps.begin(), o.dump_steps.end(), step) != o.dump_steps.end();
 }
 
+// --dump-grads: replaces each "before.NAME" of `tensors` by "update.NAME" = after - before.
+TensorMap with_updates(TensorMap tensors, const TensorMap& after) {
+  for (const auto& [name, value] : after) {
+    auto before = tensors.extract("before." + name);
+    OCTET_CHECK(!before.empty(), "--dump-grads: no value of '", name, "' before the step");
+    Tensor update = value.clone();
+    const float* old_value = before.mapped().data<float>();
+    float* delta = update.data<float>();
+    for (int64_t i = 0; i < update.numel(); ++i) delta[i] -= old_value[i];
+    tensors["update." + name] = update;
+  }
+  return tensors;
+}
+
 double unigram_entropy(const std::string& path) {
   TokenShard shard = TokenShard::open(path, /*check_ids=*/false);
   std::vector<int64_t> counts(static_cast<size_t>(shard.vocab_size()), 0);
@@ -604,16 +618,7 @@ TrainResult train_gpt(const TrainOptions& o) {
   auto dump = [&](int64_t step, TensorMap tensors) {
     Checkpoint part;
     part.model = whole_parameters();
-    for (const auto& [name, after] : part.model) {
-      auto before = tensors.extract("before." + name);
-      OCTET_CHECK(!before.empty(), "--dump-grads: no value of '", name, "' before the step");
-      Tensor update = after.clone();
-      const float* old_value = before.mapped().data<float>();
-      float* delta = update.data<float>();
-      for (int64_t i = 0; i < update.numel(); ++i) delta[i] -= old_value[i];
-      tensors["update." + name] = update;
-    }
-    part.optimizer = std::move(tensors);
+    part.optimizer = with_updates(std::move(tensors), part.model);
     for (size_t i = 0; i < fp8_part.size(); ++i) {
       fp8_part[i]->save_state(part.optimizer, "fp8." + std::to_string(fp8_index[i]) + ".");
     }
