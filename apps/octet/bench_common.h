@@ -20,7 +20,7 @@
 #include <string>
 #include <vector>
 
-#include "octet/cpu.h"
+#include "octet/cpu_features.h"
 #include "octet/dtype.h"
 
 namespace octet::cli::bench {

@@ -13,7 +13,7 @@
 
 #include "bench_common.h"
 #include "commands.h"
-#include "octet/cpu.h"
+#include "octet/cpu_features.h"
 #include "octet/gemm.h"
 #include "octet/recipe.h"
 

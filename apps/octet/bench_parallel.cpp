@@ -25,9 +25,9 @@
 
 #include "bench_common.h"
 #include "commands.h"
+#include "octet/comm.h"
 #include "octet/error.h"
 #include "octet/model.h"
-#include "octet/parallel.h"
 #include "octet/pipeline.h"
 #include "octet/train.h"
 
@@ -83,8 +83,7 @@ std::string self_exe() {
 }
 
 std::string config_path(const std::string& config) {
-  if (std::filesystem::exists(config)) return config;
-  return (std::filesystem::path(OCTET_SOURCE_DIR) / "configs" / (config + ".json")).string();
+  return resolve_config(config).string();
 }
 
 Measured run_layout(const Options& o, const Layout& layout, double peak_gflops) {
@@ -280,8 +279,8 @@ void run_pipeline_worker(const WorkerOptions& o) {
   for (int step = 1; step <= o.steps; ++step) {
     stage.zero_grad();
     parallel.pipeline().barrier();
-    const float loss =
-        executor.train_step(ids, targets, 1.0f / static_cast<float>(o.micro_batches));
+    const float loss = executor.train_step(gpt_micro_batches(ids, targets),
+                                           1.0f / static_cast<float>(o.micro_batches));
     const pipeline::StepTiming& t = executor.last_step_timing();
     const nlohmann::json line = {{"rank", rank},
                                  {"step", step},

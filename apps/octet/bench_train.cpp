@@ -16,7 +16,7 @@
 
 #include "bench_common.h"
 #include "commands.h"
-#include "octet/cpu.h"
+#include "octet/cpu_features.h"
 #include "octet/model.h"
 #include "octet/recipe.h"
 #include "octet/train.h"
@@ -68,16 +68,6 @@ std::vector<std::string> split_list(const std::string& text) {
     begin = end + 1;
   }
   return items;
-}
-
-// A config path, or the name of one in configs/ (gpt-mini).
-std::filesystem::path resolve_config(const std::string& config) {
-  if (std::filesystem::exists(config)) return config;
-  const std::filesystem::path named =
-      std::filesystem::path(OCTET_SOURCE_DIR) / "configs" / (config + ".json");
-  OCTET_CHECK(std::filesystem::exists(named), "bench train: --config expected a config file or ",
-              "the name of one in configs/ (gpt-tiny, gpt-mini, gpt2-124m), got '", config, "'");
-  return named;
 }
 
 double process_cpu_seconds() {

@@ -1,6 +1,9 @@
 // Sub-commands of the octet CLI. Each file registers its own on the parent it is given.
 #pragma once
 
+#include <filesystem>
+#include <string>
+
 #include <CLI/CLI.hpp>
 
 namespace octet::cli {
@@ -15,5 +18,11 @@ void register_bench_gemm(CLI::App& bench);
 void register_bench_ops(CLI::App& bench);
 void register_bench_train(CLI::App& bench);
 void register_bench_parallel(CLI::App& bench);
+
+// A model config file, or the name of one installed with octet (share/octet/configs) or in
+// the source tree (configs/): gpt-tiny, gpt-mini, gpt2-124m. Clear error listing the names.
+std::filesystem::path resolve_config(const std::string& config);
+// For --config options: replaces a name by its path, or fails with resolve_config's message.
+CLI::Validator model_config_validator();
 
 }  // namespace octet::cli

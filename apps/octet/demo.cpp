@@ -8,7 +8,7 @@
 #include <random>
 
 #include "commands.h"
-#include "octet/cpu.h"
+#include "octet/cpu_features.h"
 #include "octet/gemm.h"
 #include "octet/recipe.h"
 

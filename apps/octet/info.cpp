@@ -5,7 +5,7 @@
 #include <nlohmann/json.hpp>
 
 #include "commands.h"
-#include "octet/cpu.h"
+#include "octet/cpu_features.h"
 #include "octet/gemm.h"
 
 namespace octet::cli {

@@ -11,9 +11,10 @@
 #include <optional>
 #include <vector>
 
-#include "octet/modules.h"
-#include "octet/parallel.h"
-#include "octet/train.h"
+#include "octet/comm.h"
+#include "octet/module.h"
+#include "octet/ops/optimizer.h"
+#include "octet/safetensors.h"
 
 namespace octet {
 

@@ -18,6 +18,17 @@ inline bool is_fp8(DType dtype) {
 }
 std::string_view device_name(Device device);
 
+// OCP FP8 element conversions (src/core/fp8_format.cpp), the scalar reference of every bulk
+// FP8 kernel. Encoding rounds to nearest even; without saturation an overflow becomes NaN
+// (E4M3) or Inf (E5M2), with it +-max.
+float fp8_max(DType format);  // 448 (E4M3) or 57344 (E5M2)
+float fp8_to_float(uint8_t code, DType format);
+uint8_t float_to_fp8(float value, DType format, bool saturate);
+// E8M0: the power-of-two block scale of MXFP8 (bias 127, 0xFF = NaN).
+float e8m0_to_float(uint8_t code);
+// Smallest power of two >= value (so that value / 2^e never exceeds the FP8 maximum).
+uint8_t float_to_e8m0_ceil(float value);
+
 // Storage types for the 16- and 8-bit formats: raw bits, no arithmetic.
 struct bfloat16 {
   uint16_t bits;

@@ -16,14 +16,7 @@
 
 namespace octet {
 
-float fp8_max(DType format);  // 448 (E4M3) or 57344 (E5M2)
-float fp8_to_float(uint8_t code, DType format);
-uint8_t float_to_fp8(float value, DType format, bool saturate);
-
-// E8M0: the power-of-two block scale of MXFP8 (bias 127, 0xFF = NaN).
-float e8m0_to_float(uint8_t code);
-// Smallest power of two >= value (so that value / 2^e never exceeds the FP8 maximum).
-uint8_t float_to_e8m0_ceil(float value);
+// The scalar element conversions (fp8_max, fp8_to_float, float_to_fp8, E8M0) are in dtype.h.
 
 // Bulk kernels, dispatched on active_isa(). All are exact ports of the scalar functions.
 // codes[i] = fp8(x[i] * scale) saturating; returns amax = max |x[i]| (NaN if any x is NaN).

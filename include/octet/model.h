@@ -12,6 +12,7 @@
 #include <nlohmann/json.hpp>
 
 #include "octet/modules.h"
+#include "octet/pipeline_stage.h"
 #include "octet/safetensors.h"
 
 namespace octet {
@@ -128,54 +129,11 @@ class GPT : public Module {
   TiedOutputCache output_cache_;
 };
 
-// What the pipeline executor runs: the model chunks one pipeline rank holds, each with a
-// forward and a backward per micro-batch. GPTStage (a stage in one process) and
-// TensorParallelGPT (a stage split across a tensor-parallel group) implement it.
-class PipelineModel : public Module {
- public:
-  // What backward needs of one (micro-batch, chunk) forward; each model extends it.
-  struct Context {
-    Context() = default;
-    Context(const Context&) = default;
-    Context(Context&&) = default;
-    Context& operator=(const Context&) = default;
-    Context& operator=(Context&&) = default;
-    virtual ~Context() = default;
-    float loss = 0.0f;  // last stage: the micro-batch's mean loss
-  };
-  virtual std::unique_ptr<Context> make_context() const = 0;
-
-  virtual int chunks() const = 0;
-  virtual int stages() const = 0;
-  virtual int stage_of_chunk(int chunk) const = 0;
-  // The activation (and its gradient) crossing a stage boundary for ids [B,T], in the
-  // compute dtype: [B,T,C] in one process, this rank's token rows [B*T/TP, C] under
-  // sequence parallelism.
-  virtual Shape activation_shape(int64_t batch, int64_t seq_len) const = 0;
-
-  // First stage: ids [B,T] I32 (input unused); otherwise input activation_shape() in dtype
-  // (F32 / BF16). Returns the chunk's output activation. On the last stage it also runs the
-  // final norm, the loss (ctx.loss, the micro-batch's mean) and the output layer's backward
-  // (wte.grad += grad_scale x its gradient), and returns an undefined tensor.
-  virtual Tensor forward(int chunk, const Tensor& input, const Tensor& ids, const Tensor& targets,
-                         DType dtype, float grad_scale, Context& ctx) = 0;
-  // doutput shaped like forward's output (ignored on the last stage, which kept its own) -> the
-  // gradient of the chunk's input; on the first stage the embeddings' gradients are
-  // accumulated instead and the result is undefined. Weight gradients accumulate (the loss
-  // gradient already carries grad_scale). Frees ctx.
-  virtual Tensor backward(int chunk, const Tensor& doutput, Context& ctx) = 0;
-  // Evaluation: forward's input and output, keeping nothing for backward and computing no
-  // gradient; on the last stage *loss is the micro-batch's mean loss.
-  virtual Tensor evaluate(int chunk, const Tensor& input, const Tensor& ids, const Tensor& targets,
-                          DType dtype, float* loss) = 0;
-
-  // The tied word embedding where this rank holds the first or the last stage, else nullptr.
-  virtual Parameter* word_embedding() = 0;
-  // This chunk's parameters (layers; embeddings, final norm where the chunk holds them).
-  virtual std::vector<Parameter*> chunk_parameters(int chunk) = 0;
-  // This rank's chunks by the stage they hold, first stage first (GPT's layer order).
-  std::vector<int> chunks_in_stage_order() const;
-};
+// A GPT micro-batch for the pipeline executor: {"ids": ids, "targets": targets}, each [B,T]
+// I32 (targets may hold -100 to ignore); and one per pair.
+pipeline::MicroBatch gpt_micro_batch(const Tensor& ids, const Tensor& targets);
+std::vector<pipeline::MicroBatch> gpt_micro_batches(const std::vector<Tensor>& ids,
+                                                    const std::vector<Tensor>& targets);
 
 // A pipeline-parallel part of a GPT: the model chunks one rank holds. Chunk c holds pipeline
 // stage stage_of_chunk[c] of `stages`: layers [s*L/stages, (s+1)*L/stages), plus the
@@ -184,36 +142,35 @@ class PipelineModel : public Module {
 // GPT(config, seed), so a stage's parameters equal the single-process model's. A rank that
 // holds the first stage and another that holds the last each keep a copy of wte; their
 // gradients are summed between them after backward (the pipeline executor does it).
-class GPTStage : public PipelineModel {
+class GPTStage : public pipeline::StagedModel {
  public:
   GPTStage(const GPTConfig& config, uint64_t seed, int stages, std::vector<int> stage_of_chunk,
            bool recompute_activations = false);
 
   // What backward needs of one (micro-batch, chunk) forward.
-  struct Context : PipelineModel::Context {
+  struct Context : StagedModel::Context {
     std::vector<TransformerLayer::Context> layers;
     Norm::Context final_norm;
     Tensor ids;      // [B,T] I32: the micro-batch's shape; the embedding backward's rows
     Tensor doutput;  // last stage: gradient at the final norm's output [B*T,C], from the loss
   };
-  std::unique_ptr<PipelineModel::Context> make_context() const override;
+  std::unique_ptr<StagedModel::Context> make_context() const override;
 
-  // Activations are [B,T,C] in the compute dtype.
-  Tensor forward(int chunk, const Tensor& input, const Tensor& ids, const Tensor& targets,
-                 DType dtype, float grad_scale, PipelineModel::Context& ctx) override;
-  Tensor backward(int chunk, const Tensor& doutput, PipelineModel::Context& ctx) override;
-  Tensor evaluate(int chunk, const Tensor& input, const Tensor& ids, const Tensor& targets,
-                  DType dtype, float* loss) override;
+  // Micro-batches of gpt_micro_batch(); activations are [B,T,C] in the compute dtype.
+  Tensor forward(int chunk, const Tensor& input, const pipeline::MicroBatch& batch, DType dtype,
+                 float grad_scale, StagedModel::Context& ctx) override;
+  Tensor backward(int chunk, const Tensor& doutput, StagedModel::Context& ctx) override;
+  Tensor evaluate(int chunk, const Tensor& input, const pipeline::MicroBatch& batch, DType dtype,
+                  float* loss) override;
 
   int chunks() const override { return static_cast<int>(stage_of_chunk_.size()); }
   int stages() const override { return stages_; }
   int stage_of_chunk(int chunk) const override {
     return stage_of_chunk_.at(static_cast<size_t>(chunk));
   }
-  Shape activation_shape(int64_t batch, int64_t seq_len) const override {
-    return {batch, seq_len, config_.hidden};
-  }
-  Parameter* word_embedding() override { return wte.value.defined() ? &wte : nullptr; }
+  Shape activation_shape(const pipeline::MicroBatch& batch) const override;
+  // wte, held by the first stage (the token embedding) and the last (the output layer).
+  std::vector<pipeline::TiedParameters> tied_parameters() override;
   bool holds_first_stage() const { return has_first_; }
   bool holds_last_stage() const { return has_last_; }
   std::vector<TransformerLayer>& layers(int chunk) {

@@ -62,7 +62,7 @@ struct ShardSpec {
   bool vocabulary = false;  // Rows by vocab_range (uneven) instead of blocks
 };
 
-class TensorParallelGPT : public PipelineModel {
+class TensorParallelGPT : public pipeline::StagedModel {
  public:
   // Needs no dropout, learned positions (no RoPE), heads divisible by TP, num_layers divisible
   // by `stages`; with sequence_parallel, B*T divisible by TP at run time. Clear errors
@@ -95,26 +95,29 @@ class TensorParallelGPT : public PipelineModel {
     bool recompute = false;
   };
   // The pipeline interface (collective over the tensor group, like everything here).
-  struct Context : PipelineModel::Context {
+  struct Context : StagedModel::Context {
     std::vector<LayerContext> layers;
     Norm::Context final_norm;
     Tensor ids;      // [B,T] I32
     Tensor doutput;  // last stage: gradient at the final norm's output, from the loss
   };
-  std::unique_ptr<PipelineModel::Context> make_context() const override;
-  Tensor forward(int chunk, const Tensor& input, const Tensor& ids, const Tensor& targets,
-                 DType dtype, float grad_scale, PipelineModel::Context& ctx) override;
-  Tensor backward(int chunk, const Tensor& doutput, PipelineModel::Context& ctx) override;
-  Tensor evaluate(int chunk, const Tensor& input, const Tensor& ids, const Tensor& targets,
-                  DType dtype, float* loss) override;
+  std::unique_ptr<StagedModel::Context> make_context() const override;
+  // Micro-batches of gpt_micro_batch().
+  Tensor forward(int chunk, const Tensor& input, const pipeline::MicroBatch& batch, DType dtype,
+                 float grad_scale, StagedModel::Context& ctx) override;
+  Tensor backward(int chunk, const Tensor& doutput, StagedModel::Context& ctx) override;
+  Tensor evaluate(int chunk, const Tensor& input, const pipeline::MicroBatch& batch, DType dtype,
+                  float* loss) override;
   int chunks() const override { return static_cast<int>(stage_of_chunk_.size()); }
   int stages() const override { return stages_; }
   int stage_of_chunk(int chunk) const override {
     return stage_of_chunk_.at(static_cast<size_t>(chunk));
   }
   // [B*T, C], or [B*T/TP, C] under sequence parallelism.
-  Shape activation_shape(int64_t batch, int64_t seq_len) const override;
-  Parameter* word_embedding() override { return wte.value.defined() ? &wte : nullptr; }
+  Shape activation_shape(const pipeline::MicroBatch& batch) const override;
+  // wte's vocabulary shard, held by the first stage (the token embedding) and the last (the
+  // output layer).
+  std::vector<pipeline::TiedParameters> tied_parameters() override;
   std::vector<Parameter*> chunk_parameters(int chunk) override;
   bool holds_first_stage() const { return has_first_; }
   bool holds_last_stage() const { return has_last_; }
@@ -178,6 +181,7 @@ class TensorParallelGPT : public PipelineModel {
   bool is_first(int chunk) const { return stage_of_chunk(chunk) == 0; }
   bool is_last(int chunk) const { return stage_of_chunk(chunk) == stages_ - 1; }
   void check_micro_batch(const Tensor& ids, DType dtype) const;
+  Shape boundary_shape(int64_t batch, int64_t seq_len) const;
   // forward (ctx given: kept for backward, the loss's gradient computed) or evaluate.
   Tensor run_forward(int chunk, const Tensor& input, const Tensor& ids, const Tensor& targets,
                      DType dtype, float grad_scale, Context* ctx, float* loss);

@@ -18,9 +18,9 @@
 #include <vector>
 
 #include "octet/dtype.h"
+#include "octet/pipeline_stage.h"
 
 namespace octet {
-class PipelineModel;
 class ParallelState;
 struct Parameter;
 class Tensor;
@@ -180,7 +180,7 @@ struct ExecutorOptions {
   std::function<void(int chunk)> chunk_gradients_final;
 };
 
-// The pipeline stage each chunk of `rank` holds (GPTStage's stage_of_chunk); Schedule::stages
+// The pipeline stage each chunk of `rank` holds (StagedModel::stage_of_chunk); Schedule::stages
 // is the number of stages the model is cut into.
 std::vector<int> stages_of_rank(const Schedule& schedule, int rank);
 
@@ -210,37 +210,34 @@ struct StepTiming {
 
 class PipelineExecutor {
  public:
-  // The model holds, per chunk, stages_of_rank(schedule, pipeline rank) of schedule.stages
-  // (GPTStage, or TensorParallelGPT with stages); schedule.ranks must equal the pipeline
-  // group's size. Collective over the
-  // pipeline group (DualPipe splits it into pairs r, ranks-1-r).
-  PipelineExecutor(Schedule schedule, PipelineModel& model, ParallelState& state,
+  // The model holds, per chunk, stages_of_rank(schedule, pipeline rank) of schedule.stages;
+  // schedule.ranks must equal the pipeline group's size. Collective over the pipeline group
+  // (DualPipe splits it into pairs r, ranks-1-r).
+  PipelineExecutor(Schedule schedule, StagedModel& model, ParallelState& state,
                    ExecutorOptions options = {});
   ~PipelineExecutor();
   PipelineExecutor(const PipelineExecutor&) = delete;
   PipelineExecutor& operator=(const PipelineExecutor&) = delete;
 
-  // One step over schedule.micro_batches micro-batches: ids[m], targets[m] [B,T] I32 (every
-  // rank passes all of them; the first stage reads ids, the last ids and targets, the others
-  // only their shape). Gradients accumulate (+=) scaled by grad_scale per micro-batch, as
-  // GPT::train_step; then the tied embedding's gradient is summed over the embedding group
+  // One step over schedule.micro_batches micro-batches (every rank passes all of them; each
+  // stage reads what it needs). Gradients accumulate (+=) scaled by grad_scale per
+  // micro-batch; then the tied parameters' gradients are summed over the embedding group
   // (first + last stage) and, for DualPipe, every gradient over the two model copies (ranks
   // r and ranks-1-r) - so gradients must be zero before the step. Returns the mean loss over
   // the micro-batches, on every pipeline rank.
-  float train_step(const std::vector<Tensor>& ids, const std::vector<Tensor>& targets,
-                   float grad_scale);
-  // Validation: the summed loss of ids[k], targets[k] (any count, each [B,T] I32, passed on
-  // every rank as in train_step) through the stages in order, forward only - no contexts kept,
+  float train_step(const std::vector<MicroBatch>& batches, float grad_scale);
+  // Validation: the summed loss of batches (any count, passed on every rank as in
+  // train_step) through the stages in order, forward only - no contexts kept,
   // no gradient. Micro-batch by micro-batch along the first route (DualPipe: the first model
   // copy), each activation sent from the stage's rank to the next stage's; after_compute runs
   // after each forward. Returns the sum of the micro-batches' mean losses, on every pipeline
   // rank (collective over the pipeline group).
-  double evaluate(const std::vector<Tensor>& ids, const std::vector<Tensor>& targets);
+  double evaluate(const std::vector<MicroBatch>& batches);
   const Schedule& schedule() const;
   // The parameters this rank counts once for the whole model: summing a per-parameter
   // quantity (the squared gradient norm for clipping) over them on every pipeline rank counts
-  // each model parameter exactly once. Leaves out the last stage's wte copy (when the first
-  // stage is on another rank) and, for DualPipe, everything on ranks >= ranks/2 (their pair
+  // each model parameter exactly once. Leaves out the tied copies of ranks other than the
+  // first stage's and, for DualPipe, everything on ranks >= ranks/2 (their pair
   // partner holds the same stages with the same, summed gradients).
   std::vector<Parameter*> owned_parameters();
   // This rank's timing of the last train_step (zeros before the first; a step that threw

@@ -110,4 +110,8 @@ void check_dtype(const Tensor& tensor, DType expected, std::string_view what);
 void check_dtype_in(const Tensor& tensor, std::initializer_list<DType> allowed,
                     std::string_view what);
 
+// Copies columns [begin, begin + width) of x [N, C] into out [N, W] at column `at` (same
+// dtype; both seen as [rows, cols]).
+void copy_columns(const Tensor& x, int64_t begin, int64_t width, Tensor& out, int64_t at);
+
 }  // namespace octet

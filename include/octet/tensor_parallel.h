@@ -1,23 +1,13 @@
-// Tensor and sequence parallelism (Megatron-Core's tensor_parallel package) over a
-// tensor-parallel Communicator of TP ranks.
+// Tensor- and sequence-parallel modules (Megatron-Core's tensor_parallel layers) over a
+// tensor-parallel Communicator of TP ranks, built on the paired region mappings of
+// octet/mappings.h (the comm layer).
 //
-// Paired operators: each named region mapping has a forward and the backward that is its
-// adjoint. Activations are token rows: x [N, C] (leading dims flattened, F32|BF16). Under
-// sequence parallelism a rank holds rows [r*N/TP, (r+1)*N/TP) of the full [N, C].
-//
-//   mapping                                     forward                 backward
-//   copy_to_tensor_parallel_region              identity                all-reduce
-//   reduce_from_tensor_parallel_region          all-reduce              identity
-//   scatter_to_sequence_parallel_region         own row block           all-gather rows
-//   gather_from_sequence_parallel_region        all-gather rows         reduce-scatter rows
-//   reduce_scatter_to_sequence_parallel_region  reduce-scatter rows     all-gather rows
-//
-// Parallel modules built on them (column / row Linear, the MLP and self-attention blocks)
-// hold the shards of the single-process module's parameters made with the same options and
-// seed, so a TP run computes what a TP = 1 run does (up to FP32 rounding of split sums).
-// Under sequence parallelism the replicated parameters applied to token shards (norms, the
-// row layer's bias) get partial gradients on each rank: all_reduce_sequence_parallel_gradients
-// sums them over the tensor group once per step, before the optimizer (Megatron does this in
+// Parallel modules (column / row Linear, the MLP and self-attention blocks) hold the shards
+// of the single-process module's parameters made with the same options and seed, so a TP run
+// computes what a TP = 1 run does (up to FP32 rounding of split sums). Under sequence
+// parallelism the replicated parameters applied to token shards (norms, the row layer's bias)
+// get partial gradients on each rank: all_reduce_sequence_parallel_gradients sums them over
+// the tensor group once per step, before the optimizer (Megatron does this in
 // finalize_model_grads).
 #pragma once
 
@@ -25,37 +15,11 @@
 #include <string>
 #include <vector>
 
+#include "octet/comm.h"
+#include "octet/mappings.h"
 #include "octet/modules.h"
-#include "octet/parallel.h"
 
 namespace octet {
-
-// ---------------------------------------------------------------------------------------------
-// Region mappings. x, dy [N, C] (any shape is seen as [rows, cols]); F32|BF16 for the
-// reducing ones, any dtype for the others. Results are new tensors (or x itself when nothing
-// moves: a group of one, identities), never x modified in place. Sequence-parallel ones need
-// N divisible by TP where they split rows.
-
-// fwd: x [N, C] -> x. bwd: dy [N, C] -> sum over ranks.
-Tensor copy_to_tensor_parallel_region(const Tensor& x, Communicator& tp);
-Tensor copy_to_tensor_parallel_region_backward(const Tensor& dy, Communicator& tp);
-// fwd: x [N, C] partial sums -> sum over ranks. bwd: dy -> dy.
-Tensor reduce_from_tensor_parallel_region(const Tensor& x, Communicator& tp);
-Tensor reduce_from_tensor_parallel_region_backward(const Tensor& dy, Communicator& tp);
-// fwd: x [N, C] -> this rank's rows [N/TP, C]. bwd: dy [N/TP, C] -> all-gathered [N, C].
-Tensor scatter_to_sequence_parallel_region(const Tensor& x, Communicator& tp);
-Tensor scatter_to_sequence_parallel_region_backward(const Tensor& dy, Communicator& tp);
-// fwd: x [N/TP, C] -> all-gathered [N, C]. bwd: dy [N, C] -> reduce-scattered [N/TP, C].
-Tensor gather_from_sequence_parallel_region(const Tensor& x, Communicator& tp);
-Tensor gather_from_sequence_parallel_region_backward(const Tensor& dy, Communicator& tp);
-// fwd: x [N, C] partial sums -> reduce-scattered [N/TP, C]. bwd: dy [N/TP, C] -> [N, C].
-Tensor reduce_scatter_to_sequence_parallel_region(const Tensor& x, Communicator& tp);
-Tensor reduce_scatter_to_sequence_parallel_region_backward(const Tensor& dy, Communicator& tp);
-
-// Column blocks (the feature dimension), for layers whose output is gathered or input split:
-// x [N, C] -> this rank's columns [N, C/TP]; and its adjoint, [N, C/TP] -> [N, C].
-Tensor split_columns_to_tensor_parallel_region(const Tensor& x, Communicator& tp);
-Tensor gather_columns_from_tensor_parallel_region(const Tensor& x, Communicator& tp);
 
 // Sums the gradients of parameters replicated across the tensor group but applied to token
 // shards (sequence parallelism) over the group, in place. Call once per step, after every

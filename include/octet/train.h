@@ -10,6 +10,8 @@
 #include <nlohmann/json.hpp>
 
 #include "octet/modules.h"
+#include "octet/ops/optimizer.h"
+#include "octet/pipeline_stage.h"
 #include "octet/safetensors.h"
 
 namespace octet {
@@ -22,14 +24,6 @@ struct LrSchedule {
   int64_t warmup_iters = 0;
   int64_t decay_iters = 1;
   float at(int64_t iteration) const;  // iteration counts from 0
-};
-
-struct AdamWOptions {
-  float beta1 = 0.9f;
-  float beta2 = 0.95f;
-  float eps = 1e-8f;
-  float weight_decay = 0.1f;  // applied to matrices only, not to biases and norm weights
-  float clip_grad = 1.0f;     // global-norm clipping; 0 disables it
 };
 
 class AdamW {
@@ -101,7 +95,6 @@ class GPT;
 // Every FP8 state of the model: each Linear inside its layers (a stage: its layers, in layer
 // order; TensorParallelGPT::fp8_states() lists a tensor-parallel model's the same way).
 class GPTStage;
-class PipelineModel;
 std::vector<Fp8State*> fp8_states(GPT& model);
 std::vector<Fp8State*> fp8_states(GPTStage& stage);
 // Each listed state's index in the whole GPT's fp8_states(): the identity for the whole model,
@@ -109,7 +102,7 @@ std::vector<Fp8State*> fp8_states(GPTStage& stage);
 // places in the model of num_layers layers (`states` = the part's list size; every layer
 // holds the same number of states). Checkpoints name the states by these indices.
 std::vector<int64_t> fp8_state_indices(size_t states);
-std::vector<int64_t> fp8_state_indices(const PipelineModel& part, size_t states,
+std::vector<int64_t> fp8_state_indices(const pipeline::StagedModel& part, size_t states,
                                        int64_t num_layers);
 // Delayed scaling across ranks: the amaxes recorded since the last scale update (history
 // row 0 of every meta) become their maximum over `group` (tensor x data parallel), so every

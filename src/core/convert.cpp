@@ -15,7 +15,7 @@
 #include <algorithm>
 #include <cstdint>
 
-#include "octet/cpu.h"
+#include "octet/cpu_features.h"
 
 #define OCTET_TARGET_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c")))
 #define OCTET_TARGET_AVX2 __attribute__((target("avx2,fma,f16c")))

@@ -1,5 +1,5 @@
 // Run-time processor feature detection (cpuid + xgetbv) and the active instruction set.
-#include "octet/cpu.h"
+#include "octet/cpu_features.h"
 
 #include <cpuid.h>
 #include <omp.h>

@@ -6,7 +6,6 @@
 #include <cstring>
 
 #include "core/convert.h"
-#include "octet/fp8.h"
 
 namespace octet {
 namespace {
@@ -194,7 +193,9 @@ std::vector<float> Tensor::to_floats() const {
       break;
     case DType::E4M3:
     case DType::E5M2:
-      dequantize_fp8(static_cast<const uint8_t*>(in), n, dtype_, 1.0f, out.data());
+      for (size_t i = 0; i < n; ++i) {
+        out[i] = fp8_to_float(static_cast<const uint8_t*>(in)[i], dtype_);
+      }
       break;
     case DType::I32:
       for (size_t i = 0; i < n; ++i)
@@ -239,9 +240,11 @@ Tensor Tensor::to(DType dtype) const {
     case DType::F16:
       convert_f32_to_f16(f32, out.data<float16>(), n);
       break;
-    default:  // FP8: unscaled and saturating, as a quantizer with scale 1
-      quantize_fp8(f32, n, 1.0f, dtype, static_cast<uint8_t*>(out.raw()));
+    default: {  // FP8: unscaled and saturating, as a quantizer with scale 1
+      uint8_t* codes = static_cast<uint8_t*>(out.raw());
+      for (size_t i = 0; i < n; ++i) codes[i] = float_to_fp8(f32[i], dtype, /*saturate=*/true);
       break;
+    }
   }
   return out;
 }
@@ -268,6 +271,22 @@ void check_dtype_in(const Tensor& tensor, std::initializer_list<DType> allowed,
     names += dtype_name(dtype);
   }
   fail(detail::concat(what, " expected dtype ", names, ", got ", dtype_name(tensor.dtype())));
+}
+
+void copy_columns(const Tensor& x, int64_t begin, int64_t width, Tensor& out, int64_t at) {
+  OCTET_CHECK(x.dtype() == out.dtype() && x.rows() == out.rows() && begin >= 0 &&
+                  begin + width <= x.cols() && at >= 0 && at + width <= out.cols(),
+              "copy_columns: columns [", begin, ",", begin + width, ") of ", shape_str(x.shape()),
+              " ", dtype_name(x.dtype()), " do not fit ", shape_str(out.shape()), " ",
+              dtype_name(out.dtype()), " at column ", at);
+  const int64_t rows = x.rows(), cols = x.cols(), out_cols = out.cols();
+  const size_t element = dtype_bytes(x.dtype());
+  const auto* src = static_cast<const unsigned char*>(x.raw());
+  auto* dst = static_cast<unsigned char*>(out.raw());
+  for (int64_t r = 0; r < rows; ++r) {
+    std::memcpy(dst + (r * out_cols + at) * element, src + (r * cols + begin) * element,
+                static_cast<size_t>(width) * element);
+  }
 }
 
 }  // namespace octet

@@ -17,7 +17,7 @@
 #include <cstdint>
 #include <limits>
 
-#include "octet/cpu.h"
+#include "octet/cpu_features.h"
 #include "octet/error.h"
 #include "octet/fp8.h"
 

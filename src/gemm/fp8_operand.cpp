@@ -6,7 +6,7 @@
 #include <bit>
 #include <string>
 
-#include "octet/cpu.h"
+#include "octet/cpu_features.h"
 
 namespace octet::gemm_detail {
 

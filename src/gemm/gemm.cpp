@@ -3,8 +3,8 @@
 // is not a power of two, dequantized to F32.
 #include "octet/gemm.h"
 
-#include "gemm/checks.h"
 #include "gemm/fp8_operand.h"
+#include "gemm/gemm_checks.h"
 #include "gemm/matmul.h"
 #include "gemm/packed_weight.h"
 #include "gemm/workspace.h"

@@ -2,7 +2,7 @@
 #include <cmath>
 #include <vector>
 
-#include "gemm/checks.h"
+#include "gemm/gemm_checks.h"
 #include "octet/gemm.h"
 
 namespace octet {

@@ -8,12 +8,17 @@
 
 namespace octet {
 
-std::vector<int> PipelineModel::chunks_in_stage_order() const {
-  std::vector<int> order(static_cast<size_t>(chunks()));
-  for (size_t c = 0; c < order.size(); ++c) order[c] = static_cast<int>(c);
-  std::sort(order.begin(), order.end(),
-            [&](int a, int b) { return stage_of_chunk(a) < stage_of_chunk(b); });
-  return order;
+pipeline::MicroBatch gpt_micro_batch(const Tensor& ids, const Tensor& targets) {
+  return {{"ids", ids}, {"targets", targets}};
+}
+
+std::vector<pipeline::MicroBatch> gpt_micro_batches(const std::vector<Tensor>& ids,
+                                                    const std::vector<Tensor>& targets) {
+  OCTET_CHECK(ids.size() == targets.size(), "gpt_micro_batches: ", ids.size(), " ids and ",
+              targets.size(), " targets");
+  std::vector<pipeline::MicroBatch> batches;
+  for (size_t m = 0; m < ids.size(); ++m) batches.push_back(gpt_micro_batch(ids[m], targets[m]));
+  return batches;
 }
 
 GPTStage::GPTStage(const GPTConfig& config, uint64_t seed, int stages,
@@ -90,13 +95,13 @@ void GPTStage::load_state_dict(const TensorMap& tensors) {
   on_parameters_updated();
 }
 
-std::unique_ptr<PipelineModel::Context> GPTStage::make_context() const {
+std::unique_ptr<pipeline::StagedModel::Context> GPTStage::make_context() const {
   return std::make_unique<Context>();
 }
 
 namespace {
 
-GPTStage::Context& own_context(PipelineModel::Context& base) {
+GPTStage::Context& own_context(pipeline::StagedModel::Context& base) {
   auto* ctx = dynamic_cast<GPTStage::Context*>(&base);
   OCTET_CHECK(ctx, "gpt stage: expected a context from GPTStage::make_context()");
   return *ctx;
@@ -104,15 +109,32 @@ GPTStage::Context& own_context(PipelineModel::Context& base) {
 
 }  // namespace
 
-Tensor GPTStage::forward(int chunk, const Tensor& input, const Tensor& ids, const Tensor& targets,
-                         DType dtype, float grad_scale, PipelineModel::Context& base) {
+Tensor GPTStage::forward(int chunk, const Tensor& input, const pipeline::MicroBatch& batch,
+                         DType dtype, float grad_scale, StagedModel::Context& base) {
   Context& ctx = own_context(base);
-  return run_forward(chunk, input, ids, targets, dtype, grad_scale, &ctx, &ctx.loss);
+  return run_forward(chunk, input, pipeline::batch_tensor(batch, "ids", "gpt stage"),
+                     pipeline::batch_tensor(batch, "targets", "gpt stage"), dtype, grad_scale, &ctx,
+                     &ctx.loss);
 }
 
-Tensor GPTStage::evaluate(int chunk, const Tensor& input, const Tensor& ids, const Tensor& targets,
+Tensor GPTStage::evaluate(int chunk, const Tensor& input, const pipeline::MicroBatch& batch,
                           DType dtype, float* loss) {
-  return run_forward(chunk, input, ids, targets, dtype, 1.0f, nullptr, loss);
+  return run_forward(chunk, input, pipeline::batch_tensor(batch, "ids", "gpt stage"),
+                     pipeline::batch_tensor(batch, "targets", "gpt stage"), dtype, 1.0f, nullptr,
+                     loss);
+}
+
+Shape GPTStage::activation_shape(const pipeline::MicroBatch& batch) const {
+  const Tensor& ids = pipeline::batch_tensor(batch, "ids", "gpt stage");
+  return {ids.dim(0), ids.dim(1), config_.hidden};
+}
+
+std::vector<pipeline::TiedParameters> GPTStage::tied_parameters() {
+  pipeline::TiedParameters embedding;
+  embedding.stages = {0, stages_ - 1};
+  if (stages_ == 1) embedding.stages = {0};
+  if (wte.value.defined()) embedding.parameters = {&wte};
+  return {embedding};
 }
 
 Tensor GPTStage::run_forward(int chunk, const Tensor& input, const Tensor& ids,
@@ -150,7 +172,7 @@ Tensor GPTStage::run_forward(int chunk, const Tensor& input, const Tensor& ids,
   return Tensor();
 }
 
-Tensor GPTStage::backward(int chunk, const Tensor& doutput, PipelineModel::Context& base) {
+Tensor GPTStage::backward(int chunk, const Tensor& doutput, StagedModel::Context& base) {
   Context& ctx = own_context(base);
   Tensor dx;
   if (is_last(chunk)) {

@@ -199,12 +199,25 @@ std::vector<Parameter*> TensorParallelGPT::counted_in_norm(
   return out;
 }
 
-Shape TensorParallelGPT::activation_shape(int64_t batch, int64_t seq_len) const {
+Shape TensorParallelGPT::activation_shape(const pipeline::MicroBatch& batch) const {
+  const Tensor& ids = pipeline::batch_tensor(batch, "ids", "tensor-parallel gpt");
+  return boundary_shape(ids.dim(0), ids.dim(1));
+}
+
+std::vector<pipeline::TiedParameters> TensorParallelGPT::tied_parameters() {
+  pipeline::TiedParameters embedding;
+  embedding.stages = {0, stages_ - 1};
+  if (stages_ == 1) embedding.stages = {0};
+  if (wte.value.defined()) embedding.parameters = {&wte};
+  return {embedding};
+}
+
+Shape TensorParallelGPT::boundary_shape(int64_t batch, int64_t seq_len) const {
   const int64_t rows = batch * seq_len;
   return {sequence_parallel_ ? rows / tp_->size() : rows, config_.hidden};
 }
 
-std::unique_ptr<PipelineModel::Context> TensorParallelGPT::make_context() const {
+std::unique_ptr<pipeline::StagedModel::Context> TensorParallelGPT::make_context() const {
   return std::make_unique<Context>();
 }
 
@@ -371,7 +384,7 @@ float TensorParallelGPT::output_loss(const Tensor& hidden, const Tensor& targets
 
 namespace {
 
-TensorParallelGPT::Context& own_context(PipelineModel::Context& base) {
+TensorParallelGPT::Context& own_context(pipeline::StagedModel::Context& base) {
   auto* ctx = dynamic_cast<TensorParallelGPT::Context*>(&base);
   OCTET_CHECK(ctx, "tensor-parallel gpt: expected a context from make_context()");
   return *ctx;
@@ -379,16 +392,19 @@ TensorParallelGPT::Context& own_context(PipelineModel::Context& base) {
 
 }  // namespace
 
-Tensor TensorParallelGPT::forward(int chunk, const Tensor& input, const Tensor& ids,
-                                  const Tensor& targets, DType dtype, float grad_scale,
-                                  PipelineModel::Context& base) {
+Tensor TensorParallelGPT::forward(int chunk, const Tensor& input, const pipeline::MicroBatch& batch,
+                                  DType dtype, float grad_scale, StagedModel::Context& base) {
   Context& ctx = own_context(base);
-  return run_forward(chunk, input, ids, targets, dtype, grad_scale, &ctx, &ctx.loss);
+  return run_forward(chunk, input, pipeline::batch_tensor(batch, "ids", "tensor-parallel gpt"),
+                     pipeline::batch_tensor(batch, "targets", "tensor-parallel gpt"), dtype,
+                     grad_scale, &ctx, &ctx.loss);
 }
 
-Tensor TensorParallelGPT::evaluate(int chunk, const Tensor& input, const Tensor& ids,
-                                   const Tensor& targets, DType dtype, float* loss) {
-  return run_forward(chunk, input, ids, targets, dtype, 1.0f, nullptr, loss);
+Tensor TensorParallelGPT::evaluate(int chunk, const Tensor& input,
+                                   const pipeline::MicroBatch& batch, DType dtype, float* loss) {
+  return run_forward(chunk, input, pipeline::batch_tensor(batch, "ids", "tensor-parallel gpt"),
+                     pipeline::batch_tensor(batch, "targets", "tensor-parallel gpt"), dtype, 1.0f,
+                     nullptr, loss);
 }
 
 Tensor TensorParallelGPT::run_forward(int chunk, const Tensor& input, const Tensor& ids,
@@ -403,7 +419,7 @@ Tensor TensorParallelGPT::run_forward(int chunk, const Tensor& input, const Tens
     h = dtype == DType::F32 ? x : x.to(dtype);
   } else {
     const std::string what = "tensor-parallel gpt: input of chunk " + std::to_string(chunk);
-    check_shape(input, activation_shape(B, T), what, sequence_parallel_ ? "B*T/TP,C" : "B*T,C");
+    check_shape(input, boundary_shape(B, T), what, sequence_parallel_ ? "B*T/TP,C" : "B*T,C");
     check_dtype(input, dtype, what);
     h = input;
   }
@@ -418,7 +434,7 @@ Tensor TensorParallelGPT::run_forward(int chunk, const Tensor& input, const Tens
   return Tensor();
 }
 
-Tensor TensorParallelGPT::backward(int chunk, const Tensor& doutput, PipelineModel::Context& base) {
+Tensor TensorParallelGPT::backward(int chunk, const Tensor& doutput, StagedModel::Context& base) {
   Context& ctx = own_context(base);
   Tensor d;
   if (is_last(chunk)) {
@@ -454,7 +470,7 @@ float TensorParallelGPT::train_step(const Tensor& ids, const Tensor& targets, DT
               stages_, " (run it through the pipeline executor)");
   check_shape(targets, ids.shape(), "tensor-parallel gpt: targets", "B,T");
   Context ctx;
-  forward(0, Tensor(), ids, targets, dtype, grad_scale, ctx);
+  run_forward(0, Tensor(), ids, targets, dtype, grad_scale, &ctx, &ctx.loss);
   const float loss = ctx.loss;
   reporting_grads_ = static_cast<bool>(grad_ready_hook_);
   try {
@@ -473,7 +489,7 @@ float TensorParallelGPT::evaluate(const Tensor& ids, const Tensor& targets, DTyp
               "holds pipeline stages of ",
               stages_);
   float loss = 0.0f;
-  evaluate(0, Tensor(), ids, targets, dtype, &loss);
+  run_forward(0, Tensor(), ids, targets, dtype, 1.0f, nullptr, &loss);
   return loss;
 }
 

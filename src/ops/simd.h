@@ -5,7 +5,7 @@
 #include <bit>
 #include <cstdint>
 
-#include "octet/cpu.h"
+#include "octet/cpu_features.h"
 #include "octet/dtype.h"
 
 #define OCTET_TARGET_AVX512 \

@@ -2,7 +2,7 @@
 #include <filesystem>
 #include <fstream>
 
-#include "octet/parallel.h"
+#include "octet/comm.h"
 #include "octet/train.h"
 
 namespace octet {

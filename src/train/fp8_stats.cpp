@@ -5,8 +5,8 @@
 #include <cstdio>
 #include <cstring>
 
+#include "octet/comm.h"
 #include "octet/model.h"
-#include "octet/parallel.h"
 #include "octet/train.h"
 
 namespace octet {
@@ -35,7 +35,7 @@ std::vector<int64_t> fp8_state_indices(size_t states) {
   return out;
 }
 
-std::vector<int64_t> fp8_state_indices(const PipelineModel& part, size_t states,
+std::vector<int64_t> fp8_state_indices(const pipeline::StagedModel& part, size_t states,
                                        int64_t num_layers) {
   const int64_t per_stage = num_layers / part.stages();
   const int64_t layers_held = per_stage * part.chunks();

@@ -7,13 +7,13 @@
 #include <memory>
 #include <variant>
 
+#include "octet/comm.h"
 #include "octet/data.h"
 #include "octet/data_parallel.h"
 #include "octet/gemm.h"
 #include "octet/model.h"
 #include "octet/model_tensor_parallel.h"
 #include "octet/ops/optimizer.h"
-#include "octet/parallel.h"
 #include "octet/pipeline.h"
 #include "octet/rng.h"
 #include "octet/tensor_parallel.h"
@@ -297,7 +297,7 @@ TrainResult train_gpt(const TrainOptions& o) {
   // Pipeline parallelism: this rank's stages of the model, run by the schedule's executor.
   std::unique_ptr<GPTStage> stage;
   std::unique_ptr<pipeline::PipelineExecutor> executor;
-  PipelineModel* pipeline_part = nullptr;
+  pipeline::StagedModel* pipeline_part = nullptr;
   // Pipeline x data: each chunk's gradients start reducing right after its last backward of
   // the step (DualPipe sums its two copies after the schedule first: reduced after).
   bool pipeline_overlap = false;
@@ -306,7 +306,7 @@ TrainResult train_gpt(const TrainOptions& o) {
         pipeline::parse_schedule_kind(o.pipeline_schedule), parallel.pipeline_size(),
         static_cast<int>(accumulation), static_cast<int>(o.virtual_stages));
     std::vector<int> held = pipeline::stages_of_rank(pipeline_schedule, parallel.pipeline_rank());
-    PipelineModel*& part = pipeline_part;
+    pipeline::StagedModel*& part = pipeline_part;
     if (tensor_parallel) {
       // TP x PP: this rank's tensor shards of its pipeline stages.
       tp_model = std::make_unique<TensorParallelGPT>(config, o.seed, o.sequence_parallel,
@@ -333,9 +333,10 @@ TrainResult train_gpt(const TrainOptions& o) {
       options.chunk_gradients_final = [&ddp, &parallel, part, tp = tp_model.get()](int chunk) {
         // wte's copies are summed over the embedding group after the schedule: its bucket
         // starts in finish_grad_sync, after that.
+        const std::vector<Parameter*> tied = part->tied_copies();
         std::vector<Parameter*> ready;
         for (Parameter* p : part->chunk_parameters(chunk)) {
-          if (p != part->word_embedding()) ready.push_back(p);
+          if (std::find(tied.begin(), tied.end(), p) == tied.end()) ready.push_back(p);
         }
         // Sequence-parallel partial gradients are summed over the tensor ranks before their
         // buckets reduce over the data ranks (the distributed optimizer keeps only a shard).
@@ -420,12 +421,14 @@ TrainResult train_gpt(const TrainOptions& o) {
       // Later stages finish their backward first.
       std::vector<int> chunks = pipeline_part->chunks_in_stage_order();
       std::reverse(chunks.begin(), chunks.end());
+      const std::vector<Parameter*> tied = pipeline_part->tied_copies();
       for (int chunk : chunks) {
         for (Parameter* p : pipeline_part->chunk_parameters(chunk)) {
-          if (p != pipeline_part->word_embedding()) order.push_back(p);
+          if (std::find(tied.begin(), tied.end(), p) == tied.end()) order.push_back(p);
         }
       }
-      if (pipeline_part->word_embedding()) order.push_back(pipeline_part->word_embedding());
+      // Tied copies are summed between their stages after the schedule: reduced last.
+      order.insert(order.end(), tied.begin(), tied.end());
     } else {
       order = tp_model->parameters_in_backward_order();
     }
@@ -537,7 +540,7 @@ TrainResult train_gpt(const TrainOptions& o) {
       if (executor) {
         // Through the pipeline stages, forward only (the executor's after_compute keeps the
         // FP8 amaxes equal over each stage's tensor x data ranks).
-        sum += executor->evaluate({ids}, {targets});
+        sum += executor->evaluate({gpt_micro_batch(ids, targets)});
       } else if (tp_model) {
         sum += tp_model->evaluate(ids, targets, dtype);
         // The shards' weight amaxes differ: reduce so the tensor ranks keep equal scales.
@@ -650,7 +653,8 @@ TrainResult train_gpt(const TrainOptions& o) {
       }
       fp8_autocast scope(fp8, recipe);
       fp8_stats_scope stats_scope(o.fp8_stats);
-      loss = executor->train_step(ids, targets, 1.0f / static_cast<float>(accumulation * dp)) *
+      loss = executor->train_step(gpt_micro_batches(ids, targets),
+                                  1.0f / static_cast<float>(accumulation * dp)) *
              static_cast<double>(accumulation);
     } else {
       // Training micro-batches only: evaluation's forwards would overwrite the stats.

@@ -6,8 +6,8 @@
 #include <cmath>
 #include <thread>
 
+#include "octet/comm.h"
 #include "octet/error.h"
-#include "octet/parallel.h"
 
 namespace octet {
 namespace {

@@ -14,9 +14,9 @@
 
 #include <cmath>
 
+#include "octet/comm.h"
 #include "octet/data_parallel.h"
 #include "octet/model.h"
-#include "octet/parallel.h"
 #include "octet/train.h"
 
 namespace octet {

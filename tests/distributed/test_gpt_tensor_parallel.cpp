@@ -16,10 +16,10 @@
 #include <string>
 #include <tuple>
 
+#include "octet/comm.h"
 #include "octet/model.h"
 #include "octet/model_tensor_parallel.h"
 #include "octet/ops/optimizer.h"
-#include "octet/parallel.h"
 #include "octet/recipe.h"
 #include "octet/train.h"
 

@@ -10,9 +10,9 @@
 #include <map>
 #include <random>
 
+#include "octet/comm.h"
 #include "octet/error.h"
 #include "octet/model.h"
-#include "octet/parallel.h"
 #include "octet/pipeline.h"
 
 namespace octet {
@@ -103,7 +103,7 @@ void expect_matches_single_process(const Schedule& schedule, int steps = 2,
       reference_loss += reference.train_step(ids[m], targets[m], dtype, 1.0f / M);
     }
     reference_loss /= M;
-    const float loss = executor.train_step(ids, targets, 1.0f / M);
+    const float loss = executor.train_step(gpt_micro_batches(ids, targets), 1.0f / M);
     EXPECT_NEAR(loss, reference_loss, 1e-5 * std::abs(reference_loss))
         << pipeline::schedule_name(schedule.kind) << " step " << step << " rank " << rank;
     for (Parameter* p : stage.parameters()) {
@@ -199,7 +199,7 @@ TEST(Pipeline, ZeroBubbleRunsItsWeightGradientsInTheWActions) {
   pipeline::PipelineExecutor executor(schedule, stage, parallel);
   std::vector<Tensor> ids, targets;
   make_micro_batches(0, 2 * P, ids, targets);
-  executor.train_step(ids, targets, 0.5f);
+  executor.train_step(gpt_micro_batches(ids, targets), 0.5f);
   size_t inputs = 0, weights = 0;
   for (const pipeline::Action& a : schedule.actions[static_cast<size_t>(rank)]) {
     inputs += a.kind == pipeline::ActionKind::BackwardInput;
@@ -245,7 +245,7 @@ TEST(Pipeline, BrokenScheduleIsAnErrorNotAHang) {
   std::vector<Tensor> ids, targets;
   make_micro_batches(0, 2, ids, targets);
   try {
-    executor->train_step(ids, targets, 0.5f);
+    executor->train_step(gpt_micro_batches(ids, targets), 0.5f);
     ADD_FAILURE() << "rank " << rank << ": the broken schedule ran to the end";
   } catch (const Error& e) {
     const std::string message = e.what();

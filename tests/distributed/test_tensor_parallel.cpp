@@ -15,9 +15,9 @@
 #include <cmath>
 #include <cstring>
 
+#include "octet/comm.h"
 #include "octet/error.h"
 #include "octet/modules.h"
-#include "octet/parallel.h"
 #include "octet/tensor_parallel.h"
 
 namespace octet {

@@ -19,11 +19,11 @@
 #include <string>
 #include <tuple>
 
+#include "octet/comm.h"
 #include "octet/error.h"
 #include "octet/model.h"
 #include "octet/model_tensor_parallel.h"
 #include "octet/ops/optimizer.h"
-#include "octet/parallel.h"
 #include "octet/pipeline.h"
 #include "octet/tensor_parallel.h"
 
@@ -132,7 +132,7 @@ TEST_P(TensorPipeline, EqualsTheSingleProcessGPT) {
       expected_loss += reference.train_step(ids[m], targets[m], DType::F32, 1.0f / M);
     }
     expected_loss /= M;
-    const float loss = executor.train_step(ids, targets, 1.0f / M);
+    const float loss = executor.train_step(gpt_micro_batches(ids, targets), 1.0f / M);
     EXPECT_NEAR(loss, expected_loss, kRelativeTolerance * std::fabs(expected_loss))
         << "step " << step;
     all_reduce_sequence_parallel_gradients(model.sequence_parallel_parameters(), parallel.tensor());

@@ -6,7 +6,7 @@
 #include <cmath>
 #include <random>
 
-#include "octet/cpu.h"
+#include "octet/cpu_features.h"
 #include "octet/fp8.h"
 #include "octet/ops/activation.h"
 #include "ops/activation/math.h"

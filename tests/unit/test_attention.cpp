@@ -7,7 +7,7 @@
 #include <random>
 #include <string>
 
-#include "octet/cpu.h"
+#include "octet/cpu_features.h"
 #include "octet/ops/attention.h"
 #include "octet/rng.h"
 #include "ops/attention/checks.h"

@@ -11,7 +11,7 @@
 #include <vector>
 
 #include "core/convert.h"
-#include "octet/cpu.h"
+#include "octet/cpu_features.h"
 #include "octet/dtype.h"
 #include "test_util.h"
 

@@ -5,7 +5,7 @@
 #include <cmath>
 #include <random>
 
-#include "octet/cpu.h"
+#include "octet/cpu_features.h"
 #include "octet/ops/dropout.h"
 #include "octet/rng.h"
 #include "test_util.h"

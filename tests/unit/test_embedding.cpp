@@ -10,7 +10,7 @@
 #include <string>
 #include <vector>
 
-#include "octet/cpu.h"
+#include "octet/cpu_features.h"
 #include "octet/ops/embedding.h"
 #include "test_util.h"
 #include "torch_reference.h"

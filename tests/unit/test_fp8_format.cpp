@@ -11,7 +11,7 @@
 #include <random>
 #include <vector>
 
-#include "octet/cpu.h"
+#include "octet/cpu_features.h"
 #include "octet/error.h"
 #include "octet/fp8.h"
 #include "test_util.h"

@@ -241,8 +241,8 @@ TEST(Fp8Stats, StageStateIndicesNameTheWholeModelsGemms) {
     model.evaluate(ids, targets, DType::BF16);
     GPTStage::Context ctx;
     Tensor h = Tensor::zeros({1, 16, 32}, DType::BF16);
-    stage.forward(1, h, ids, targets, DType::BF16, 1.0f, ctx);
-    stage.forward(0, h, ids, targets, DType::BF16, 1.0f, ctx);
+    stage.forward(1, h, gpt_micro_batch(ids, targets), DType::BF16, 1.0f, ctx);
+    stage.forward(0, h, gpt_micro_batch(ids, targets), DType::BF16, 1.0f, ctx);
   }
   for (size_t i = 0; i < part.size(); ++i) {
     const auto theirs = whole[static_cast<size_t>(index[i])]->stats();

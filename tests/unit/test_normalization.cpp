@@ -7,7 +7,7 @@
 #include <string>
 #include <vector>
 
-#include "octet/cpu.h"
+#include "octet/cpu_features.h"
 #include "octet/fp8.h"
 #include "octet/ops/normalization.h"
 #include "test_util.h"

@@ -12,7 +12,7 @@
 #include <string>
 #include <vector>
 
-#include "octet/cpu.h"
+#include "octet/cpu_features.h"
 #include "octet/fp8.h"
 #include "octet/ops/optimizer.h"
 #include "test_util.h"

@@ -5,7 +5,7 @@
 #include <cmath>
 #include <random>
 
-#include "octet/cpu.h"
+#include "octet/cpu_features.h"
 #include "octet/ops/rope.h"
 #include "test_util.h"
 #include "torch_reference.h"

@@ -6,7 +6,7 @@
 #include <limits>
 #include <string>
 
-#include "octet/cpu.h"
+#include "octet/cpu_features.h"
 #include "octet/tensor.h"
 #include "test_util.h"  // also reports the instruction-set paths run
 

@@ -12,7 +12,7 @@
 #include <string>
 #include <vector>
 
-#include "octet/cpu.h"
+#include "octet/cpu_features.h"
 #include "octet/tensor.h"
 
 namespace octet::testing {

@@ -7,6 +7,20 @@
 
 #include "octet/tensor.h"
 
+namespace octet {
+
+// AdamW's options, for the optimizers that train (AdamW) and data parallelism's sharded one
+// (DistributedOptimizer) alike.
+struct AdamWOptions {
+  float beta1 = 0.9f;
+  float beta2 = 0.95f;
+  float eps = 1e-8f;
+  float weight_decay = 0.1f;  // applied to matrices only, not to biases and norm weights
+  float clip_grad = 1.0f;     // global-norm clipping; 0 disables it
+};
+
+}  // namespace octet
+
 namespace octet::ops {
 
 // One parameter tensor and its optimizer state. Tensors are handles: the kernel writes

@@ -1,15 +1,16 @@
 // The pipeline executor: one training step of any schedule, action by action, with the real
-// model (a PipelineModel: GPTStage, or TensorParallelGPT holding stages) and point-to-point
-// messages over the pipeline group.
+// model (any StagedModel) and point-to-point messages over the pipeline group.
+#include <algorithm>
 #include <chrono>
 #include <map>
+#include <string>
 #include <utility>
 
+#include "octet/comm.h"
 #include "octet/error.h"
-#include "octet/model.h"
-#include "octet/modules.h"
-#include "octet/parallel.h"
+#include "octet/module.h"
 #include "octet/pipeline.h"
+#include "octet/pipeline_stage.h"
 
 namespace octet::pipeline {
 
@@ -44,11 +45,46 @@ Tensor take(std::map<Key, Tensor>& tensors, const Key& key, const char* what) {
   return tensor;
 }
 
+std::string describe_stages(const std::vector<int>& stages) {
+  std::string text = "{";
+  for (size_t i = 0; i < stages.size(); ++i) {
+    text += (i ? ", " : "") + std::to_string(stages[i]);
+  }
+  return text + "}";
+}
+
 }  // namespace
+
+const Tensor& batch_tensor(const MicroBatch& batch, const std::string& name, const char* who) {
+  auto it = batch.find(name);
+  if (it == batch.end()) {
+    std::string held;
+    for (const auto& [key, tensor] : batch) held += (held.empty() ? "" : ", ") + key;
+    fail(detail::concat(who, ": the micro-batch has no '", name,
+                        "' (it holds: ", held.empty() ? "nothing" : held, ")"));
+  }
+  return it->second;
+}
+
+std::vector<int> StagedModel::chunks_in_stage_order() const {
+  std::vector<int> order(static_cast<size_t>(chunks()));
+  for (int c = 0; c < chunks(); ++c) order[static_cast<size_t>(c)] = c;
+  std::sort(order.begin(), order.end(),
+            [this](int a, int b) { return stage_of_chunk(a) < stage_of_chunk(b); });
+  return order;
+}
+
+std::vector<Parameter*> StagedModel::tied_copies() {
+  std::vector<Parameter*> copies;
+  for (const TiedParameters& group : tied_parameters()) {
+    copies.insert(copies.end(), group.parameters.begin(), group.parameters.end());
+  }
+  return copies;
+}
 
 struct PipelineExecutor::State {
   Schedule schedule;
-  PipelineModel& model;
+  StagedModel& model;
   ParallelState& parallel;
   ExecutorOptions options;
   int rank = 0;
@@ -59,20 +95,19 @@ struct PipelineExecutor::State {
   std::vector<int> backwards_left;       // this step's, counting down
 
   // One step's bookkeeping, keyed by (micro-batch, chunk).
-  std::map<Key, std::unique_ptr<PipelineModel::Context>> contexts;
+  std::map<Key, std::unique_ptr<StagedModel::Context>> contexts;
   std::map<Key, Tensor> inputs;    // a Forward's input activation
   std::map<Key, Tensor> outputs;   // a Forward's output, until SendForward
   std::map<Key, Tensor> doutputs;  // a Backward's output gradient
   std::map<Key, Tensor> dinputs;   // a Backward's input gradient, until SendBackward
   std::map<Key, WeightGradientQueue> weight_gradients;  // a BackwardInput's, until its W
   std::vector<std::pair<Work, Tensor>> sends;
-  const std::vector<Tensor>* ids = nullptr;
-  const std::vector<Tensor>* targets = nullptr;
+  const std::vector<MicroBatch>* batches = nullptr;
   float grad_scale = 1.0f;
   double loss_sum = 0.0;
   StepTiming timing;
 
-  State(Schedule s, PipelineModel& m, ParallelState& p, ExecutorOptions o)
+  State(Schedule s, StagedModel& m, ParallelState& p, ExecutorOptions o)
       : schedule(std::move(s)), model(m), parallel(p), options(o) {}
 
   int stage(const Key& key) const {
@@ -86,20 +121,19 @@ struct PipelineExecutor::State {
     return (micro_batch * schedule.stages + boundary) * 2 + (backward ? 1 : 0);
   }
   Tensor activation_buffer(int micro_batch) const {
-    const Tensor& mb = (*ids)[static_cast<size_t>(micro_batch)];
-    return Tensor::empty(model.activation_shape(mb.dim(0), mb.dim(1)), options.dtype);
+    const MicroBatch& batch = (*batches)[static_cast<size_t>(micro_batch)];
+    return Tensor::empty(model.activation_shape(batch), options.dtype);
   }
 
   void forward(const Key& key) {
     const int s = stage(key);
     Tensor input = s > 0 ? take(inputs, key, "input activation") : Tensor();
-    std::unique_ptr<PipelineModel::Context>& slot = contexts[key];
+    std::unique_ptr<StagedModel::Context>& slot = contexts[key];
     slot = model.make_context();
-    PipelineModel::Context& ctx = *slot;
+    StagedModel::Context& ctx = *slot;
     const size_t m = static_cast<size_t>(key.first);
     const Clock::time_point start = Clock::now();
-    Tensor out =
-        model.forward(key.second, input, (*ids)[m], (*targets)[m], options.dtype, grad_scale, ctx);
+    Tensor out = model.forward(key.second, input, (*batches)[m], options.dtype, grad_scale, ctx);
     const double seconds = seconds_since(start);
     timing.forward_seconds += seconds;
     timing.forward_samples.push_back(seconds);
@@ -233,12 +267,12 @@ struct PipelineExecutor::State {
       // Both ranks of a pair hold the same stages (r and ranks-1-r), listed in stage order.
       for (Parameter* p : model.parameters()) copies->all_reduce(p->grad);
     }
-    Parameter* wte = model.word_embedding();
-    if (reduce_embedding && wte) parallel.embedding().all_reduce(wte->grad);
+    if (!reduce_embedding) return;
+    for (Parameter* p : model.tied_copies()) parallel.embedding().all_reduce(p->grad);
   }
 };
 
-PipelineExecutor::PipelineExecutor(Schedule schedule, PipelineModel& model, ParallelState& parallel,
+PipelineExecutor::PipelineExecutor(Schedule schedule, StagedModel& model, ParallelState& parallel,
                                    ExecutorOptions options)
     : state_(std::make_unique<State>(std::move(schedule), model, parallel, options)) {
   State& s = *state_;
@@ -267,6 +301,15 @@ PipelineExecutor::PipelineExecutor(Schedule schedule, PipelineModel& model, Para
   } else {
     const int first = sc.place(0, 0).rank, last = sc.place(0, sc.stages - 1).rank;
     s.reduce_embedding = first != last;
+    std::vector<int> embedding_stages = {0};
+    if (sc.stages > 1) embedding_stages.push_back(sc.stages - 1);
+    for (const TiedParameters& group : model.tied_parameters()) {
+      // The one group of ranks the parallel state provides: the first and the last stage's.
+      OCTET_CHECK(group.stages == embedding_stages,
+                  "pipeline executor: tied parameters are summed between the first and the last "
+                  "stage (0 and ",
+                  sc.stages - 1, "), the model ties stages ", describe_stages(group.stages));
+    }
     OCTET_CHECK(!s.reduce_embedding || (first == 0 && last == sc.ranks - 1),
                 "pipeline executor: the embedding group is pipeline ranks 0 and ", sc.ranks - 1,
                 ", the schedule puts the first stage on ", first, " and the last on ", last);
@@ -287,22 +330,23 @@ std::vector<Parameter*> PipelineExecutor::owned_parameters() {
   State& s = *state_;
   if (s.copies && 2 * s.rank >= s.schedule.ranks) return {};
   std::vector<Parameter*> owned;
+  // A tied copy counts on the first stage's rank only.
+  const std::vector<Parameter*> tied = s.model.tied_copies();
   for (Parameter* p : s.model.parameters()) {
-    const bool duplicate_wte = p == s.model.word_embedding() && s.reduce_embedding && s.rank != 0;
-    if (!duplicate_wte) owned.push_back(p);
+    const bool copy =
+        s.reduce_embedding && s.rank != 0 && std::find(tied.begin(), tied.end(), p) != tied.end();
+    if (!copy) owned.push_back(p);
   }
   return owned;
 }
 
-float PipelineExecutor::train_step(const std::vector<Tensor>& ids,
-                                   const std::vector<Tensor>& targets, float grad_scale) {
+float PipelineExecutor::train_step(const std::vector<MicroBatch>& batches, float grad_scale) {
   State& s = *state_;
   const Clock::time_point step_start = Clock::now();
   s.timing = StepTiming{};
   const size_t micro_batches = static_cast<size_t>(s.schedule.micro_batches);
-  OCTET_CHECK(ids.size() == micro_batches && targets.size() == micro_batches,
-              "pipeline executor: expected ", micro_batches,
-              " micro-batches of ids and targets, got ", ids.size(), " and ", targets.size());
+  OCTET_CHECK(batches.size() == micro_batches, "pipeline executor: expected ", micro_batches,
+              " micro-batches, got ", batches.size());
   // A step that failed part-way leaves its bookkeeping behind: start clean.
   s.contexts.clear();
   s.inputs.clear();
@@ -311,8 +355,7 @@ float PipelineExecutor::train_step(const std::vector<Tensor>& ids,
   s.dinputs.clear();
   s.weight_gradients.clear();
   s.backwards_left = s.backwards_per_chunk;
-  s.ids = &ids;
-  s.targets = &targets;
+  s.batches = &batches;
   s.grad_scale = grad_scale;
   s.loss_sum = 0.0;
   const std::vector<Action>& actions = s.schedule.actions[static_cast<size_t>(s.rank)];
@@ -344,16 +387,13 @@ float PipelineExecutor::train_step(const std::vector<Tensor>& ids,
   return static_cast<float>(loss / static_cast<double>(micro_batches));
 }
 
-double PipelineExecutor::evaluate(const std::vector<Tensor>& ids,
-                                  const std::vector<Tensor>& targets) {
+double PipelineExecutor::evaluate(const std::vector<MicroBatch>& batches) {
   State& s = *state_;
-  OCTET_CHECK(ids.size() == targets.size(), "pipeline executor: evaluate expected as many ids (",
-              ids.size(), ") as targets (", targets.size(), ")");
   const std::vector<Place>& route = s.schedule.routes.at(0);
   const int stages = s.schedule.stages;
   Communicator& pipeline = s.parallel.pipeline();
   double loss_sum = 0.0;
-  for (size_t m = 0; m < ids.size(); ++m) {
+  for (size_t m = 0; m < batches.size(); ++m) {
     Tensor activation;
     for (int stage = 0; stage < stages; ++stage) {
       const Place& here = route[static_cast<size_t>(stage)];
@@ -368,8 +408,7 @@ double PipelineExecutor::evaluate(const std::vector<Tensor>& ids,
         continue;
       }
       if (from != s.rank) {
-        activation =
-            Tensor::empty(s.model.activation_shape(ids[m].dim(0), ids[m].dim(1)), s.options.dtype);
+        activation = Tensor::empty(s.model.activation_shape(batches[m]), s.options.dtype);
         Work work = pipeline.irecv(activation, from, tag);
         try {
           work.wait(s.options.receive_timeout_seconds);
@@ -379,8 +418,7 @@ double PipelineExecutor::evaluate(const std::vector<Tensor>& ids,
         }
       }
       float loss = 0.0f;
-      activation =
-          s.model.evaluate(here.chunk, activation, ids[m], targets[m], s.options.dtype, &loss);
+      activation = s.model.evaluate(here.chunk, activation, batches[m], s.options.dtype, &loss);
       if (s.options.after_compute) s.options.after_compute();
       if (stage == stages - 1) loss_sum += loss;
     }

@@ -3,8 +3,8 @@
 #include <cstring>
 #include <thread>
 
+#include "comm/work.h"
 #include "octet/error.h"
-#include "parallel/work.h"
 
 namespace octet {
 

@@ -1,14 +1,15 @@
 // `octet train`: trains a GPT (Megatron's flag names), see src/train/trainer.cpp.
-#include "octet/train.h"
 #include "commands.h"
+#include "octet/train.h"
 
 namespace octet::cli {
 
 void register_train(CLI::App& app) {
   CLI::App* cmd = app.add_subcommand("train", "Train a GPT on a token shard (or --mock-data)");
   auto o = std::make_shared<TrainOptions>();
-  o->config_path = std::string(OCTET_SOURCE_DIR) + "/configs/gpt-mini.json";
-  cmd->add_option("--config", o->config_path, "Model config JSON")->check(CLI::ExistingFile);
+  o->config_path = "gpt-mini";
+  cmd->add_option("--config", o->config_path, "Model config JSON, or a name (gpt-mini)")
+      ->check(model_config_validator());
   cmd->add_option("--train-data", o->train_data, "Training token shard (octet tokenize -o)");
   cmd->add_option("--valid-data", o->valid_data, "Validation token shard");
   cmd->add_flag("--mock-data", o->mock_data, "Random tokens instead of a corpus");
@@ -71,7 +72,11 @@ void register_train(CLI::App& app) {
   cmd->add_flag("--overlap-grad-reduce,!--no-overlap-grad-reduce", o->overlap_grad_reduce,
                 "Reduce each gradient bucket as soon as backward finalizes it (default on)");
   cmd->add_option("--ddp-bucket-size", o->ddp_bucket_size, "Elements per gradient bucket");
-  cmd->callback([o] { train_gpt(*o); });
+  cmd->callback([o] {
+    TrainOptions options = *o;
+    options.config_path = resolve_config(o->config_path).string();
+    train_gpt(options);
+  });
 }
 
 }  // namespace octet::cli

@@ -5,7 +5,7 @@
 #include <span>
 #include <string>
 
-#include "octet/parallel.h"
+#include "octet/comm.h"
 
 namespace octet::parallel_detail {
 

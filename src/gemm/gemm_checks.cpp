@@ -1,4 +1,4 @@
-#include "gemm/checks.h"
+#include "gemm/gemm_checks.h"
 
 #include <vector>
 

@@ -3,9 +3,9 @@
 #include <climits>
 #include <cstdlib>
 
+#include "comm/mpi_engine.h"
+#include "comm/self_communicator.h"
 #include "octet/error.h"
-#include "parallel/mpi_engine.h"
-#include "parallel/self_communicator.h"
 
 namespace octet {
 

@@ -2,9 +2,9 @@
 // buffer), point-to-point has no peer.
 #include <cstring>
 
+#include "comm/self_communicator.h"
+#include "comm/work.h"
 #include "octet/error.h"
-#include "parallel/self_communicator.h"
-#include "parallel/work.h"
 
 namespace octet::parallel_detail {
 

@@ -1,6 +1,6 @@
 // Megatron's rank layout: tensor-parallel ranks are consecutive, then data, then pipeline.
+#include "octet/comm.h"
 #include "octet/error.h"
-#include "octet/parallel.h"
 
 namespace octet {
 

@@ -8,7 +8,7 @@
 #include <mutex>
 #include <string>
 
-#include "octet/parallel.h"
+#include "octet/comm.h"
 
 namespace octet::detail {
 

@@ -15,7 +15,7 @@
 #include <thread>
 #include <vector>
 
-#include "parallel/work.h"
+#include "comm/work.h"
 
 namespace octet::parallel_detail {
 

@@ -1,7 +1,7 @@
 // The MPI progress thread. MPI does not move data for a non-blocking operation unless some
 // MPI call is running, so this thread polls the pending requests (MPI_Testall) while the
 // compute threads work; when nothing completed it naps briefly to leave the cores to them.
-#include "parallel/mpi_engine.h"
+#include "comm/mpi_engine.h"
 
 #include <cmath>
 #include <cstdlib>

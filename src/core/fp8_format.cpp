@@ -1,10 +1,11 @@
-// Scalar OCP FP8 (E4M3, E5M2) and E8M0 conversions: the reference every bulk kernel matches.
+// Scalar OCP FP8 (E4M3, E5M2) and E8M0 element conversions: the element types core knows
+// about, and the reference every bulk FP8 kernel (src/fp8) matches.
 #include <bit>
 #include <cstdint>
 #include <limits>
 
+#include "octet/dtype.h"
 #include "octet/error.h"
-#include "octet/fp8.h"
 
 namespace octet {
 namespace {
@@ -112,18 +113,6 @@ uint8_t float_to_e8m0_ceil(float value) {
   if (exponent == 0) return 1;                               // 2^-127 < value < 2^-126
   const uint32_t code = exponent + ((bits & 0x7FFFFFu) != 0 ? 1 : 0);
   return static_cast<uint8_t>(code > 254 ? 254 : code);
-}
-
-const char* scaling_mode_name(ScalingMode mode) {
-  switch (mode) {
-    case ScalingMode::PerTensor:
-      return "per_tensor";
-    case ScalingMode::Block:
-      return "block";
-    case ScalingMode::MXFP8:
-      return "mxfp8";
-  }
-  return "unknown";
 }
 
 }  // namespace octet
