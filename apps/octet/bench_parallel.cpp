@@ -251,7 +251,7 @@ GPTConfig pipeline_config(const std::string& config, int64_t layers, int64_t voc
   return c;
 }
 
-// `octet bench pipeline-worker`, one per rank under mpirun: GPTStage + PipelineExecutor on
+// `octet bench pipeline-worker`, one per rank under mpirun: GPT stages + PipelineExecutor on
 // mock tokens, a barrier before each step so the ranks' timings share a start.
 void run_pipeline_worker(const WorkerOptions& o) {
   std::shared_ptr<Communicator> world = world_communicator();
@@ -262,7 +262,7 @@ void run_pipeline_worker(const WorkerOptions& o) {
       pipeline::make_schedule(pipeline::parse_schedule_kind(o.schedule), parallel.pipeline_size(),
                               o.micro_batches, o.virtual_stages);
   const int rank = parallel.pipeline_rank();
-  GPTStage stage(config, o.seed, schedule.stages, pipeline::stages_of_rank(schedule, rank));
+  GPT stage(config, o.seed, GPTLayout{schedule.stages, pipeline::stages_of_rank(schedule, rank)});
   pipeline::ExecutorOptions options;
   options.dtype = dtype;
   pipeline::PipelineExecutor executor(schedule, stage, parallel, options);

@@ -14,6 +14,7 @@
 #include "octet/modules.h"
 #include "octet/pipeline_stage.h"
 #include "octet/safetensors.h"
+#include "octet/trainable_model.h"
 
 namespace octet {
 
@@ -56,10 +57,27 @@ struct TiedOutputCache {
   void invalidate();  // after the parameters changed
 };
 
-class GPT : public Module {
+// Which part of a GPT this process holds under pipeline parallelism (Megatron's pre_process /
+// post_process, generalized to several chunks per rank): the model is cut into `stages` equal
+// runs of layers, and chunk c of this rank holds stage stage_of_chunk[c]. The default, one
+// stage held as chunk 0, is the whole model.
+struct GPTLayout {
+  int stages = 1;
+  std::vector<int> stage_of_chunk = {0};  // pipeline::stages_of_rank(schedule, rank)
+};
+
+// A GPT, or the pipeline stages of one that a rank holds: chunk c holds layers
+// [s*L/stages, (s+1)*L/stages) of stage s = stage_of_chunk[c], plus the embeddings (wte, wpe)
+// when s is the first stage and the final norm + tied output layer (wte again) + loss when s
+// is the last. Every parameter is named and initialized exactly as in the whole model, so a
+// stage's parameters equal the single-process model's. A rank holding the first stage and
+// another holding the last each keep a copy of wte (a tied group: the pipeline executor sums
+// their gradients). The whole-model calls (train_step, evaluate, inference) need one stage.
+class GPT : public TrainableModel {
  public:
   // recompute_activations: each layer keeps only its input and recomputes in backward.
   GPT(const GPTConfig& config, uint64_t seed, bool recompute_activations = false);
+  GPT(const GPTConfig& config, uint64_t seed, GPTLayout layout, bool recompute_activations = false);
 
   // One micro-batch: ids, targets [B,T] I32 (targets may hold -100 to ignore). Runs forward
   // in `dtype` (F32 or BF16; FP8 GEMMs when called inside fp8_autocast), the fused
@@ -68,6 +86,9 @@ class GPT : public Module {
   float train_step(const Tensor& ids, const Tensor& targets, DType dtype, float grad_scale);
   // Mean loss without gradients.
   float evaluate(const Tensor& ids, const Tensor& targets, DType dtype);
+  // The same on micro-batches of gpt_micro_batch() (the training interface).
+  float train_step(const pipeline::MicroBatch& batch, DType dtype, float grad_scale) override;
+  float evaluate(const pipeline::MicroBatch& batch, DType dtype) override;
   // Logits of the last position of each sequence: ids [B,T] -> [B,V] F32.
   Tensor last_logits(const Tensor& ids, DType dtype);
   // KV-cache inference (no dropout, no contexts kept): ids [B,T] I32 are the T new tokens of
@@ -80,41 +101,80 @@ class GPT : public Module {
   // A cache for max_batch_size sequences of up to max_seq_len tokens.
   InferenceParams make_inference_params(int64_t max_batch_size = 1) const;
 
+  // The pipeline interface. Micro-batches of gpt_micro_batch(); activations [B,T,C] in the
+  // compute dtype.
+  struct Context : StagedModel::Context {
+    std::vector<TransformerLayer::Context> layers;
+    Norm::Context final_norm;
+    Tensor ids;      // [B,T] I32: the micro-batch's shape; the embedding backward's rows
+    Tensor doutput;  // last stage: gradient at the final norm's output [B*T,C], from the loss
+  };
+  std::unique_ptr<StagedModel::Context> make_context() const override;
+  Tensor forward(int chunk, const Tensor& input, const pipeline::MicroBatch& batch, DType dtype,
+                 float grad_scale, StagedModel::Context& ctx) override;
+  Tensor backward(int chunk, const Tensor& doutput, StagedModel::Context& ctx) override;
+  Tensor evaluate(int chunk, const Tensor& input, const pipeline::MicroBatch& batch, DType dtype,
+                  float* loss) override;
+  int chunks() const override { return static_cast<int>(layout_.stage_of_chunk.size()); }
+  int stages() const override { return layout_.stages; }
+  int stage_of_chunk(int chunk) const override {
+    return layout_.stage_of_chunk.at(static_cast<size_t>(chunk));
+  }
+  Shape activation_shape(const pipeline::MicroBatch& batch) const override;
+  // wte, held by the first stage (the token embedding) and the last (the output layer).
+  std::vector<pipeline::TiedParameters> tied_parameters() override;
+  std::vector<Parameter*> chunk_parameters(int chunk) override;
+  bool holds_first_stage() const { return has_first_; }
+  bool holds_last_stage() const { return has_last_; }
+
   void collect_parameters(std::vector<Parameter*>& out) override;
   void on_parameters_updated() override;
-  // train_step's backward calls the hook with the parameters whose gradients became final
-  // for the micro-batch: the final norm, each layer from the last, then the embeddings.
-  // Data parallelism starts reducing them while backward continues.
-  using GradReadyHook = std::function<void(const std::vector<Parameter*>&)>;
-  void set_grad_ready_hook(GradReadyHook hook) { grad_ready_hook_ = std::move(hook); }
+  // Backward calls the hook with the parameters whose gradients became final for the
+  // micro-batch: the final norm, each layer from the last, then the embeddings. Data
+  // parallelism starts reducing them while backward continues.
+  void set_grad_ready_hook(GradReadyHook hook) override { grad_ready_hook_ = std::move(hook); }
   // With this hook, the token embedding's backward hands its rows to the hook (rows[n]
   // belongs to row ids[n] of wte; ids [N] I32, rows [N,C] F32) instead of adding them into
   // wte.grad. wte's gradient is then final right after the output layer, at the start of
   // backward, and reported ready there: its large reduction overlaps the whole backward.
-  using EmbeddingGradHook =
-      std::function<void(Parameter& table, const Tensor& ids, const Tensor& rows)>;
-  void set_embedding_grad_hook(EmbeddingGradHook hook) { embedding_grad_hook_ = std::move(hook); }
+  bool set_embedding_grad_hook(EmbeddingGradHook hook) override {
+    embedding_grad_hook_ = std::move(hook);
+    return true;
+  }
   // Every parameter, in the order the hooks report them (both hooks set).
-  std::vector<Parameter*> parameters_in_backward_order();
+  std::vector<Parameter*> parameters_in_backward_order() override;
   const GPTConfig& config() const { return config_; }
-  std::vector<TransformerLayer>& layers() { return layers_; }
-  // Hugging Face GPT-2 names where the layer matches (transformer.wte.weight, ...).
-  TensorMap state_dict();
-  void load_state_dict(const TensorMap& tensors);  // clear errors on missing / mismatched
+  const GPTLayout& layout() const { return layout_; }
+  // The layers of the whole model (one stage held), or of one chunk.
+  std::vector<TransformerLayer>& layers();
+  std::vector<TransformerLayer>& layers(int chunk) {
+    return layers_.at(static_cast<size_t>(chunk));
+  }
+  // Every FP8 state (per layer: QKV, projection, FC1, FC2) of the chunks held, in stage order,
+  // and each one's index in the whole model's list.
+  std::vector<Fp8State*> fp8_states() override;
+  std::vector<int64_t> fp8_state_indices() override;
+  // This rank's parameters under the whole model's names (Hugging Face GPT-2 names come from
+  // to_hf_gpt2_names).
+  TensorMap state_dict() override;
+  // Loads this rank's parameters from a whole-model (or this part's) state dict; missing or
+  // mismatched tensors are errors, and so are extra ones when the whole model is held.
+  void load_state_dict(const TensorMap& tensors) override;
+  // Checkpoints hold Hugging Face GPT-2 names (to_hf_gpt2_names).
+  TensorMap to_checkpoint_names(const TensorMap& ours) const override;
+  TensorMap from_checkpoint_names(const TensorMap& theirs) const override;
 
-  Parameter wte;  // [V,C]
-  Parameter wpe;  // [max_seq_len, C] (learned positions only)
+  Parameter wte;  // [V,C] where the first or the last stage is held, else undefined
+  Parameter wpe;  // [max_seq_len, C] on the first stage (learned positions only)
 
  private:
-  // hidden [B*T, C] after the final norm; keeps contexts when `contexts` is given.
-  Tensor forward_hidden(const Tensor& ids, DType dtype,
-                        std::vector<TransformerLayer::Context>* contexts,
-                        Norm::Context* final_context);
-  float output_layer(const Tensor& hidden, const Tensor& targets, DType dtype, float grad_scale,
-                     Tensor* dhidden);
+  bool is_first(int chunk) const { return stage_of_chunk(chunk) == 0; }
+  bool is_last(int chunk) const { return stage_of_chunk(chunk) == layout_.stages - 1; }
+  void check_whole(const char* what) const;
+  // forward (ctx given: kept for backward, the loss's gradient computed) or evaluate.
+  Tensor run_forward(int chunk, const Tensor& input, const Tensor& ids, const Tensor& targets,
+                     DType dtype, float grad_scale, Context* ctx, float* loss);
   const Tensor& wte_as(DType dtype);
-  // Token + learned position embeddings of ids [B,T] at positions offset + t: [B*T, C] F32.
-  Tensor embed(const Tensor& ids, int64_t position_offset);
   // Final norm then the tied output layer: hidden [B,C] -> logits [B,V] F32.
   Tensor logits_of_last(const Tensor& hidden);
   void grads_ready(std::vector<Parameter*> parameters) const {
@@ -124,8 +184,10 @@ class GPT : public Module {
   EmbeddingGradHook embedding_grad_hook_;
 
   GPTConfig config_;
-  std::vector<TransformerLayer> layers_;
-  Norm final_norm_;
+  GPTLayout layout_;
+  bool has_first_ = false, has_last_ = false;
+  std::vector<std::vector<TransformerLayer>> layers_;  // [chunk][layer of that stage]
+  std::optional<Norm> final_norm_;                     // last stage only
   TiedOutputCache output_cache_;
 };
 
@@ -135,76 +197,13 @@ pipeline::MicroBatch gpt_micro_batch(const Tensor& ids, const Tensor& targets);
 std::vector<pipeline::MicroBatch> gpt_micro_batches(const std::vector<Tensor>& ids,
                                                     const std::vector<Tensor>& targets);
 
-// A pipeline-parallel part of a GPT: the model chunks one rank holds. Chunk c holds pipeline
-// stage stage_of_chunk[c] of `stages`: layers [s*L/stages, (s+1)*L/stages), plus the
-// embeddings (wte, wpe) when s is the first stage and the final norm + tied output layer (wte
-// again) + loss when s is the last. Every parameter is named and initialized exactly as in
-// GPT(config, seed), so a stage's parameters equal the single-process model's. A rank that
-// holds the first stage and another that holds the last each keep a copy of wte; their
-// gradients are summed between them after backward (the pipeline executor does it).
-class GPTStage : public pipeline::StagedModel {
- public:
-  GPTStage(const GPTConfig& config, uint64_t seed, int stages, std::vector<int> stage_of_chunk,
-           bool recompute_activations = false);
-
-  // What backward needs of one (micro-batch, chunk) forward.
-  struct Context : StagedModel::Context {
-    std::vector<TransformerLayer::Context> layers;
-    Norm::Context final_norm;
-    Tensor ids;      // [B,T] I32: the micro-batch's shape; the embedding backward's rows
-    Tensor doutput;  // last stage: gradient at the final norm's output [B*T,C], from the loss
-  };
-  std::unique_ptr<StagedModel::Context> make_context() const override;
-
-  // Micro-batches of gpt_micro_batch(); activations are [B,T,C] in the compute dtype.
-  Tensor forward(int chunk, const Tensor& input, const pipeline::MicroBatch& batch, DType dtype,
-                 float grad_scale, StagedModel::Context& ctx) override;
-  Tensor backward(int chunk, const Tensor& doutput, StagedModel::Context& ctx) override;
-  Tensor evaluate(int chunk, const Tensor& input, const pipeline::MicroBatch& batch, DType dtype,
-                  float* loss) override;
-
-  int chunks() const override { return static_cast<int>(stage_of_chunk_.size()); }
-  int stages() const override { return stages_; }
-  int stage_of_chunk(int chunk) const override {
-    return stage_of_chunk_.at(static_cast<size_t>(chunk));
-  }
-  Shape activation_shape(const pipeline::MicroBatch& batch) const override;
-  // wte, held by the first stage (the token embedding) and the last (the output layer).
-  std::vector<pipeline::TiedParameters> tied_parameters() override;
-  bool holds_first_stage() const { return has_first_; }
-  bool holds_last_stage() const { return has_last_; }
-  std::vector<TransformerLayer>& layers(int chunk) {
-    return layers_.at(static_cast<size_t>(chunk));
-  }
-  std::vector<Parameter*> chunk_parameters(int chunk) override;
-  const GPTConfig& config() const { return config_; }
-  // This rank's parameters under GPT's names (a subset of GPT::state_dict()).
-  TensorMap state_dict();
-  // Loads this rank's parameters from a whole-model (or this stage's) state dict; tensors of
-  // other stages are ignored. Missing or mismatched tensors are errors.
-  void load_state_dict(const TensorMap& tensors);
-
-  void collect_parameters(std::vector<Parameter*>& out) override;
-  void on_parameters_updated() override;
-
-  Parameter wte;  // [V,C] where the first or the last stage is held, else undefined
-  Parameter wpe;  // [max_seq_len, C] on the first stage (learned positions only)
-
- private:
-  bool is_first(int chunk) const { return stage_of_chunk(chunk) == 0; }
-  bool is_last(int chunk) const { return stage_of_chunk(chunk) == stages_ - 1; }
-  // forward (ctx given: kept for backward, the loss's gradient computed) or evaluate.
-  Tensor run_forward(int chunk, const Tensor& input, const Tensor& ids, const Tensor& targets,
-                     DType dtype, float grad_scale, Context* ctx, float* loss);
-
-  GPTConfig config_;
-  int stages_ = 1;
-  std::vector<int> stage_of_chunk_;
-  bool has_first_ = false, has_last_ = false;
-  std::vector<std::vector<TransformerLayer>> layers_;  // [chunk][layer of that stage]
-  std::optional<Norm> final_norm_;                     // last stage only
-  TiedOutputCache output_cache_;
-};
+// Each of a part's FP8 states' index in the whole model's list, for models whose layers all
+// hold the same number of states: the identity for the whole model (`states` states), and
+// for a pipeline part its layers' places in the model of num_layers layers cut into
+// part.stages() equal stages (`states` = the part's list size, its chunks in stage order).
+std::vector<int64_t> fp8_state_indices(size_t states);
+std::vector<int64_t> fp8_state_indices(const pipeline::StagedModel& part, size_t states,
+                                       int64_t num_layers);
 
 // Checkpoint names: a state_dict() renamed to Hugging Face GPT-2's names where the layer
 // matches (transformer.h.{i}.ln_1 / attn.c_attn / attn.c_proj / ln_2 / mlp.c_fc / mlp.c_proj,

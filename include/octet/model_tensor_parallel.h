@@ -3,9 +3,9 @@
 // TensorParallelLayerNormMLP layers, and a vocabulary-parallel cross-entropy that never
 // gathers the logits. Optional sequence parallelism keeps the residual stream, the norms and
 // the position embedding on token shards [B*T/TP, C]. With pipeline parallelism as well
-// (TP x PP) it holds only its pipeline rank's stages, cut as GPTStage cuts them, and the
-// pipeline executor runs it chunk by chunk; the activations crossing a stage boundary are
-// [B*T, C] (each tensor rank sends its copy to the same tensor rank of the next stage) or,
+// (TP x PP) it holds only its pipeline rank's stages, cut as GPT(config, seed, GPTLayout) cuts
+// them, and the pipeline executor runs it chunk by chunk; the activations crossing a stage boundary
+// are [B*T, C] (each tensor rank sends its copy to the same tensor rank of the next stage) or,
 // under sequence parallelism, this rank's token shard [B*T/TP, C].
 //
 // The vocabulary V is split in contiguous row ranges of ceil(V/TP) rows (the last range is
@@ -62,7 +62,7 @@ struct ShardSpec {
   bool vocabulary = false;  // Rows by vocab_range (uneven) instead of blocks
 };
 
-class TensorParallelGPT : public pipeline::StagedModel {
+class TensorParallelGPT : public TrainableModel {
  public:
   // Needs no dropout, learned positions (no RoPE), heads divisible by TP, num_layers divisible
   // by `stages`; with sequence_parallel, B*T divisible by TP at run time. Clear errors
@@ -80,6 +80,9 @@ class TensorParallelGPT : public pipeline::StagedModel {
   // Returns the micro-batch's mean loss (equal on every rank).
   float train_step(const Tensor& ids, const Tensor& targets, DType dtype, float grad_scale);
   float evaluate(const Tensor& ids, const Tensor& targets, DType dtype);
+  // The same on micro-batches of gpt_micro_batch() (the training interface).
+  float train_step(const pipeline::MicroBatch& batch, DType dtype, float grad_scale) override;
+  float evaluate(const pipeline::MicroBatch& batch, DType dtype) override;
 
   // One TransformerLayer's contexts; under recomputation only its input until backward.
   struct LayerContext {
@@ -129,19 +132,20 @@ class TensorParallelGPT : public pipeline::StagedModel {
   // the embeddings (wpe, this rank's wte rows). Data parallelism starts reducing them while
   // backward continues (sequence-parallel ones are still partial: sum them over the tensor
   // ranks first). Not called through the pipeline interface (the executor reports chunks).
-  void set_grad_ready_hook(GPT::GradReadyHook hook) { grad_ready_hook_ = std::move(hook); }
+  void set_grad_ready_hook(GradReadyHook hook) override { grad_ready_hook_ = std::move(hook); }
   // --tp-comm-overlap: every column GEMM's sequence-parallel all-gather overlapped with the
-  // GEMM of the local rows (ColumnParallelLinear::set_overlap_gather).
+  // GEMM of the local rows (Linear::set_overlap_gather).
   void set_tp_comm_overlap(bool on);
   // Every parameter, in the order the hook reports them.
-  std::vector<Parameter*> parameters_in_backward_order();
+  std::vector<Parameter*> parameters_in_backward_order() override;
   // Replicated parameters applied to token shards: partial gradients under SP (else empty).
-  std::vector<Parameter*> sequence_parallel_parameters();
+  std::vector<Parameter*> sequence_parallel_parameters() override;
   // Every FP8 state (per layer: QKV, projection, FC1, FC2), in fp8_states(GPT&)'s order, so
   // the checkpoint entries fp8.{i}. name the same GEMMs in every layout. Delayed scaling needs
   // their amaxes reduced (max) over tensor x data ranks after each micro-batch: a shard's amax
   // is a part of the whole tensor's (reduce_fp8_amax).
-  std::vector<Fp8State*> fp8_states();
+  std::vector<Fp8State*> fp8_states() override;
+  std::vector<int64_t> fp8_state_indices() override;
   // sqrt of the sum of squared gradients over `counted` (this rank's share of the model:
   // parameters(), or a pipeline executor's owned_parameters()): sharded parameters counted on
   // every tensor rank, replicated ones on tensor rank 0, summed over `model_group` (tensor x
@@ -149,17 +153,20 @@ class TensorParallelGPT : public pipeline::StagedModel {
   double grad_norm(Communicator& model_group, const std::vector<Parameter*>& counted);
   // The parameters of `candidates` this rank counts in such a norm: sharded ones, and the
   // replicated ones on tensor rank 0 only (the distributed optimizer's GradNormScope).
-  std::vector<Parameter*> counted_in_norm(const std::vector<Parameter*>& candidates) const;
+  std::vector<Parameter*> counted_in_norm(const std::vector<Parameter*>& candidates) const override;
 
   // GPT's whole-model tensors of the stages held (collective over the tensor group).
-  TensorMap state_dict();
+  TensorMap state_dict() override;
   // This rank's slices of a whole-model map (GPT names); missing / mismatched are errors,
   // and so are extra tensors when the whole model is held (other stages' are ignored).
-  void load_state_dict(const TensorMap& tensors);
+  void load_state_dict(const TensorMap& tensors) override;
+  // Checkpoints hold Hugging Face GPT-2 names (to_hf_gpt2_names).
+  TensorMap to_checkpoint_names(const TensorMap& ours) const override;
+  TensorMap from_checkpoint_names(const TensorMap& theirs) const override;
   // The whole tensor of parameter p from every rank's `local` (shaped like p.value; e.g. its
   // optimizer state): collective. And this rank's slice of a whole tensor.
-  Tensor gather(const Parameter& p, const Tensor& local);
-  Tensor shard(const Parameter& p, const Tensor& full) const;
+  Tensor gather(const Parameter& p, const Tensor& local) override;
+  Tensor shard(const Parameter& p, const Tensor& full) const override;
   const ShardSpec& spec(const Parameter& p) const;
 
   const GPTConfig& config() const { return config_; }
@@ -213,7 +220,7 @@ class TensorParallelGPT : public pipeline::StagedModel {
   std::optional<Norm> final_norm_;  // last stage only
   TiedOutputCache output_cache_;
   std::map<std::string, ShardSpec> specs_;
-  GPT::GradReadyHook grad_ready_hook_;
+  GradReadyHook grad_ready_hook_;
   bool reporting_grads_ = false;  // inside train_step: backward calls grad_ready_hook_
 };
 

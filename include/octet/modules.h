@@ -14,6 +14,7 @@
 #include <utility>
 #include <vector>
 
+#include "octet/comm.h"
 #include "octet/gemm.h"
 #include "octet/module.h"
 #include "octet/ops/activation.h"
@@ -140,14 +141,38 @@ struct LinearOptions {
   bool bias = true;
   bool return_bias = false;  // forward leaves the bias out for the caller to fuse
   DType params_dtype = DType::F32;
+  // Tensor parallelism (TransformerEngine's parallel_mode / sequence_parallel), in effect when
+  // the Linear is given a tensor-parallel group (a group of one computes the same). Column:
+  // W's rows (outputs) split; row: W's columns (inputs) split, b added once after the
+  // reduction. sequence_parallel: the input (column) or output (row) is this rank's token
+  // rows [N/TP, ...] (all-gathered before, reduce-scattered after).
   ParallelMode parallel_mode = ParallelMode::None;
   bool sequence_parallel = false;
+  // Column: the output [N, out] is made of these column blocks (widths summing to out, each
+  // divisible by TP; empty = one block). Rank r holds the r-th slice of every block, so a
+  // fused [q | k | v] projection splits by heads: e.g. {H*D, Hkv*D, Hkv*D}.
+  std::vector<int64_t> output_blocks;
+  // Column: all-gather the output's columns so every rank gets [N, out] (not with SP).
+  bool gather_output = false;
+  // Row: the input arrives split by columns [N, in/TP] (the column layer's output); false
+  // means it is whole [N, in] and each rank takes its columns.
+  bool input_is_parallel = true;
   float init_std = 0.02f;
   uint64_t seed = 0;
   std::string name = "linear";
 };
 
-// y = x W^T + b, W [out, in].
+// y = x W^T + b, W [out, in]. Given a tensor-parallel group and parallel_mode column or row
+// (Megatron's ColumnParallelLinear / RowParallelLinear, TransformerEngine's
+// Linear(parallel_mode=..., tp_group=...)), it holds this rank's shard of the layer made with
+// the same options and seed - so a TP run computes what a TP = 1 run does - and its forward
+// and backward run the paired region mappings around the shard's GEMMs:
+//   column: x [N, in] (or its token shard [N/TP, in] under SP) -> y [N, out/TP] ([N, out]
+//           with gather_output); weight [out/TP, in], bias [out/TP].
+//   row:    x [N, in/TP] (input_is_parallel) -> y [N, out] summed over the group (or this
+//           rank's token shard [N/TP, out] under SP); weight [out, in/TP], bias [out]
+//           replicated (a partial gradient under SP: sequence_parallel_parameters()).
+// options() are this rank's shard's sizes; whole_options() the layer's.
 class Linear : public Module {
  public:
   struct Context {
@@ -167,8 +192,10 @@ class Linear : public Module {
     int64_t rows = 0;
   };
 
-  explicit Linear(const LinearOptions& options);
-  // x [N, in] -> y [N, out] in x's dtype. `saved` matters under fp8_autocast only.
+  // tp: the tensor-parallel group for parallel_mode column / row (null: no parallelism).
+  explicit Linear(const LinearOptions& options, Communicator* tp = nullptr);
+  // x [N, in] -> y [N, out] in x's dtype (shapes of this rank's part under TP, above).
+  // `saved` matters under fp8_autocast only (and not under TP: the shard keeps its FP8 input).
   Tensor forward(const Tensor& x, Context& ctx, SavedInput saved = SavedInput::Fp8);
   // forward(x) of an input still arriving (a sequence-parallel all-gather): rows [first,
   // first + part.rows()) of x are `part`, at hand now, and their GEMM runs first; then
@@ -177,7 +204,8 @@ class Linear : public Module {
   // scaling quantizes x whole): the caller gathers first there.
   Tensor forward_arriving(const Tensor& part, int64_t first, int64_t rows,
                           const std::function<Tensor()>& arrive, Context& ctx);
-  // dy [N, out] -> dx [N, in]; accumulates weight.grad and bias.grad.
+  // dy [N, out] -> dx [N, in] (shaped like forward's y and x); accumulates weight.grad and
+  // bias.grad.
   Tensor backward(const Tensor& dy, Context& ctx);
   // FP8 contexts: backward from dy [N, out] already quantized by grad_output_quantizer(0)
   // (the caller ran begin_backward). Without bias, or with return_bias (the caller owns the
@@ -200,17 +228,35 @@ class Linear : public Module {
   void collect_parameters(std::vector<Parameter*>& out) override;
   void on_parameters_updated() override;
   const LinearOptions& options() const { return options_; }
+  const LinearOptions& whole_options() const { return whole_; }
   Fp8State& fp8_state() { return fp8_; }
+  // Tensor parallelism. The replicated parameters whose gradients are partial under sequence
+  // parallelism (a row layer's bias), else empty.
+  std::vector<Parameter*> sequence_parallel_parameters();
+  // Sets this rank's shard from the whole layer's weight [out, in] and bias [out] (or null).
+  void load_full(const Tensor& weight, const Tensor* bias);
+  // Column layers under sequence parallelism (not FP8): the GEMM of this rank's own token
+  // rows runs while the all-gather brings the other ranks' (forward_arriving); off: gather,
+  // then GEMM.
+  void set_overlap_gather(bool on) { overlap_gather_ = on; }
 
   Parameter weight;
   Parameter bias;  // undefined value without bias
 
  private:
+  // The shard's own forward and backward (the whole layer without TP).
+  Tensor local_forward(const Tensor& x, Context& ctx, SavedInput saved);
+  Tensor local_backward(const Tensor& dy, Context& ctx);
+  Tensor parallel_forward(const Tensor& x, Context& ctx);
+  Tensor parallel_backward(const Tensor& dy, Context& ctx);
   Epilogue forward_epilogue() const;
   void fp8_gradients(const Float8Tensor& dyq, const Context& ctx, Tensor& dx);
   PackedWeight& packed_weight(DType dtype);
   const Tensor& weight_as(DType dtype);
-  LinearOptions options_;
+  LinearOptions whole_;    // the layer as given
+  LinearOptions options_;  // this rank's shard (the whole layer without TP)
+  Communicator* tp_ = nullptr;
+  bool overlap_gather_ = false;
   Fp8State fp8_;
   Tensor weight_bf16_;
   std::optional<PackedWeight> packed_;

@@ -13,6 +13,7 @@
 #include "octet/ops/optimizer.h"
 #include "octet/pipeline_stage.h"
 #include "octet/safetensors.h"
+#include "octet/trainable_model.h"
 
 namespace octet {
 
@@ -52,6 +53,13 @@ struct Checkpoint {
   nlohmann::json trainer;  // config, step, rng state, data position ...
 };
 void save_checkpoint(const std::string& dir, const Checkpoint& checkpoint);
+// Optimizer state (NAME.exp_avg and NAME.exp_avg_sq per parameter) between whole-model
+// tensors and a model part's slices of them (TrainableModel::shard / gather; identities where
+// nothing is split). Sharding replaces the entries of the part's parameters, keeps the others
+// (FP8 state, other stages' tensors) and names `source` in the error for a missing one.
+// Gathering returns the part's parameters' whole tensors (collective over the tensor group).
+TensorMap shard_optimizer_state(TrainableModel& model, TensorMap whole, const std::string& source);
+TensorMap gather_optimizer_state(TrainableModel& model, const TensorMap& local);
 // Sharded by pipeline stage (collective over the world): the first tensor- and data-parallel
 // rank of each stage writes model-pp{S}.safetensors and optimizer-pp{S}.safetensors with its
 // part (GPT names), rank 0 writes trainer.json listing the shards and the layout, then swaps
@@ -87,23 +95,11 @@ void write_loss_svg(const std::string& path, const std::string& title,
 
 namespace octet {
 
-struct GPTConfig;
-class GPT;
-
 // FP8 health (`octet train --fp8-stats`), from the stats each module's Fp8State keeps under
 // fp8_stats_scope.
-// Every FP8 state of the model: each Linear inside its layers (a stage: its layers, in layer
-// order; TensorParallelGPT::fp8_states() lists a tensor-parallel model's the same way).
-class GPTStage;
-std::vector<Fp8State*> fp8_states(GPT& model);
-std::vector<Fp8State*> fp8_states(GPTStage& stage);
-// Each listed state's index in the whole GPT's fp8_states(): the identity for the whole model,
-// and for a pipeline part (a GPTStage or a TensorParallelGPT holding stages) its layers'
-// places in the model of num_layers layers (`states` = the part's list size; every layer
-// holds the same number of states). Checkpoints name the states by these indices.
-std::vector<int64_t> fp8_state_indices(size_t states);
-std::vector<int64_t> fp8_state_indices(const pipeline::StagedModel& part, size_t states,
-                                       int64_t num_layers);
+// Every FP8 state of the model: each Linear inside its layers (GPT::fp8_states(); a pipeline
+// part lists its layers in layer order, TensorParallelGPT::fp8_states() the same way).
+std::vector<Fp8State*> fp8_states(TrainableModel& model);
 // Delayed scaling across ranks: the amaxes recorded since the last scale update (history
 // row 0 of every meta) become their maximum over `group` (tensor x data parallel), so every
 // rank derives the same scales. Collective; call after each micro-batch's backward (under
@@ -111,11 +107,11 @@ std::vector<int64_t> fp8_state_indices(const pipeline::StagedModel& part, size_t
 // runs the same stage's schedule).
 class Communicator;
 void reduce_fp8_amax(const std::vector<Fp8State*>& states, Communicator& group);
-void reduce_fp8_amax(GPT& model, Communicator& group);
+void reduce_fp8_amax(TrainableModel& model, Communicator& group);
 // {tensor name: {amax, scale, underflow, saturated}} (fractions in [0, 1]) of every tensor
 // measured since the last call (keys sorted by name); clears the stats.
 nlohmann::json take_fp8_stats(const std::vector<Fp8State*>& states);
-nlohmann::json take_fp8_stats(GPT& model);
+nlohmann::json take_fp8_stats(TrainableModel& model);
 // Every rank's take_fp8_stats() object merged into one, on every rank (a pipeline group's
 // stages hold different tensors): collective over `group`.
 nlohmann::json gather_fp8_stats(const nlohmann::json& mine, Communicator& group);

@@ -1,41 +1,101 @@
-// GPT forward, fused output layer + cross-entropy (chunked over tokens, logits never held for
-// the whole batch), backward, and state dicts.
+// GPT, whole or as the pipeline stages a rank holds: construction, the one forward (embeddings
+// on the first stage; layers; final norm, fused chunked output layer + cross-entropy on the
+// last) and its backward, parameters and state dicts. Inference is in gpt_inference.cpp.
 #include <algorithm>
-#include <cmath>
-#include <cstring>
-#include <random>
 
-#include "core/convert.h"
 #include "models/gpt_parts.h"
 #include "octet/model.h"
 #include "octet/ops/embedding.h"
-#include "octet/ops/loss.h"
 
 namespace octet {
 
+pipeline::MicroBatch gpt_micro_batch(const Tensor& ids, const Tensor& targets) {
+  return {{"ids", ids}, {"targets", targets}};
+}
+
+std::vector<pipeline::MicroBatch> gpt_micro_batches(const std::vector<Tensor>& ids,
+                                                    const std::vector<Tensor>& targets) {
+  OCTET_CHECK(ids.size() == targets.size(), "gpt_micro_batches: ", ids.size(), " ids and ",
+              targets.size(), " targets");
+  std::vector<pipeline::MicroBatch> batches;
+  for (size_t m = 0; m < ids.size(); ++m) batches.push_back(gpt_micro_batch(ids[m], targets[m]));
+  return batches;
+}
+
 GPT::GPT(const GPTConfig& config, uint64_t seed, bool recompute_activations)
-    : wte(gpt_parts::token_embedding(config, seed)),
-      wpe(gpt_parts::position_embedding(config, seed)),
-      config_(config),
-      final_norm_(gpt_parts::final_norm_options(config)) {
-  layers_.reserve(static_cast<size_t>(config.num_layers));
-  for (int64_t i = 0; i < config.num_layers; ++i) {
-    layers_.emplace_back(gpt_parts::layer_options(config, i, seed, recompute_activations));
+    : GPT(config, seed, GPTLayout{}, recompute_activations) {}
+
+GPT::GPT(const GPTConfig& config, uint64_t seed, GPTLayout layout, bool recompute_activations)
+    : config_(config), layout_(std::move(layout)) {
+  const int stages = layout_.stages;
+  OCTET_CHECK(stages >= 1 && config.num_layers % stages == 0, "gpt: num_layers (",
+              config.num_layers, ") expected a multiple of the pipeline stages (", stages,
+              ": ranks x chunks per rank)");
+  OCTET_CHECK(!layout_.stage_of_chunk.empty(), "gpt: a rank must hold at least one chunk");
+  const int64_t per_stage = config.num_layers / stages;
+  for (int stage : layout_.stage_of_chunk) {
+    OCTET_CHECK(stage >= 0 && stage < stages, "gpt: stage ", stage, " outside 0..", stages - 1);
+    has_first_ = has_first_ || stage == 0;
+    has_last_ = has_last_ || stage == stages - 1;
+    std::vector<TransformerLayer> layers;
+    layers.reserve(static_cast<size_t>(per_stage));
+    for (int64_t i = stage * per_stage; i < (stage + 1) * per_stage; ++i) {
+      layers.emplace_back(gpt_parts::layer_options(config, i, seed, recompute_activations));
+    }
+    layers_.push_back(std::move(layers));
   }
+  if (has_first_ || has_last_) wte = gpt_parts::token_embedding(config, seed);
+  if (has_first_) wpe = gpt_parts::position_embedding(config, seed);
+  if (has_last_) final_norm_.emplace(gpt_parts::final_norm_options(config));
+}
+
+void GPT::check_whole(const char* what) const {
+  OCTET_CHECK(layout_.stages == 1, "gpt: ", what, " needs the whole model; this rank holds ",
+              chunks(), " of ", layout_.stages,
+              " pipeline stages (run them through the pipeline executor)");
+}
+
+std::vector<TransformerLayer>& GPT::layers() {
+  check_whole("layers()");
+  return layers_.front();
+}
+
+std::vector<Parameter*> GPT::chunk_parameters(int chunk) {
+  std::vector<Parameter*> out;
+  if (is_first(chunk)) {
+    out.push_back(&wte);
+    if (wpe.value.defined()) out.push_back(&wpe);
+  }
+  for (TransformerLayer& layer : layers(chunk)) layer.collect_parameters(out);
+  if (is_last(chunk)) {
+    if (!is_first(chunk)) out.push_back(&wte);
+    final_norm_->collect_parameters(out);
+  }
+  return out;
 }
 
 void GPT::collect_parameters(std::vector<Parameter*>& out) {
-  out.push_back(&wte);
+  // The whole model's order (wte, wpe, layers by index, final norm), wte once.
+  if (wte.value.defined()) out.push_back(&wte);
   if (wpe.value.defined()) out.push_back(&wpe);
-  for (TransformerLayer& layer : layers_) layer.collect_parameters(out);
-  final_norm_.collect_parameters(out);
+  for (int chunk : chunks_in_stage_order()) {
+    for (TransformerLayer& layer : layers(chunk)) layer.collect_parameters(out);
+  }
+  if (final_norm_) final_norm_->collect_parameters(out);
 }
 
 std::vector<Parameter*> GPT::parameters_in_backward_order() {
-  std::vector<Parameter*> out = {&wte};
-  for (Parameter* p : final_norm_.parameters()) out.push_back(p);
-  for (size_t i = layers_.size(); i-- > 0;) {
-    for (Parameter* p : layers_[i].parameters()) out.push_back(p);
+  std::vector<Parameter*> out;
+  if (wte.value.defined()) out.push_back(&wte);
+  if (final_norm_) {
+    for (Parameter* p : final_norm_->parameters()) out.push_back(p);
+  }
+  std::vector<int> chunks = chunks_in_stage_order();
+  for (auto chunk = chunks.rbegin(); chunk != chunks.rend(); ++chunk) {
+    std::vector<TransformerLayer>& stack = layers(*chunk);
+    for (size_t i = stack.size(); i-- > 0;) {
+      for (Parameter* p : stack[i].parameters()) out.push_back(p);
+    }
   }
   if (wpe.value.defined()) out.push_back(&wpe);
   return out;
@@ -43,141 +103,181 @@ std::vector<Parameter*> GPT::parameters_in_backward_order() {
 
 void GPT::on_parameters_updated() {
   output_cache_.invalidate();
-  for (TransformerLayer& layer : layers_) layer.on_parameters_updated();
+  for (std::vector<TransformerLayer>& chunk : layers_) {
+    for (TransformerLayer& layer : chunk) layer.on_parameters_updated();
+  }
+}
+
+std::vector<Fp8State*> GPT::fp8_states() {
+  std::vector<Fp8State*> out;
+  for (int chunk : chunks_in_stage_order()) {
+    for (TransformerLayer& layer : layers(chunk)) {
+      for (Fp8State* s : layer.fp8_states()) out.push_back(s);
+    }
+  }
+  return out;
+}
+
+std::vector<int64_t> GPT::fp8_state_indices() {
+  const size_t states = fp8_states().size();
+  return layout_.stages == 1 ? octet::fp8_state_indices(states)
+                             : octet::fp8_state_indices(*this, states, config_.num_layers);
+}
+
+TensorMap GPT::to_checkpoint_names(const TensorMap& ours) const {
+  return to_hf_gpt2_names(ours);
+}
+
+TensorMap GPT::from_checkpoint_names(const TensorMap& theirs) const {
+  return from_hf_gpt2_names(theirs);
 }
 
 const Tensor& GPT::wte_as(DType dtype) {
   return gpt_parts::tied_weight_as(wte, dtype, output_cache_);
 }
 
-Tensor GPT::forward_hidden(const Tensor& ids, DType dtype,
-                           std::vector<TransformerLayer::Context>* contexts,
-                           Norm::Context* final_context) {
-  check_dtype(ids, DType::I32, "gpt: ids");
-  OCTET_CHECK(ids.ndim() == 2, "gpt: ids expected [B,T], got ", shape_str(ids.shape()));
-  OCTET_CHECK(dtype == DType::F32 || dtype == DType::BF16,
-              "gpt: compute dtype expected f32 or "
-              "bf16, got ",
-              dtype_name(dtype));
-  const int64_t B = ids.dim(0), T = ids.dim(1), C = config_.hidden;
-  OCTET_CHECK(T <= config_.max_seq_len, "gpt: sequence length ", T, " exceeds max_seq_len ",
-              config_.max_seq_len);
-  Tensor x = embed(ids, 0);
-  Tensor h = (dtype == DType::F32 ? x : x.to(dtype)).reshape({B, T, C});
-  if (contexts) contexts->assign(layers_.size(), TransformerLayer::Context{});
-  for (size_t i = 0; i < layers_.size(); ++i) {
-    if (contexts) {
-      h = layers_[i].forward(h, (*contexts)[i]);
-    } else {
-      TransformerLayer::Context scratch;
-      h = layers_[i].forward(h, scratch);
-    }
-  }
-  Norm::Context scratch;
-  return final_norm_.forward(h, final_context ? *final_context : scratch).reshape({B * T, C});
+std::unique_ptr<pipeline::StagedModel::Context> GPT::make_context() const {
+  return std::make_unique<Context>();
 }
 
-Tensor GPT::embed(const Tensor& ids, int64_t position_offset) {
-  return gpt_parts::embed(ids, wte, wpe, position_offset);
+namespace {
+
+GPT::Context& own_context(pipeline::StagedModel::Context& base) {
+  auto* ctx = dynamic_cast<GPT::Context*>(&base);
+  OCTET_CHECK(ctx, "gpt: expected a context from GPT::make_context()");
+  return *ctx;
 }
 
-float GPT::output_layer(const Tensor& hidden, const Tensor& targets, DType dtype, float grad_scale,
-                        Tensor* dhidden) {
-  return gpt_parts::tied_output_loss(hidden, targets, wte, dtype, grad_scale, dhidden,
-                                     output_cache_);
+}  // namespace
+
+Tensor GPT::forward(int chunk, const Tensor& input, const pipeline::MicroBatch& batch, DType dtype,
+                    float grad_scale, StagedModel::Context& base) {
+  Context& ctx = own_context(base);
+  return run_forward(chunk, input, pipeline::batch_tensor(batch, "ids", "gpt"),
+                     pipeline::batch_tensor(batch, "targets", "gpt"), dtype, grad_scale, &ctx,
+                     &ctx.loss);
+}
+
+Tensor GPT::evaluate(int chunk, const Tensor& input, const pipeline::MicroBatch& batch, DType dtype,
+                     float* loss) {
+  return run_forward(chunk, input, pipeline::batch_tensor(batch, "ids", "gpt"),
+                     pipeline::batch_tensor(batch, "targets", "gpt"), dtype, 1.0f, nullptr, loss);
+}
+
+Shape GPT::activation_shape(const pipeline::MicroBatch& batch) const {
+  const Tensor& ids = pipeline::batch_tensor(batch, "ids", "gpt");
+  return {ids.dim(0), ids.dim(1), config_.hidden};
+}
+
+std::vector<pipeline::TiedParameters> GPT::tied_parameters() {
+  pipeline::TiedParameters embedding;
+  embedding.stages = {0};
+  if (layout_.stages > 1) embedding.stages.push_back(layout_.stages - 1);
+  if (wte.value.defined()) embedding.parameters = {&wte};
+  return {embedding};
 }
 
 float GPT::train_step(const Tensor& ids, const Tensor& targets, DType dtype, float grad_scale) {
-  check_shape(targets, ids.shape(), "gpt: targets", "B,T");
+  check_whole("train_step");
+  Context ctx;
+  run_forward(0, Tensor(), ids, targets, dtype, grad_scale, &ctx, &ctx.loss);
+  const float loss = ctx.loss;
+  backward(0, Tensor(), ctx);
+  return loss;
+}
+
+float GPT::train_step(const pipeline::MicroBatch& batch, DType dtype, float grad_scale) {
+  return train_step(pipeline::batch_tensor(batch, "ids", "gpt"),
+                    pipeline::batch_tensor(batch, "targets", "gpt"), dtype, grad_scale);
+}
+
+float GPT::evaluate(const pipeline::MicroBatch& batch, DType dtype) {
+  return evaluate(pipeline::batch_tensor(batch, "ids", "gpt"),
+                  pipeline::batch_tensor(batch, "targets", "gpt"), dtype);
+}
+
+float GPT::evaluate(const Tensor& ids, const Tensor& targets, DType dtype) {
+  check_whole("evaluate");
+  float loss = 0.0f;
+  run_forward(0, Tensor(), ids, targets, dtype, 1.0f, nullptr, &loss);
+  return loss;
+}
+
+Tensor GPT::run_forward(int chunk, const Tensor& input, const Tensor& ids, const Tensor& targets,
+                        DType dtype, float grad_scale, Context* ctx, float* loss) {
+  OCTET_CHECK(dtype == DType::F32 || dtype == DType::BF16,
+              "gpt: compute dtype expected f32 or bf16, got ", dtype_name(dtype));
+  check_dtype(ids, DType::I32, "gpt: ids");
+  OCTET_CHECK(ids.ndim() == 2, "gpt: ids expected [B,T], got ", shape_str(ids.shape()));
   const int64_t B = ids.dim(0), T = ids.dim(1), C = config_.hidden;
-  std::vector<TransformerLayer::Context> contexts;
-  Norm::Context final_context;
-  Tensor hidden = forward_hidden(ids, dtype, &contexts, &final_context);
-  Tensor dhidden;
-  float loss = output_layer(hidden, targets.reshape({B * T}), dtype, grad_scale, &dhidden);
-  hidden = Tensor();
-  if (embedding_grad_hook_) grads_ready({&wte});
-  Tensor dx = final_norm_.backward(dhidden, final_context).reshape({B, T, C});
-  grads_ready(final_norm_.parameters());
-  for (size_t i = layers_.size(); i-- > 0;) {
-    dx = layers_[i].backward(dx, contexts[i]);
-    contexts[i] = TransformerLayer::Context{};
-    grads_ready(layers_[i].parameters());
+  OCTET_CHECK(T <= config_.max_seq_len, "gpt: sequence length ", T, " exceeds max_seq_len ",
+              config_.max_seq_len);
+  if (is_last(chunk)) check_shape(targets, ids.shape(), "gpt: targets", "B,T");
+  if (ctx) ctx->ids = ids;
+  Tensor h;
+  if (is_first(chunk)) {
+    Tensor x = gpt_parts::embed(ids, wte, wpe, 0);
+    h = (dtype == DType::F32 ? x : x.to(dtype)).reshape({B, T, C});
+  } else {
+    check_shape(input, {B, T, C}, "gpt: input of chunk " + std::to_string(chunk), "B,T,C");
+    check_dtype(input, dtype, "gpt: input of chunk " + std::to_string(chunk));
+    h = input;
+  }
+  std::vector<TransformerLayer>& stack = layers(chunk);
+  if (ctx) ctx->layers.assign(stack.size(), TransformerLayer::Context{});
+  for (size_t i = 0; i < stack.size(); ++i) {
+    TransformerLayer::Context scratch;
+    h = stack[i].forward(h, ctx ? ctx->layers[i] : scratch);
+  }
+  if (!is_last(chunk)) return h;
+  Norm::Context norm_scratch;
+  Tensor hidden = final_norm_->forward(h, ctx ? ctx->final_norm : norm_scratch).reshape({B * T, C});
+  h = Tensor();
+  *loss = gpt_parts::tied_output_loss(hidden, targets.reshape({B * T}), wte, dtype, grad_scale,
+                                      ctx ? &ctx->doutput : nullptr, output_cache_);
+  return Tensor();
+}
+
+Tensor GPT::backward(int chunk, const Tensor& doutput, StagedModel::Context& base) {
+  Context& ctx = own_context(base);
+  const int64_t B = ctx.ids.dim(0), T = ctx.ids.dim(1), C = config_.hidden;
+  Tensor dx;
+  if (is_last(chunk)) {
+    OCTET_CHECK(ctx.doutput.defined(), "gpt: backward of the last stage before its forward");
+    // With the embedding hook, wte's rows go to the hook: its gradient is final already.
+    if (embedding_grad_hook_ && is_first(chunk)) grads_ready({&wte});
+    dx = final_norm_->backward(ctx.doutput, ctx.final_norm).reshape({B, T, C});
+    ctx.doutput = Tensor();
+    grads_ready(final_norm_->parameters());
+  } else {
+    dx = doutput;
+  }
+  std::vector<TransformerLayer>& stack = layers(chunk);
+  OCTET_CHECK(ctx.layers.size() == stack.size(), "gpt: backward of chunk ", chunk,
+              " before its forward");
+  for (size_t i = stack.size(); i-- > 0;) {
+    dx = stack[i].backward(dx, ctx.layers[i]);
+    ctx.layers[i] = TransformerLayer::Context{};
+    grads_ready(stack[i].parameters());
+  }
+  if (!is_first(chunk)) {
+    ctx = Context{};
+    return dx;
   }
   Tensor dx32 = (dx.dtype() == DType::F32 ? dx : dx.to(DType::F32)).reshape({B * T, C});
+  const Tensor ids = ctx.ids.reshape({B * T});
   if (embedding_grad_hook_) {
-    embedding_grad_hook_(wte, ids.reshape({B * T}), dx32);
+    embedding_grad_hook_(wte, ids, dx32);
   } else {
-    ops::embedding_backward(ids.reshape({B * T}), dx32, wte.grad);
+    ops::embedding_backward(ids, dx32, wte.grad);
   }
   if (wpe.value.defined()) gpt_parts::position_embedding_backward(dx32, B, T, wpe);
   std::vector<Parameter*> embeddings;
   if (!embedding_grad_hook_) embeddings.push_back(&wte);
   if (wpe.value.defined()) embeddings.push_back(&wpe);
   if (!embeddings.empty()) grads_ready(embeddings);
-  return loss;
-}
-
-float GPT::evaluate(const Tensor& ids, const Tensor& targets, DType dtype) {
-  check_shape(targets, ids.shape(), "gpt: targets", "B,T");
-  Tensor hidden = forward_hidden(ids, dtype, nullptr, nullptr);
-  return output_layer(hidden, targets.reshape({targets.numel()}), dtype, 1.0f, nullptr);
-}
-
-namespace {
-
-// Row (b + 1) * T - 1 of hidden [B*T, C] for each b: [B, C].
-Tensor last_rows(const Tensor& hidden, int64_t B, int64_t T) {
-  const int64_t C = hidden.dim(-1);
-  Tensor last = Tensor::empty({B, C}, hidden.dtype());
-  const size_t row_bytes = static_cast<size_t>(C) * dtype_bytes(hidden.dtype());
-  for (int64_t b = 0; b < B; ++b) {
-    std::memcpy(static_cast<char*>(last.raw()) + b * row_bytes,
-                static_cast<const char*>(hidden.raw()) + ((b + 1) * T - 1) * row_bytes, row_bytes);
-  }
-  return last;
-}
-
-}  // namespace
-
-Tensor GPT::last_logits(const Tensor& ids, DType dtype) {
-  const int64_t B = ids.dim(0), T = ids.dim(1);
-  Tensor hidden = forward_hidden(ids, dtype, nullptr, nullptr);
-  Tensor logits = Tensor::empty({B, config_.vocab_size}, DType::F32);
-  gemm(last_rows(hidden, B, T), wte_as(hidden.dtype()), logits, false, true);
-  return logits;
-}
-
-Tensor GPT::logits_of_last(const Tensor& hidden) {
-  Norm::Context scratch;
-  Tensor normalized = final_norm_.forward(hidden, scratch);
-  Tensor logits = Tensor::empty({hidden.dim(0), config_.vocab_size}, DType::F32);
-  gemm(normalized, wte_as(hidden.dtype()), logits, false, true);
-  return logits;
-}
-
-Tensor GPT::forward_inference(const Tensor& ids, InferenceParams& params, DType dtype) {
-  check_dtype(ids, DType::I32, "gpt: ids");
-  OCTET_CHECK(ids.ndim() == 2 && ids.dim(1) > 0, "gpt: ids expected [B,T] with T > 0, got ",
-              shape_str(ids.shape()));
-  OCTET_CHECK(dtype == DType::F32 || dtype == DType::BF16,
-              "gpt: compute dtype expected f32 or bf16, got ", dtype_name(dtype));
-  const int64_t B = ids.dim(0), T = ids.dim(1), C = config_.hidden;
-  const int64_t offset = params.sequence_len_offset;
-  OCTET_CHECK(offset + T <= config_.max_seq_len, "gpt: ", offset, " cached + ", T,
-              " new tokens exceed max_seq_len ", config_.max_seq_len);
-  Tensor x = embed(ids, offset);
-  Tensor h = (dtype == DType::F32 ? x : x.to(dtype)).reshape({B, T, C});
-  for (size_t i = 0; i < layers_.size(); ++i) {
-    h = layers_[i].forward_inference(h, params, static_cast<int64_t>(i));
-  }
-  params.sequence_len_offset = offset + T;
-  // The final norm is per row: only the last position of each sequence needs it.
-  return logits_of_last(last_rows(h.reshape({B * T, C}), B, T));
-}
-
-InferenceParams GPT::make_inference_params(int64_t max_batch_size) const {
-  return InferenceParams(max_batch_size, config_.max_seq_len);
+  ctx = Context{};
+  return Tensor();
 }
 
 TensorMap GPT::state_dict() {
@@ -196,8 +296,9 @@ void GPT::load_state_dict(const TensorMap& tensors) {
     check_dtype(it->second, DType::F32, "checkpoint: tensor '" + p->name + "'");
     p->value.copy_from(it->second);
   }
-  OCTET_CHECK(tensors.size() == params.size(), "checkpoint: holds ", tensors.size(),
-              " tensors, the model has ", params.size(), " parameters");
+  // Another stage's tensors are expected in a whole-model map; the whole model has no others.
+  OCTET_CHECK(layout_.stages > 1 || tensors.size() == params.size(), "checkpoint: holds ",
+              tensors.size(), " tensors, the model has ", params.size(), " parameters");
   on_parameters_updated();
 }
 

@@ -87,28 +87,13 @@ Tensor embed(const Tensor& ids, const Parameter& wte, const Parameter& wpe,
   const int64_t B = ids.dim(0), T = ids.dim(1), C = wte.value.dim(1);
   Tensor x = Tensor::empty({B * T, C}, DType::F32);
   ops::embedding_forward(ids.reshape({B * T}), wte.value, x);
-  if (wpe.value.defined()) {
-    float* xs = x.data<float>();
-    const float* pos = wpe.value.data<float>() + position_offset * C;
-#pragma omp parallel for schedule(static)
-    for (int64_t row = 0; row < B * T; ++row) {
-      const float* p = pos + (row % T) * C;
-      for (int64_t c = 0; c < C; ++c) xs[row * C + c] += p[c];
-    }
-  }
+  if (wpe.value.defined()) ops::position_embedding_forward(x, wpe.value, T, 0, position_offset);
   return x;
 }
 
 void position_embedding_backward(const Tensor& dx, int64_t B, int64_t T, Parameter& wpe) {
-  const int64_t C = wpe.value.dim(1);
-  const float* d = dx.data<float>();
-  float* g = wpe.grad.data<float>();
-#pragma omp parallel for schedule(static)
-  for (int64_t t = 0; t < T; ++t) {
-    for (int64_t b = 0; b < B; ++b) {
-      for (int64_t c = 0; c < C; ++c) g[t * C + c] += d[(b * T + t) * C + c];
-    }
-  }
+  check_shape(dx, {B * T, wpe.value.dim(1)}, "gpt: position embedding gradient", "B*T,C");
+  ops::position_embedding_backward(dx, T, wpe.grad);
 }
 
 const Tensor& tied_weight_as(Parameter& wte, DType dtype, TiedOutputCache& cache) {
@@ -175,4 +160,30 @@ float tied_output_loss(const Tensor& hidden, const Tensor& targets, Parameter& w
 }
 
 }  // namespace gpt_parts
+std::vector<int64_t> fp8_state_indices(size_t states) {
+  std::vector<int64_t> out(states);
+  for (size_t i = 0; i < states; ++i) out[i] = static_cast<int64_t>(i);
+  return out;
+}
+
+std::vector<int64_t> fp8_state_indices(const pipeline::StagedModel& part, size_t states,
+                                       int64_t num_layers) {
+  const int64_t per_stage = num_layers / part.stages();
+  const int64_t layers_held = per_stage * part.chunks();
+  OCTET_CHECK(layers_held > 0 && static_cast<int64_t>(states) % layers_held == 0,
+              "fp8 states: ", states, " states over ", layers_held,
+              " layers held: expected the same number per layer");
+  const int64_t per_layer = static_cast<int64_t>(states) / layers_held;
+  // The part lists its chunks in stage order, each chunk's layers in order.
+  const std::vector<int> chunks = part.chunks_in_stage_order();
+  std::vector<int64_t> out(states);
+  for (int64_t i = 0; i < static_cast<int64_t>(states); ++i) {
+    const int64_t local_layer = i / per_layer;
+    const int stage = part.stage_of_chunk(chunks[static_cast<size_t>(local_layer / per_stage)]);
+    const int64_t layer = stage * per_stage + local_layer % per_stage;
+    out[static_cast<size_t>(i)] = layer * per_layer + i % per_layer;
+  }
+  return out;
+}
+
 }  // namespace octet

@@ -1,4 +1,4 @@
-// The pieces GPT and GPTStage share, so a pipeline stage builds and runs its layers exactly as
+// The pieces GPT and TensorParallelGPT share, so every layout builds and runs its layers exactly as
 // the single-process GPT does (same seeds, same kernels, same output layer).
 #pragma once
 

@@ -8,6 +8,7 @@
 #include "models/gpt_parts.h"
 #include "octet/model_tensor_parallel.h"
 #include "octet/ops/dropout.h"
+#include "octet/ops/embedding.h"
 #include "octet/ops/loss.h"
 #include "octet/ops/optimizer.h"
 
@@ -170,8 +171,8 @@ std::vector<Fp8State*> TensorParallelGPT::fp8_states() {
   std::vector<Fp8State*> out;
   for (int chunk : chunks_in_stage_order()) {
     for (auto& layer : layers_[static_cast<size_t>(chunk)]) {
-      for (Linear* linear : {&layer->attention.qkv.linear, &layer->attention.proj.linear,
-                             &layer->mlp.fc1.linear, &layer->mlp.fc2.linear}) {
+      for (Linear* linear :
+           {&layer->attention.qkv, &layer->attention.proj, &layer->mlp.fc1, &layer->mlp.fc2}) {
         out.push_back(&linear->fp8_state());
       }
     }
@@ -236,40 +237,25 @@ void TensorParallelGPT::check_micro_batch(const Tensor& ids, DType dtype) const 
 }
 
 Tensor TensorParallelGPT::embed(const Tensor& ids) {
-  const int64_t T = ids.dim(1), N = ids.numel(), C = config_.hidden;
+  const int64_t T = ids.dim(1), N = ids.numel();
   const Tensor partial = vocab_parallel_embedding_forward(ids.reshape({N}), wte.value, vocab_);
   Tensor x = sequence_parallel_ ? reduce_scatter_to_sequence_parallel_region(partial, *tp_)
                                 : reduce_from_tensor_parallel_region(partial, *tp_);
   if (wpe.value.defined()) {
-    // x's rows are tokens first_row.. of the whole [B*T]: position (row % T).
+    // x's rows are tokens first_row.. of the whole [B*T].
     const int64_t first_row = sequence_parallel_ ? tp_->rank() * x.rows() : 0;
-    float* xs = x.data<float>();
-    const float* pos = wpe.value.data<float>();
-#pragma omp parallel for schedule(static)
-    for (int64_t row = 0; row < x.rows(); ++row) {
-      const float* p = pos + ((first_row + row) % T) * C;
-      for (int64_t c = 0; c < C; ++c) xs[row * C + c] += p[c];
-    }
+    ops::position_embedding_forward(x, wpe.value, T, first_row);
   }
   return x;
 }
 
 void TensorParallelGPT::embed_backward(const Tensor& ids, const Tensor& d) {
-  const int64_t T = ids.dim(1), N = ids.numel(), C = config_.hidden;
+  const int64_t T = ids.dim(1), N = ids.numel();
   const Tensor dx = d.dtype() == DType::F32 ? d : d.to(DType::F32);
   if (wpe.value.defined()) {
     // Under SP this rank's token rows give a partial gradient (summed over the group later).
     const int64_t first_row = sequence_parallel_ ? tp_->rank() * dx.rows() : 0;
-    const float* g = dx.data<float>();
-    float* w = wpe.grad.data<float>();
-    // Threads split the positions; each adds its rows in row order (as GPT does).
-#pragma omp parallel for schedule(static)
-    for (int64_t t = 0; t < T; ++t) {
-      float* p = w + t * C;
-      for (int64_t row = ((t - first_row) % T + T) % T; row < dx.rows(); row += T) {
-        for (int64_t c = 0; c < C; ++c) p[c] += g[row * C + c];
-      }
-    }
+    ops::position_embedding_backward(dx, T, wpe.grad, first_row);
   }
   const Tensor dwhole = sequence_parallel_
                             ? reduce_scatter_to_sequence_parallel_region_backward(dx, *tp_)
@@ -303,8 +289,7 @@ Tensor TensorParallelGPT::layers_forward(int chunk, Tensor h, int64_t B, int64_t
 }
 
 std::vector<Linear*> TensorParallelGPT::linears(Layer& layer) {
-  return {&layer.attention.qkv.linear, &layer.attention.proj.linear, &layer.mlp.fc1.linear,
-          &layer.mlp.fc2.linear};
+  return {&layer.attention.qkv, &layer.attention.proj, &layer.mlp.fc1, &layer.mlp.fc2};
 }
 
 Tensor TensorParallelGPT::layer_forward(Layer& layer, const Tensor& x, int64_t B, int64_t T,
@@ -481,6 +466,32 @@ float TensorParallelGPT::train_step(const Tensor& ids, const Tensor& targets, DT
   }
   reporting_grads_ = false;
   return loss;
+}
+
+float TensorParallelGPT::train_step(const pipeline::MicroBatch& batch, DType dtype,
+                                    float grad_scale) {
+  return train_step(pipeline::batch_tensor(batch, "ids", "tensor-parallel gpt"),
+                    pipeline::batch_tensor(batch, "targets", "tensor-parallel gpt"), dtype,
+                    grad_scale);
+}
+
+float TensorParallelGPT::evaluate(const pipeline::MicroBatch& batch, DType dtype) {
+  return evaluate(pipeline::batch_tensor(batch, "ids", "tensor-parallel gpt"),
+                  pipeline::batch_tensor(batch, "targets", "tensor-parallel gpt"), dtype);
+}
+
+std::vector<int64_t> TensorParallelGPT::fp8_state_indices() {
+  const size_t states = fp8_states().size();
+  return stages_ == 1 ? octet::fp8_state_indices(states)
+                      : octet::fp8_state_indices(*this, states, config_.num_layers);
+}
+
+TensorMap TensorParallelGPT::to_checkpoint_names(const TensorMap& ours) const {
+  return to_hf_gpt2_names(ours);
+}
+
+TensorMap TensorParallelGPT::from_checkpoint_names(const TensorMap& theirs) const {
+  return from_hf_gpt2_names(theirs);
 }
 
 float TensorParallelGPT::evaluate(const Tensor& ids, const Tensor& targets, DType dtype) {

@@ -19,24 +19,24 @@ void TensorParallelGPT::register_specs() {
     table.full_shape = {config_.vocab_size, config_.hidden};
     table.vocabulary = true;
   }
-  auto column = [&](ColumnParallelLinear& layer) {
-    const LinearOptions& l = layer.options().linear;
+  auto column = [&](Linear& layer) {
+    const LinearOptions& l = layer.whole_options();
     ShardSpec s;
     s.kind = ShardSpec::Kind::Rows;
-    s.blocks = layer.options().output_blocks;
+    s.blocks = l.output_blocks;
     s.full_shape = {l.out_features, l.in_features};
-    specs_[layer.linear.weight.name] = s;
+    specs_[layer.weight.name] = s;
     if (l.bias) {
       s.full_shape = {l.out_features};
-      specs_[layer.linear.bias.name] = s;
+      specs_[layer.bias.name] = s;
     }
   };
-  auto row = [&](RowParallelLinear& layer) {
-    const LinearOptions& l = layer.options().linear;
+  auto row = [&](Linear& layer) {
+    const LinearOptions& l = layer.whole_options();
     ShardSpec s;
     s.kind = ShardSpec::Kind::Columns;
     s.full_shape = {l.out_features, l.in_features};
-    specs_[layer.linear.weight.name] = s;
+    specs_[layer.weight.name] = s;
   };
   for (Stack& stack : layers_) {
     for (auto& layer : stack) {

@@ -48,25 +48,9 @@ using modules_detail::kept_for_backward;
 using modules_detail::needs_columnwise;
 using modules_detail::requantizer_for;
 
-Linear::Linear(const LinearOptions& options)
-    : weight(modules_detail::make_parameter(options.name + ".weight",
-                                            {options.out_features, options.in_features},
-                                            options.init_std, options.seed)),
-      options_(options) {
-  OCTET_CHECK(options.in_features > 0 && options.out_features > 0, options.name,
-              ": in_features and out_features must be positive, got ", options.in_features, " and ",
-              options.out_features);
-  OCTET_CHECK(options.params_dtype == DType::F32 || options.params_dtype == DType::BF16,
-              options.name, ": params_dtype expected f32 or bf16, got ",
-              dtype_name(options.params_dtype));
-  if (options.bias) {
-    bias = modules_detail::constant_parameter(options.name + ".bias", {options.out_features}, 0.0f);
-  }
-}
-
 void Linear::collect_parameters(std::vector<Parameter*>& out) {
   out.push_back(&weight);
-  if (options_.bias) out.push_back(&bias);
+  if (bias.value.defined()) out.push_back(&bias);  // a row layer's replicated bias too
 }
 
 void Linear::on_parameters_updated() {
@@ -106,6 +90,14 @@ Epilogue Linear::forward_epilogue() const {
 }
 
 Tensor Linear::forward(const Tensor& x, Context& ctx, SavedInput saved) {
+  return tp_ ? parallel_forward(x, ctx) : local_forward(x, ctx, saved);
+}
+
+Tensor Linear::backward(const Tensor& dy, Context& ctx) {
+  return tp_ ? parallel_backward(dy, ctx) : local_backward(dy, ctx);
+}
+
+Tensor Linear::local_forward(const Tensor& x, Context& ctx, SavedInput saved) {
   check_dtype_in(x, {DType::F32, DType::BF16}, options_.name + ": input");
   OCTET_CHECK(x.ndim() >= 1 && x.cols() == options_.in_features, options_.name,
               ": input expected [..., in_features=", options_.in_features, "], got ",
@@ -217,7 +209,7 @@ Tensor Linear::replay_forward(const Context& ctx) {
   return y;
 }
 
-Tensor Linear::backward(const Tensor& dy_in, Context& ctx) {
+Tensor Linear::local_backward(const Tensor& dy_in, Context& ctx) {
   OCTET_CHECK(ctx.rows > 0 || ctx.input.defined() || ctx.fp8, options_.name,
               ": backward called without a forward context");
   OCTET_CHECK(dy_in.numel() == ctx.rows * options_.out_features, options_.name, ": dy expected [",

@@ -21,11 +21,10 @@ void add_norm_parameters(Norm& norm, std::vector<Parameter*>& out) {
 }
 
 // LayerNormMLP's FC1 / FC2 options (the same seeds and names), split by the parallel layers.
-ParallelLinearOptions mlp_fc(const LayerNormMLPOptions& o, bool first, bool sequence_parallel) {
-  ParallelLinearOptions p;
-  p.linear = LayerNormMLP::fc_options(o, first);
-  p.linear.parallel_mode = first ? ParallelMode::Column : ParallelMode::Row;
-  p.linear.sequence_parallel = sequence_parallel;
+LinearOptions mlp_fc(const LayerNormMLPOptions& o, bool first, bool sequence_parallel) {
+  LinearOptions p = LayerNormMLP::fc_options(o, first);
+  p.parallel_mode = first ? ParallelMode::Column : ParallelMode::Row;
+  p.sequence_parallel = sequence_parallel;
   if (first && ops::is_gated(o.activation)) p.output_blocks = {o.ffn_hidden, o.ffn_hidden};
   return p;
 }
@@ -57,12 +56,12 @@ const MultiheadAttentionOptions& checked_attention(const MultiheadAttentionOptio
 
 // MultiheadAttention's QKV (with its norm) and projection options (the same seeds and
 // names), split by the parallel layers; QKV's [q | k | v] blocks split per rank by heads.
-ParallelLinearOptions attention_linear(const MultiheadAttentionOptions& o, bool qkv,
-                                       bool sequence_parallel) {
-  ParallelLinearOptions p;
-  p.linear = qkv ? MultiheadAttention::qkv_options(o).linear : MultiheadAttention::proj_options(o);
-  p.linear.parallel_mode = qkv ? ParallelMode::Column : ParallelMode::Row;
-  p.linear.sequence_parallel = sequence_parallel;
+LinearOptions attention_linear(const MultiheadAttentionOptions& o, bool qkv,
+                               bool sequence_parallel) {
+  LinearOptions p =
+      qkv ? MultiheadAttention::qkv_options(o).linear : MultiheadAttention::proj_options(o);
+  p.parallel_mode = qkv ? ParallelMode::Column : ParallelMode::Row;
+  p.sequence_parallel = sequence_parallel;
   if (qkv) {
     const int64_t d = head_dim_of(o);
     p.output_blocks = {o.num_attention_heads * d, kv_heads_of(o) * d, kv_heads_of(o) * d};
@@ -86,8 +85,8 @@ DotProductAttentionOptions local_core(const MultiheadAttentionOptions& o, Commun
 TensorParallelLayerNormMLP::TensorParallelLayerNormMLP(const LayerNormMLPOptions& options,
                                                        bool sequence_parallel, Communicator& tp)
     : norm(options.norm),
-      fc1(mlp_fc(options, true, sequence_parallel), tp),
-      fc2(mlp_fc(options, false, sequence_parallel), tp),
+      fc1(mlp_fc(options, true, sequence_parallel), &tp),
+      fc2(mlp_fc(options, false, sequence_parallel), &tp),
       options_(options),
       sequence_parallel_(sequence_parallel),
       tp_(&tp) {
@@ -125,8 +124,7 @@ Tensor TensorParallelLayerNormMLP::forward(const Tensor& x, Context& ctx) {
   const Tensor h = fc1.forward(norm.forward(x.reshape({x.rows(), x.cols()}), ctx.norm), ctx.fc1);
   ctx.fc1_output = h;
   Tensor a = Tensor::empty({h.rows(), options_.ffn_hidden / tp_->size()}, h.dtype());
-  ops::activation_forward(options_.activation, h, options_.bias ? &fc1.linear.bias.value : nullptr,
-                          a);
+  ops::activation_forward(options_.activation, h, options_.bias ? &fc1.bias.value : nullptr, a);
   return fc2.forward(a, ctx.fc2);
 }
 
@@ -137,8 +135,8 @@ Tensor TensorParallelLayerNormMLP::backward(const Tensor& dy, Context& ctx) {
   Tensor dh = Tensor::empty(h.shape(), h.dtype());
   if (options_.bias) {
     Tensor dbias = Tensor::empty({h.cols()}, DType::F32);
-    ops::activation_backward(options_.activation, da, h, &fc1.linear.bias.value, dh, &dbias);
-    float* grad = fc1.linear.bias.grad.data<float>();
+    ops::activation_backward(options_.activation, da, h, &fc1.bias.value, dh, &dbias);
+    float* grad = fc1.bias.grad.data<float>();
     const float* add = dbias.data<float>();
     for (int64_t i = 0; i < h.cols(); ++i) grad[i] += add[i];
   } else {
@@ -155,9 +153,9 @@ Tensor TensorParallelLayerNormMLP::backward(const Tensor& dy, Context& ctx) {
 TensorParallelSelfAttention::TensorParallelSelfAttention(const MultiheadAttentionOptions& options,
                                                          bool sequence_parallel, Communicator& tp)
     : norm(MultiheadAttention::qkv_options(checked_attention(options, tp)).norm),
-      qkv(attention_linear(options, true, sequence_parallel), tp),
+      qkv(attention_linear(options, true, sequence_parallel), &tp),
       core_attention(local_core(options, tp)),
-      proj(attention_linear(options, false, sequence_parallel), tp),
+      proj(attention_linear(options, false, sequence_parallel), &tp),
       options_(options),
       sequence_parallel_(sequence_parallel),
       tp_(&tp),

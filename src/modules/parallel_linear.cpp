@@ -1,7 +1,9 @@
-// The column- and row-parallel Linear (Megatron's ColumnParallelLinear / RowParallelLinear)
-// built on the region mappings, and the sequence-parallel gradient sum.
+// Linear's tensor-parallel half (Megatron's ColumnParallelLinear / RowParallelLinear): the
+// shard's options and weights cut from the whole layer, and the paired region mappings around
+// the shard's own forward and backward; plus the sequence-parallel gradient sum.
 #include <cstring>
 
+#include "modules/common.h"
 #include "octet/tensor_parallel.h"
 
 namespace octet {
@@ -28,8 +30,8 @@ void add_bias(Tensor& y, const Tensor& bias) {
   y.copy_from(wide.to(y.dtype()));
 }
 
-// grad [C] += column sums of dy [N, C].
-void add_column_sums(const Tensor& dy, Tensor& grad) {
+// grad [C] += column sums of dy [N, C] (the row layer's replicated bias).
+void add_row_sums_to(const Tensor& dy, Tensor& grad) {
   const Tensor wide = dy.dtype() == DType::F32 ? dy : dy.to(DType::F32);
   const int64_t rows = wide.rows(), cols = wide.cols();
   const float* d = wide.data<float>();
@@ -39,42 +41,36 @@ void add_column_sums(const Tensor& dy, Tensor& grad) {
   }
 }
 
-LinearOptions checked_full(const ParallelLinearOptions& o, ParallelMode mode, const char* kind) {
-  const LinearOptions& l = o.linear;
-  OCTET_CHECK(l.parallel_mode == ParallelMode::None || l.parallel_mode == mode, l.name, ": a ",
-              kind, " layer got another parallel_mode");
-  LinearOptions full = l;
-  full.parallel_mode = ParallelMode::None;
-  full.sequence_parallel = false;
-  return full;
-}
-
-// The local shard's options: the whole layer's with one dimension divided by TP.
-LinearOptions column_local(const ParallelLinearOptions& o, Communicator& tp) {
-  LinearOptions l = checked_full(o, ParallelMode::Column, "column-parallel");
-  const int64_t size = tp.size();
-  OCTET_CHECK(l.out_features > 0 && l.out_features % size == 0, l.name,
-              ": column-parallel out_features=", l.out_features, " is not divisible by TP=", size);
-  OCTET_CHECK(!(o.gather_output && l.sequence_parallel), l.name,
-              ": gather_output and sequence_parallel exclude each other");
-  int64_t total = 0;
-  for (int64_t width : o.output_blocks) {
-    OCTET_CHECK(width > 0 && width % size == 0, l.name, ": output block of width ", width,
+// The shard's options: the whole layer's with one dimension divided by TP (none without a
+// group or a parallel_mode).
+LinearOptions shard_options(const LinearOptions& whole, Communicator* tp) {
+  if (tp == nullptr || whole.parallel_mode == ParallelMode::None) return whole;
+  LinearOptions l = whole;  // the shard is a plain Linear: the layer's parallelism is whole_'s
+  l.parallel_mode = ParallelMode::None;
+  l.sequence_parallel = false;
+  l.output_blocks.clear();
+  l.gather_output = false;
+  const int64_t size = tp->size();
+  if (whole.parallel_mode == ParallelMode::Column) {
+    OCTET_CHECK(l.out_features > 0 && l.out_features % size == 0, l.name,
+                ": column-parallel out_features=", l.out_features,
                 " is not divisible by TP=", size);
-    total += width;
+    OCTET_CHECK(!(whole.gather_output && whole.sequence_parallel), whole.name,
+                ": gather_output and sequence_parallel exclude each other");
+    int64_t total = 0;
+    for (int64_t width : whole.output_blocks) {
+      OCTET_CHECK(width > 0 && width % size == 0, l.name, ": output block of width ", width,
+                  " is not divisible by TP=", size);
+      total += width;
+    }
+    OCTET_CHECK(whole.output_blocks.empty() || total == l.out_features, l.name,
+                ": output blocks sum to ", total, ", expected out_features=", l.out_features);
+    l.out_features /= size;
+    return l;
   }
-  OCTET_CHECK(o.output_blocks.empty() || total == l.out_features, l.name, ": output blocks sum to ",
-              total, ", expected out_features=", l.out_features);
-  l.out_features /= size;
-  return l;
-}
-
-LinearOptions row_local(const ParallelLinearOptions& o, Communicator& tp) {
-  LinearOptions l = checked_full(o, ParallelMode::Row, "row-parallel");
-  const int64_t size = tp.size();
   OCTET_CHECK(l.in_features > 0 && l.in_features % size == 0, l.name,
               ": row-parallel in_features=", l.in_features, " is not divisible by TP=", size);
-  OCTET_CHECK(o.output_blocks.empty() && !o.gather_output, l.name,
+  OCTET_CHECK(whole.output_blocks.empty() && !whole.gather_output, l.name,
               ": output_blocks and gather_output are column-parallel options");
   l.in_features /= size;
   l.bias = false;  // added once after the reduction, by the row layer itself
@@ -90,129 +86,127 @@ void all_reduce_sequence_parallel_gradients(const std::vector<Parameter*>& param
   for (Parameter* p : parameters) tp.all_reduce(p->grad, ReduceOp::Sum);
 }
 
-// ---------------------------------------------------------------------------------------------
-// ColumnParallelLinear.
-
-ColumnParallelLinear::ColumnParallelLinear(const ParallelLinearOptions& options, Communicator& tp)
-    : linear(column_local(options, tp)), options_(options), tp_(&tp) {
-  // The whole layer, made once with the same seed, then sliced: TP shards equal TP = 1's.
-  Linear full(checked_full(options, ParallelMode::Column, "column-parallel"));
-  load_full(full.weight.value, full.options().bias ? &full.bias.value : nullptr);
-}
-
-void ColumnParallelLinear::load_full(const Tensor& weight, const Tensor* bias) {
-  const LinearOptions& l = options_.linear;
-  check_shape(weight, {l.out_features, l.in_features}, l.name + ": full weight", "out,in");
-  OCTET_CHECK((bias != nullptr) == l.bias, l.name, ": full bias expected ",
-              l.bias ? "present" : "absent");
-  const std::vector<int64_t> blocks = options_.output_blocks.empty()
-                                          ? std::vector<int64_t>{l.out_features}
-                                          : options_.output_blocks;
-  const int64_t size = tp_->size(), rank = tp_->rank();
-  int64_t block_begin = 0, local_row = 0;
-  for (int64_t width : blocks) {
-    const int64_t rows = width / size, begin = block_begin + rank * rows;
-    linear.weight.value.slice_rows(local_row, local_row + rows)
-        .copy_from(weight.slice_rows(begin, begin + rows));
-    if (bias != nullptr) {
-      std::memcpy(linear.bias.value.data<float>() + local_row, bias->data<float>() + begin,
-                  static_cast<size_t>(rows) * sizeof(float));
-    }
-    block_begin += width;
-    local_row += rows;
+Linear::Linear(const LinearOptions& options, Communicator* tp)
+    : whole_(options),
+      options_(shard_options(options, tp)),
+      tp_(options.parallel_mode == ParallelMode::None ? nullptr : tp) {
+  OCTET_CHECK(options.in_features > 0 && options.out_features > 0, options.name,
+              ": in_features and out_features must be positive, got ", options.in_features, " and ",
+              options.out_features);
+  OCTET_CHECK(options.params_dtype == DType::F32 || options.params_dtype == DType::BF16,
+              options.name, ": params_dtype expected f32 or bf16, got ",
+              dtype_name(options.params_dtype));
+  weight = modules_detail::make_parameter(options_.name + ".weight",
+                                          {options_.out_features, options_.in_features},
+                                          options_.init_std, options_.seed);
+  if (options_.bias) {
+    bias =
+        modules_detail::constant_parameter(options_.name + ".bias", {options_.out_features}, 0.0f);
   }
-  linear.on_parameters_updated();
+  if (!tp_) return;
+  // The whole layer, made once with the same seed, then sliced: TP shards equal TP = 1's.
+  LinearOptions plain = whole_;
+  plain.parallel_mode = ParallelMode::None;
+  plain.sequence_parallel = false;
+  Linear full(plain);
+  if (whole_.parallel_mode == ParallelMode::Row && whole_.bias) {
+    bias = Parameter{whole_.name + ".bias", full.bias.value.clone(),
+                     Tensor::zeros({whole_.out_features}, DType::F32)};
+  }
+  load_full(full.weight.value, whole_.bias ? &full.bias.value : nullptr);
 }
 
-Tensor ColumnParallelLinear::forward(const Tensor& x, Context& ctx) {
+void Linear::load_full(const Tensor& full_weight, const Tensor* full_bias) {
+  const LinearOptions& l = whole_;
+  check_shape(full_weight, {l.out_features, l.in_features}, l.name + ": full weight", "out,in");
+  OCTET_CHECK((full_bias != nullptr) == l.bias, l.name, ": full bias expected ",
+              l.bias ? "present" : "absent");
+  if (!tp_) {
+    weight.value.copy_from(full_weight);
+    if (full_bias != nullptr) bias.value.copy_from(*full_bias);
+  } else if (whole_.parallel_mode == ParallelMode::Column) {
+    const std::vector<int64_t> blocks =
+        l.output_blocks.empty() ? std::vector<int64_t>{l.out_features} : l.output_blocks;
+    const int64_t size = tp_->size(), rank = tp_->rank();
+    int64_t block_begin = 0, local_row = 0;
+    for (int64_t width : blocks) {
+      const int64_t rows = width / size, begin = block_begin + rank * rows;
+      weight.value.slice_rows(local_row, local_row + rows)
+          .copy_from(full_weight.slice_rows(begin, begin + rows));
+      if (full_bias != nullptr) {
+        std::memcpy(bias.value.data<float>() + local_row, full_bias->data<float>() + begin,
+                    static_cast<size_t>(rows) * sizeof(float));
+      }
+      block_begin += width;
+      local_row += rows;
+    }
+  } else {
+    const int64_t width = l.in_features / tp_->size();
+    copy_columns(full_weight, tp_->rank() * width, width, weight.value, 0);
+    if (full_bias != nullptr) bias.value.copy_from(*full_bias);
+  }
+  on_parameters_updated();
+}
+
+std::vector<Parameter*> Linear::sequence_parallel_parameters() {
+  if (tp_ && whole_.parallel_mode == ParallelMode::Row && whole_.sequence_parallel && whole_.bias) {
+    return {&bias};
+  }
+  return {};
+}
+
+Tensor Linear::parallel_forward(const Tensor& x, Context& ctx) {
+  if (whole_.parallel_mode == ParallelMode::Row) {
+    const Tensor local_x =
+        whole_.input_is_parallel ? as_rows(x) : split_columns_to_tensor_parallel_region(x, *tp_);
+    const Tensor partial = local_forward(local_x, ctx, SavedInput::Fp8);
+    Tensor y = whole_.sequence_parallel ? reduce_scatter_to_sequence_parallel_region(partial, *tp_)
+                                        : reduce_from_tensor_parallel_region(partial, *tp_);
+    // y is this module's own tensor (the GEMM output or a collective's result): add in place.
+    if (whole_.bias && !whole_.return_bias) add_bias(y, bias.value);
+    return y;
+  }
   Tensor y;
-  if (overlap_gather_ && options_.linear.sequence_parallel && tp_->size() > 1 && !fp8_enabled()) {
+  if (overlap_gather_ && whole_.sequence_parallel && tp_->size() > 1 && !fp8_enabled()) {
     // The sequence-parallel all-gather moves the other ranks' token rows while the GEMM of
     // this rank's own rows runs (gather_from_sequence_parallel_region, overlapped).
     const Tensor mine = as_rows(x);
     const int64_t rows = mine.rows() * tp_->size();
     Tensor total = Tensor::empty({rows, mine.cols()}, mine.dtype());
     Work gather = tp_->iall_gather(mine, total);
-    y = linear.forward_arriving(
+    y = forward_arriving(
         mine, tp_->rank() * mine.rows(), rows,
         [&] {
           gather.wait();
           return total;
         },
-        ctx.linear);
+        ctx);
   } else {
-    const Tensor total = options_.linear.sequence_parallel
+    const Tensor total = whole_.sequence_parallel
                              ? gather_from_sequence_parallel_region(x, *tp_)
                              : copy_to_tensor_parallel_region(as_rows(x), *tp_);
-    y = linear.forward(total, ctx.linear);
+    y = local_forward(total, ctx, SavedInput::Fp8);
   }
-  if (options_.gather_output) y = gather_columns_from_tensor_parallel_region(y, *tp_);
+  if (whole_.gather_output) y = gather_columns_from_tensor_parallel_region(y, *tp_);
   return y;
 }
 
-Tensor ColumnParallelLinear::backward(const Tensor& dy, Context& ctx) {
+Tensor Linear::parallel_backward(const Tensor& dy, Context& ctx) {
+  if (whole_.parallel_mode == ParallelMode::Row) {
+    // The bias was added to this rank's rows: under SP a partial gradient, summed over the
+    // group by all_reduce_sequence_parallel_gradients.
+    if (whole_.bias && !whole_.return_bias) add_row_sums_to(dy, bias.grad);
+    const Tensor partial_dy = whole_.sequence_parallel
+                                  ? reduce_scatter_to_sequence_parallel_region_backward(dy, *tp_)
+                                  : reduce_from_tensor_parallel_region_backward(as_rows(dy), *tp_);
+    const Tensor dx = local_backward(partial_dy, ctx);
+    return whole_.input_is_parallel ? dx : gather_columns_from_tensor_parallel_region(dx, *tp_);
+  }
   const Tensor local_dy =
-      options_.gather_output ? split_columns_to_tensor_parallel_region(dy, *tp_) : as_rows(dy);
-  const Tensor dx = linear.backward(local_dy, ctx.linear);
-  return options_.linear.sequence_parallel ? gather_from_sequence_parallel_region_backward(dx, *tp_)
-                                           : copy_to_tensor_parallel_region_backward(dx, *tp_);
-}
-
-// ---------------------------------------------------------------------------------------------
-// RowParallelLinear.
-
-RowParallelLinear::RowParallelLinear(const ParallelLinearOptions& options, Communicator& tp)
-    : linear(row_local(options, tp)), options_(options), tp_(&tp) {
-  Linear full(checked_full(options, ParallelMode::Row, "row-parallel"));
-  if (options.linear.bias) {
-    bias = Parameter{options.linear.name + ".bias", full.bias.value.clone(),
-                     Tensor::zeros({options.linear.out_features}, DType::F32)};
-  }
-  load_full(full.weight.value, options.linear.bias ? &full.bias.value : nullptr);
-}
-
-void RowParallelLinear::load_full(const Tensor& weight, const Tensor* full_bias) {
-  const LinearOptions& l = options_.linear;
-  check_shape(weight, {l.out_features, l.in_features}, l.name + ": full weight", "out,in");
-  OCTET_CHECK((full_bias != nullptr) == l.bias, l.name, ": full bias expected ",
-              l.bias ? "present" : "absent");
-  const int64_t width = l.in_features / tp_->size();
-  copy_columns(weight, tp_->rank() * width, width, linear.weight.value, 0);
-  if (full_bias != nullptr) bias.value.copy_from(*full_bias);
-  linear.on_parameters_updated();
-}
-
-void RowParallelLinear::collect_parameters(std::vector<Parameter*>& out) {
-  linear.collect_parameters(out);
-  if (options_.linear.bias) out.push_back(&bias);
-}
-
-std::vector<Parameter*> RowParallelLinear::sequence_parallel_parameters() {
-  if (options_.linear.sequence_parallel && options_.linear.bias) return {&bias};
-  return {};
-}
-
-Tensor RowParallelLinear::forward(const Tensor& x, Context& ctx) {
-  const Tensor local_x =
-      options_.input_is_parallel ? as_rows(x) : split_columns_to_tensor_parallel_region(x, *tp_);
-  const Tensor partial = linear.forward(local_x, ctx.linear);
-  Tensor y = options_.linear.sequence_parallel
-                 ? reduce_scatter_to_sequence_parallel_region(partial, *tp_)
-                 : reduce_from_tensor_parallel_region(partial, *tp_);
-  // y is this module's own tensor (the GEMM output or a collective's result): add in place.
-  if (options_.linear.bias && !options_.linear.return_bias) add_bias(y, bias.value);
-  return y;
-}
-
-Tensor RowParallelLinear::backward(const Tensor& dy, Context& ctx) {
-  // The bias was added to this rank's rows: under SP a partial gradient, summed over the
-  // group by all_reduce_sequence_parallel_gradients.
-  if (options_.linear.bias && !options_.linear.return_bias) add_column_sums(dy, bias.grad);
-  const Tensor partial_dy = options_.linear.sequence_parallel
-                                ? reduce_scatter_to_sequence_parallel_region_backward(dy, *tp_)
-                                : reduce_from_tensor_parallel_region_backward(as_rows(dy), *tp_);
-  const Tensor dx = linear.backward(partial_dy, ctx.linear);
-  return options_.input_is_parallel ? dx : gather_columns_from_tensor_parallel_region(dx, *tp_);
+      whole_.gather_output ? split_columns_to_tensor_parallel_region(dy, *tp_) : as_rows(dy);
+  const Tensor dx = local_backward(local_dy, ctx);
+  return whole_.sequence_parallel ? gather_from_sequence_parallel_region_backward(dx, *tp_)
+                                  : copy_to_tensor_parallel_region_backward(dx, *tp_);
 }
 
 }  // namespace octet

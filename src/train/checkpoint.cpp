@@ -131,4 +131,34 @@ void MetricsWriter::write(const nlohmann::json& record) {
   out << record.dump() << "\n";
 }
 
+namespace {
+
+constexpr const char* kOptimizerSuffixes[] = {".exp_avg", ".exp_avg_sq"};
+
+}  // namespace
+
+TensorMap shard_optimizer_state(TrainableModel& model, TensorMap whole, const std::string& source) {
+  for (Parameter* p : model.parameters()) {
+    for (const char* suffix : kOptimizerSuffixes) {
+      auto it = whole.find(p->name + suffix);
+      OCTET_CHECK(it != whole.end(), "checkpoint '", source, "': optimizer state misses '",
+                  p->name + suffix, "'");
+      it->second = model.shard(*p, it->second);
+    }
+  }
+  return whole;
+}
+
+TensorMap gather_optimizer_state(TrainableModel& model, const TensorMap& local) {
+  TensorMap whole;
+  for (Parameter* p : model.parameters()) {
+    for (const char* suffix : kOptimizerSuffixes) {
+      auto it = local.find(p->name + suffix);
+      OCTET_CHECK(it != local.end(), "optimizer state: no '", p->name + suffix, "' to save");
+      whole[p->name + suffix] = model.gather(*p, it->second);
+    }
+  }
+  return whole;
+}
+
 }  // namespace octet

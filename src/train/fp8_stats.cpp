@@ -11,51 +11,11 @@
 
 namespace octet {
 
-std::vector<Fp8State*> fp8_states(GPT& model) {
-  std::vector<Fp8State*> out;
-  for (TransformerLayer& layer : model.layers()) {
-    for (Fp8State* s : layer.fp8_states()) out.push_back(s);
-  }
-  return out;
+std::vector<Fp8State*> fp8_states(TrainableModel& model) {
+  return model.fp8_states();
 }
 
-std::vector<Fp8State*> fp8_states(GPTStage& stage) {
-  std::vector<Fp8State*> out;
-  for (int chunk : stage.chunks_in_stage_order()) {
-    for (TransformerLayer& layer : stage.layers(chunk)) {
-      for (Fp8State* s : layer.fp8_states()) out.push_back(s);
-    }
-  }
-  return out;
-}
-
-std::vector<int64_t> fp8_state_indices(size_t states) {
-  std::vector<int64_t> out(states);
-  for (size_t i = 0; i < states; ++i) out[i] = static_cast<int64_t>(i);
-  return out;
-}
-
-std::vector<int64_t> fp8_state_indices(const pipeline::StagedModel& part, size_t states,
-                                       int64_t num_layers) {
-  const int64_t per_stage = num_layers / part.stages();
-  const int64_t layers_held = per_stage * part.chunks();
-  OCTET_CHECK(layers_held > 0 && static_cast<int64_t>(states) % layers_held == 0,
-              "fp8 states: ", states, " states over ", layers_held,
-              " layers held: expected the same number per layer");
-  const int64_t per_layer = static_cast<int64_t>(states) / layers_held;
-  // The part lists its chunks in stage order, each chunk's layers in order.
-  const std::vector<int> chunks = part.chunks_in_stage_order();
-  std::vector<int64_t> out(states);
-  for (int64_t i = 0; i < static_cast<int64_t>(states); ++i) {
-    const int64_t local_layer = i / per_layer;
-    const int stage = part.stage_of_chunk(chunks[static_cast<size_t>(local_layer / per_stage)]);
-    const int64_t layer = stage * per_stage + local_layer % per_stage;
-    out[static_cast<size_t>(i)] = layer * per_layer + i % per_layer;
-  }
-  return out;
-}
-
-void reduce_fp8_amax(GPT& model, Communicator& group) {
+void reduce_fp8_amax(TrainableModel& model, Communicator& group) {
   reduce_fp8_amax(fp8_states(model), group);
 }
 
@@ -80,7 +40,7 @@ void reduce_fp8_amax(const std::vector<Fp8State*>& states, Communicator& group) 
   }
 }
 
-nlohmann::json take_fp8_stats(GPT& model) {
+nlohmann::json take_fp8_stats(TrainableModel& model) {
   return take_fp8_stats(fp8_states(model));
 }
 

@@ -81,7 +81,7 @@ void expect_matches_single_process(const Schedule& schedule, int steps = 2,
   const GPTConfig config = tiny_config();
   const int rank = parallel.pipeline_rank();
   GPT reference(config, kSeed);
-  GPTStage stage(config, kSeed, schedule.stages, pipeline::stages_of_rank(schedule, rank));
+  GPT stage(config, kSeed, GPTLayout{schedule.stages, pipeline::stages_of_rank(schedule, rank)});
   pipeline::ExecutorOptions options;
   options.dtype = dtype;
   pipeline::PipelineExecutor executor(schedule, stage, parallel, options);
@@ -141,7 +141,7 @@ void expect_matches_single_process(const Schedule& schedule, int steps = 2,
 TEST(Pipeline, StageLoadsItsPartOfAWholeModelStateDict) {
   const GPTConfig config = tiny_config();
   GPT source(config, kSeed + 1);
-  GPTStage stage(config, kSeed, 4, {1, 3});
+  GPT stage(config, kSeed, GPTLayout{4, {1, 3}});
   stage.load_state_dict(source.state_dict());
   const TensorMap ours = stage.state_dict();
   TensorMap theirs = source.state_dict();
@@ -195,7 +195,8 @@ TEST(Pipeline, ZeroBubbleRunsItsWeightGradientsInTheWActions) {
   std::shared_ptr<Communicator> world = world_communicator();
   ParallelState parallel(world, 1, P);
   const int rank = parallel.pipeline_rank();
-  GPTStage stage(tiny_config(), kSeed, schedule.stages, pipeline::stages_of_rank(schedule, rank));
+  GPT stage(tiny_config(), kSeed,
+            GPTLayout{schedule.stages, pipeline::stages_of_rank(schedule, rank)});
   pipeline::PipelineExecutor executor(schedule, stage, parallel);
   std::vector<Tensor> ids, targets;
   make_micro_batches(0, 2 * P, ids, targets);
@@ -233,7 +234,7 @@ TEST(Pipeline, BrokenScheduleIsAnErrorNotAHang) {
   ParallelState parallel(world, 1, P);
   const int rank = parallel.pipeline_rank();
   const GPTConfig config = tiny_config();
-  GPTStage stage(config, kSeed, broken.stages, pipeline::stages_of_rank(broken, rank));
+  GPT stage(config, kSeed, GPTLayout{broken.stages, pipeline::stages_of_rank(broken, rank)});
   // Pre-flight: check_schedule finds the receive without a send.
   EXPECT_THROW(pipeline::PipelineExecutor(broken, stage, parallel), Error);
   // At run time (check off): every rank's first receive times out, naming the action. Leaked

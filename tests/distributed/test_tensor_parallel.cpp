@@ -203,34 +203,36 @@ LinearOptions linear_options(int64_t in, int64_t out, uint64_t seed) {
 TEST_F(TensorParallel, ShardsAreSlicesOfTheSameSeedsWeight) {
   const LinearOptions l = linear_options(12, 8 * n, 5);
   Linear full(l);
-  ParallelLinearOptions column;
-  column.linear = l;
+  LinearOptions column = l;
+  column.parallel_mode = ParallelMode::Column;
   column.output_blocks = {4 * n, 2 * n, 2 * n};
-  ColumnParallelLinear c(column, *tp);
-  expect_equal(c.linear.weight.value, block_rows(full.weight.value, column.output_blocks, r, n),
+  Linear c(column, tp);
+  expect_equal(c.weight.value, block_rows(full.weight.value, column.output_blocks, r, n),
                "column shard");
-  ParallelLinearOptions row;
-  row.linear = linear_options(8 * n, 12, 6);
-  Linear full_row(row.linear);
-  RowParallelLinear rp(row, *tp);
-  expect_equal(rp.linear.weight.value, columns(full_row.weight.value, 8 * r, 8), "row shard");
+  LinearOptions row = linear_options(8 * n, 12, 6);
+  Linear full_row(row);
+  row.parallel_mode = ParallelMode::Row;
+  Linear rp(row, tp);
+  expect_equal(rp.weight.value, columns(full_row.weight.value, 8 * r, 8), "row shard");
 }
 
 TEST_F(TensorParallel, InvalidSizesAreClearErrors) {
   if (n == 1) GTEST_SKIP() << "every size divides TP = 1";
-  ParallelLinearOptions o;
-  o.linear = linear_options(8 * n, 4 * n + 1, 1);
-  EXPECT_THROW(ColumnParallelLinear(o, *tp), Error);
-  o.linear = linear_options(4 * n + 1, 8, 1);
+  LinearOptions o = linear_options(8 * n, 4 * n + 1, 1);
+  o.parallel_mode = ParallelMode::Column;
+  EXPECT_THROW(Linear(o, tp), Error);
+  o = linear_options(4 * n + 1, 8, 1);
+  o.parallel_mode = ParallelMode::Row;
   try {
-    RowParallelLinear row(o, *tp);
+    Linear row(o, tp);
     ADD_FAILURE() << "expected an error";
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("not divisible by TP"), std::string::npos) << e.what();
   }
-  o.linear = linear_options(8, 6 * n, 1);
+  o = linear_options(8, 6 * n, 1);
+  o.parallel_mode = ParallelMode::Column;
   o.output_blocks = {3 * n + 1, 3 * n - 1};
-  EXPECT_THROW(ColumnParallelLinear(o, *tp), Error);
+  EXPECT_THROW(Linear(o, tp), Error);
 }
 
 struct LinearCase {
@@ -250,11 +252,11 @@ TEST_F(TensorParallel, ColumnParallelLinearEqualsLinear) {
     const LinearOptions l = linear_options(in, out, 11);
     Linear full(l);
     full.bias.value.copy_from(random_tensor({out}, 12));
-    ParallelLinearOptions o;
-    o.linear = l;
-    o.linear.sequence_parallel = c.sequence_parallel;
+    LinearOptions o = l;
+    o.parallel_mode = ParallelMode::Column;
+    o.sequence_parallel = c.sequence_parallel;
     o.gather_output = c.gather_output;
-    ColumnParallelLinear column(o, *tp);
+    Linear column(o, tp);
     column.load_full(full.weight.value, &full.bias.value);
     column.set_overlap_gather(c.overlap_gather);
 
@@ -263,16 +265,15 @@ TEST_F(TensorParallel, ColumnParallelLinearEqualsLinear) {
     const Tensor y = full.forward(x, full_ctx);
     const Tensor dx = full.backward(dy, full_ctx);
 
-    ColumnParallelLinear::Context ctx;
+    Linear::Context ctx;
     const Tensor x_in = c.sequence_parallel ? row_block(x, r, n) : x;
     const Tensor y_tp = column.forward(x_in, ctx);
     expect_close(y_tp, c.gather_output ? y : columns(y, r * out / n, out / n), what + " y");
     const Tensor dy_in = c.gather_output ? dy : columns(dy, r * out / n, out / n);
     const Tensor dx_tp = column.backward(dy_in, ctx);
     expect_close(dx_tp, c.sequence_parallel ? row_block(dx, r, n) : dx, what + " dx");
-    expect_close(column.linear.weight.grad, block_rows(full.weight.grad, {out}, r, n),
-                 what + " dW");
-    expect_close(column.linear.bias.grad, block_rows(full.bias.grad, {out}, r, n), what + " db");
+    expect_close(column.weight.grad, block_rows(full.weight.grad, {out}, r, n), what + " dW");
+    expect_close(column.bias.grad, block_rows(full.bias.grad, {out}, r, n), what + " db");
   }
 }
 
@@ -285,11 +286,11 @@ TEST_F(TensorParallel, RowParallelLinearEqualsLinear) {
       const LinearOptions l = linear_options(in, out, 21);
       Linear full(l);
       full.bias.value.copy_from(random_tensor({out}, 22));
-      ParallelLinearOptions o;
-      o.linear = l;
-      o.linear.sequence_parallel = sp;
+      LinearOptions o = l;
+      o.parallel_mode = ParallelMode::Row;
+      o.sequence_parallel = sp;
       o.input_is_parallel = input_is_parallel;
-      RowParallelLinear row(o, *tp);
+      Linear row(o, tp);
       row.load_full(full.weight.value, &full.bias.value);
 
       const Tensor x = random_tensor({tokens, in}, 23), dy = random_tensor({tokens, out}, 24);
@@ -297,14 +298,13 @@ TEST_F(TensorParallel, RowParallelLinearEqualsLinear) {
       const Tensor y = full.forward(x, full_ctx);
       const Tensor dx = full.backward(dy, full_ctx);
 
-      RowParallelLinear::Context ctx;
+      Linear::Context ctx;
       const Tensor x_in = input_is_parallel ? columns(x, r * in / n, in / n) : x;
       expect_close(row.forward(x_in, ctx), sp ? row_block(y, r, n) : y, what + " y");
       const Tensor dx_tp = row.backward(sp ? row_block(dy, r, n).clone() : dy, ctx);
       expect_close(dx_tp, input_is_parallel ? columns(dx, r * in / n, in / n) : dx, what + " dx");
       all_reduce_sequence_parallel_gradients(row.sequence_parallel_parameters(), *tp);
-      expect_close(row.linear.weight.grad, columns(full.weight.grad, r * in / n, in / n),
-                   what + " dW");
+      expect_close(row.weight.grad, columns(full.weight.grad, r * in / n, in / n), what + " dW");
       expect_close(row.bias.grad, full.bias.grad, what + " db (added once, after the sum)");
     }
   }
@@ -355,11 +355,11 @@ TEST_F(TensorParallel, LayerNormMLPEqualsTheUnshardedBlock) {
       const int64_t f = o.ffn_hidden;
       const std::vector<int64_t> fc1_blocks =
           ops::is_gated(kind) ? std::vector<int64_t>{f, f} : std::vector<int64_t>{f};
-      expect_close(mlp.fc1.linear.weight.grad, block_rows(full.fc1.weight.grad, fc1_blocks, r, n),
+      expect_close(mlp.fc1.weight.grad, block_rows(full.fc1.weight.grad, fc1_blocks, r, n),
                    what + " fc1 dW");
-      expect_close(mlp.fc1.linear.bias.grad, block_rows(full.fc1.bias.grad, fc1_blocks, r, n),
+      expect_close(mlp.fc1.bias.grad, block_rows(full.fc1.bias.grad, fc1_blocks, r, n),
                    what + " fc1 db");
-      expect_close(mlp.fc2.linear.weight.grad, columns(full.fc2.weight.grad, r * f / n, f / n),
+      expect_close(mlp.fc2.weight.grad, columns(full.fc2.weight.grad, r * f / n, f / n),
                    what + " fc2 dW");
       expect_close(mlp.fc2.bias.grad, full.fc2.bias.grad, what + " fc2 db");
       expect_close(mlp.norm.weight.grad, full.norm.weight.grad, what + " norm dgamma");
@@ -410,13 +410,13 @@ TEST_F(TensorParallel, SelfAttentionEqualsTheUnshardedBlock) {
       const std::vector<int64_t> blocks = {heads * head_dim, kv_heads * head_dim,
                                            kv_heads * head_dim};
       const Linear& qkv = full.layernorm_qkv->linear;
-      expect_close(attention.qkv.linear.weight.grad, block_rows(qkv.weight.grad, blocks, r, n),
+      expect_close(attention.qkv.weight.grad, block_rows(qkv.weight.grad, blocks, r, n),
                    what + " qkv dW");
-      expect_close(attention.qkv.linear.bias.grad, block_rows(qkv.bias.grad, blocks, r, n),
+      expect_close(attention.qkv.bias.grad, block_rows(qkv.bias.grad, blocks, r, n),
                    what + " qkv db");
       const int64_t local = hidden / n;
-      expect_close(attention.proj.linear.weight.grad,
-                   columns(full.proj.weight.grad, r * local, local), what + " proj dW");
+      expect_close(attention.proj.weight.grad, columns(full.proj.weight.grad, r * local, local),
+                   what + " proj dW");
       expect_close(attention.proj.bias.grad, full.proj.bias.grad, what + " proj db");
       expect_close(attention.norm.weight.grad, full.layernorm_qkv->norm.weight.grad,
                    what + " norm dgamma");

@@ -223,7 +223,7 @@ TEST(Fp8Stats, StageStateIndicesNameTheWholeModelsGemms) {
                                            {"hidden", 32},
                                            {"num_heads", 4}});
   GPT model(config, 1);
-  GPTStage stage(config, 1, /*stages=*/4, /*stage_of_chunk=*/{3, 1});
+  GPT stage(config, 1, GPTLayout{/*stages=*/4, /*stage_of_chunk=*/{3, 1}});
   const std::vector<Fp8State*> whole = fp8_states(model), part = fp8_states(stage);
   ASSERT_EQ(whole.size(), 32u);
   ASSERT_EQ(part.size(), 16u);
@@ -239,7 +239,7 @@ TEST(Fp8Stats, StageStateIndicesNameTheWholeModelsGemms) {
     fp8_stats_scope stats;
     fp8_autocast scope(true, recipe::DelayedScaling{});
     model.evaluate(ids, targets, DType::BF16);
-    GPTStage::Context ctx;
+    GPT::Context ctx;
     Tensor h = Tensor::zeros({1, 16, 32}, DType::BF16);
     stage.forward(1, h, gpt_micro_batch(ids, targets), DType::BF16, 1.0f, ctx);
     stage.forward(0, h, gpt_micro_batch(ids, targets), DType::BF16, 1.0f, ctx);

@@ -1,4 +1,5 @@
-// Token embedding: a row gather forward, a deterministic scatter-add backward.
+// Token embedding: a row gather forward, a deterministic scatter-add backward; and learned
+// position embeddings added to token rows.
 #pragma once
 
 #include <cstdint>
@@ -16,9 +17,26 @@ void embedding_forward(const Tensor& ids, const Tensor& table, Tensor& out);
 // bit for bit whatever the thread count (no atomics).
 void embedding_backward(const Tensor& ids, const Tensor& dout, Tensor& dtable);
 
+// Learned positions over token rows. x [R, C] F32 holds R consecutive rows of a whole
+// [B*T, C] token matrix starting at row first_row (a sequence-parallel shard starts past 0),
+// so row r is at position p(r) = position_offset + (first_row + r) % seq_len (position_offset:
+// tokens already in a KV cache). table [P, C] F32 with position_offset + seq_len <= P.
+// forward: x[r] += table[p(r)], in place.
+void position_embedding_forward(Tensor& x, const Tensor& table, int64_t seq_len,
+                                int64_t first_row = 0, int64_t position_offset = 0);
+// dx [R, C] F32|BF16 rows as above; dtable [P, C] F32, accumulated:
+// dtable[p(r)] += dx[r], each position's rows added in row order (the same bits whatever the
+// thread count).
+void position_embedding_backward(const Tensor& dx, int64_t seq_len, Tensor& dtable,
+                                 int64_t first_row = 0, int64_t position_offset = 0);
+
 namespace reference {
 void embedding_forward(const Tensor& ids, const Tensor& table, Tensor& out);
 void embedding_backward(const Tensor& ids, const Tensor& dout, Tensor& dtable);
+void position_embedding_forward(Tensor& x, const Tensor& table, int64_t seq_len,
+                                int64_t first_row = 0, int64_t position_offset = 0);
+void position_embedding_backward(const Tensor& dx, int64_t seq_len, Tensor& dtable,
+                                 int64_t first_row = 0, int64_t position_offset = 0);
 }  // namespace reference
 
 }  // namespace octet::ops

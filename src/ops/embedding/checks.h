@@ -39,4 +39,32 @@ inline EmbeddingShape check_embedding(const char* op, const Tensor& ids,
   return s;
 }
 
+// x_or_dx [R, C] (F32 only for the in-place forward); table_or_dtable [P, C] F32. Returns C.
+inline int64_t check_positions(const char* op, const Tensor& x_or_dx, bool forward,
+                               const Tensor& table_or_dtable, int64_t seq_len, int64_t first_row,
+                               int64_t position_offset) {
+  const std::string name(op);
+  if (forward) {
+    check_dtype(x_or_dx, DType::F32, name + ": x");
+  } else {
+    check_dtype_in(x_or_dx, {DType::F32, DType::BF16}, name + ": dx");
+  }
+  check_dtype(table_or_dtable, DType::F32, name + ": table");
+  OCTET_CHECK(x_or_dx.ndim() == 2 && table_or_dtable.ndim() == 2 &&
+                  x_or_dx.dim(1) == table_or_dtable.dim(1),
+              op, ": expected rows [R,C] and a table [P,C], got ", shape_str(x_or_dx.shape()),
+              " and ", shape_str(table_or_dtable.shape()));
+  OCTET_CHECK(seq_len > 0 && first_row >= 0 && position_offset >= 0 &&
+                  position_offset + seq_len <= table_or_dtable.dim(0),
+              op, ": positions [", position_offset, ", ", position_offset + seq_len, ") (seq_len ",
+              seq_len, ", first_row ", first_row, ") expected inside the table's ",
+              table_or_dtable.dim(0), " rows");
+  return x_or_dx.dim(1);
+}
+
+// The first row >= 0 of a shard starting at first_row that sits at position t.
+inline int64_t first_row_at(int64_t t, int64_t seq_len, int64_t first_row) {
+  return ((t - first_row) % seq_len + seq_len) % seq_len;
+}
+
 }  // namespace octet::ops::embedding_detail

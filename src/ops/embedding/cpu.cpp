@@ -136,4 +136,37 @@ void embedding_backward(const Tensor& ids, const Tensor& dout, Tensor& dtable) {
   }
 }
 
+void position_embedding_forward(Tensor& x, const Tensor& table, int64_t seq_len, int64_t first_row,
+                                int64_t position_offset) {
+  const int64_t C = embedding_detail::check_positions("position_embedding_forward", x, true, table,
+                                                      seq_len, first_row, position_offset);
+  float* xs = x.data<float>();
+  const float* positions = table.data<float>() + position_offset * C;
+  const int64_t rows = x.dim(0);
+#pragma omp parallel for schedule(static)
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* p = positions + ((first_row + r) % seq_len) * C;
+    for (int64_t c = 0; c < C; ++c) xs[r * C + c] += p[c];
+  }
+}
+
+void position_embedding_backward(const Tensor& dx, int64_t seq_len, Tensor& dtable,
+                                 int64_t first_row, int64_t position_offset) {
+  const int64_t C = embedding_detail::check_positions("position_embedding_backward", dx, false,
+                                                      dtable, seq_len, first_row, position_offset);
+  const Tensor wide = dx.dtype() == DType::F32 ? dx : dx.to(DType::F32);
+  const float* g = wide.data<float>();
+  float* w = dtable.data<float>() + position_offset * C;
+  const int64_t rows = wide.dim(0);
+  // Threads split the positions; each adds its rows in row order.
+#pragma omp parallel for schedule(static)
+  for (int64_t t = 0; t < seq_len; ++t) {
+    float* p = w + t * C;
+    for (int64_t r = embedding_detail::first_row_at(t, seq_len, first_row); r < rows;
+         r += seq_len) {
+      for (int64_t c = 0; c < C; ++c) p[c] += g[r * C + c];
+    }
+  }
+}
+
 }  // namespace octet::ops

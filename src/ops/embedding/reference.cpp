@@ -41,4 +41,28 @@ void embedding_backward(const Tensor& ids, const Tensor& dout, Tensor& dtable) {
   }
 }
 
+void position_embedding_forward(Tensor& x, const Tensor& table, int64_t seq_len, int64_t first_row,
+                                int64_t position_offset) {
+  const int64_t C = embedding_detail::check_positions("position_embedding_forward", x, true, table,
+                                                      seq_len, first_row, position_offset);
+  for (int64_t r = 0; r < x.dim(0); ++r) {
+    const int64_t position = position_offset + (first_row + r) % seq_len;
+    for (int64_t c = 0; c < C; ++c) {
+      x.data<float>()[r * C + c] += table.data<float>()[position * C + c];
+    }
+  }
+}
+
+void position_embedding_backward(const Tensor& dx, int64_t seq_len, Tensor& dtable,
+                                 int64_t first_row, int64_t position_offset) {
+  const int64_t C = embedding_detail::check_positions("position_embedding_backward", dx, false,
+                                                      dtable, seq_len, first_row, position_offset);
+  for (int64_t r = 0; r < dx.dim(0); ++r) {
+    const int64_t position = position_offset + (first_row + r) % seq_len;
+    for (int64_t c = 0; c < C; ++c) {
+      dtable.data<float>()[position * C + c] += read(dx, r * C + c);
+    }
+  }
+}
+
 }  // namespace octet::ops::reference

@@ -1,0 +1,309 @@
+// The one factory of a training run: checks the options, splits the world into the layout's
+// groups, builds this rank's part of the model (tensor shards and pipeline stages come from
+// the model's own layout), the pipeline executor when there are stages, data parallelism and
+// the optimizer, and restores a checkpoint. The only code that knows the layout.
+#include <algorithm>
+#include <cstdio>
+#include <variant>
+
+#include "octet/model_tensor_parallel.h"
+#include "octet/tensor_parallel.h"
+#include "train/training_run.h"
+
+namespace octet::train_detail {
+
+namespace {
+
+recipe::Recipe make_recipe(const TrainOptions& o) {
+  OCTET_CHECK(o.fp8_format == "hybrid" || o.fp8_format == "e4m3",
+              "--fp8-format expected hybrid or e4m3, got '", o.fp8_format, "'");
+  recipe::Format format = o.fp8_format == "hybrid" ? recipe::Format::HYBRID : recipe::Format::E4M3;
+  if (o.fp8_recipe == "delayed") {
+    recipe::DelayedScaling r;
+    r.fp8_format = format;
+    r.amax_history_len = static_cast<int>(o.fp8_amax_history_len);
+    return r;
+  }
+  if (o.fp8_recipe == "current") {
+    recipe::Float8CurrentScaling r;
+    r.fp8_format = format;
+    return r;
+  }
+  if (o.fp8_recipe == "mxfp8") return recipe::MXFP8BlockScaling{};
+  if (o.fp8_recipe == "block") return recipe::Float8BlockScaling{};
+  fail(detail::concat("--fp8-recipe expected delayed, current, mxfp8 or block, got '", o.fp8_recipe,
+                      "'"));
+}
+
+DType compute_dtype(const std::string& precision) {
+  if (precision == "fp32") return DType::F32;
+  if (precision == "bf16" || precision == "fp8") return DType::BF16;
+  fail(detail::concat("--precision expected fp32, bf16 or fp8, got '", precision, "'"));
+}
+
+// The parameters of `from` that `set` also holds, in from's order.
+std::vector<Parameter*> among(const std::vector<Parameter*>& from,
+                              const std::vector<Parameter*>& set) {
+  std::vector<Parameter*> out;
+  for (Parameter* p : from) {
+    if (std::find(set.begin(), set.end(), p) != set.end()) out.push_back(p);
+  }
+  return out;
+}
+
+bool contains(const std::vector<Parameter*>& set, const Parameter* p) {
+  return std::find(set.begin(), set.end(), p) != set.end();
+}
+
+}  // namespace
+
+TrainingRun::TrainingRun(const TrainOptions& options) : o_(options) {
+  config_ = GPTConfig::load(o_.config_path);
+  check_options();
+  // Without a launcher the world is this process alone, and MPI is never started.
+  world_ = launcher_world_size() > 1 ? world_communicator() : self_communicator();
+  parallel_ =
+      std::make_unique<ParallelState>(world_, static_cast<int>(o_.tensor_model_parallel_size),
+                                      static_cast<int>(o_.pipeline_model_parallel_size));
+  pipelined_ = parallel_->pipeline_size() > 1;
+  dp_ = parallel_->data_size();
+  dp_rank_ = parallel_->data_rank();
+  OCTET_CHECK(global_batch_ % (o_.micro_batch_size * dp_) == 0, "--global-batch-size (",
+              global_batch_, ") must be a multiple of --micro-batch-size (", o_.micro_batch_size,
+              ") x data-parallel size (", dp_, ")");
+  chief_ = parallel_->rank() == 0;  // prints, writes metrics, plots, checkpoints
+  quiet_ = o_.quiet || !chief_;
+  accumulation_ = global_batch_ / (o_.micro_batch_size * dp_);
+  micro_batches_per_step_ = global_batch_ / o_.micro_batch_size;
+  data_parallel_ = dp_ > 1 || o_.use_distributed_optimizer;
+  adam_ = AdamWOptions{o_.adam_beta1, o_.adam_beta2, 1e-8f, o_.weight_decay, o_.clip_grad};
+
+  open_data();
+  if (pipelined_) {
+    build_pipeline();
+  } else {
+    model_ = make_model(GPTLayout{});
+  }
+  if (!o_.load.empty()) load_checkpoint_state();
+  if (data_parallel_) build_data_parallel();
+  build_optimizer();
+  fp8_part_ = model_->fp8_states();
+  fp8_index_ = model_->fp8_state_indices();
+  if (fp8_ && !o_.load.empty()) restore_fp8_state();
+
+  peak_gflops_ = o_.peak_gflops > 0 ? o_.peak_gflops : measure_bf16_peak_gflops();
+  flops_per_token_ = config_.train_flops_per_token(seq_len_);
+  tokens_per_iteration_ = global_batch_ * seq_len_;
+  if (!quiet_) print_setup();
+  metrics_ = std::make_unique<MetricsWriter>(chief_ ? o_.metrics : std::string());
+}
+
+void TrainingRun::check_options() {
+  seq_len_ = o_.seq_length ? o_.seq_length : config_.max_seq_len;
+  OCTET_CHECK(seq_len_ > 0 && seq_len_ <= config_.max_seq_len, "--seq-length ", seq_len_,
+              " expected in [1, ", config_.max_seq_len, "]");
+  global_batch_ = o_.global_batch_size ? o_.global_batch_size : o_.micro_batch_size;
+  OCTET_CHECK(o_.micro_batch_size > 0 && global_batch_ % o_.micro_batch_size == 0,
+              "--global-batch-size (", global_batch_,
+              ") must be a positive multiple of --micro-batch-size (", o_.micro_batch_size, ")");
+  OCTET_CHECK(o_.train_iters > 0, "--train-iters must be positive, got ", o_.train_iters);
+  OCTET_CHECK(o_.mock_data || !o_.train_data.empty(),
+              "no training data: give --train-data SHARD (from `octet tokenize -o`) or "
+              "--mock-data");
+  OCTET_CHECK(o_.dump_steps.empty() || !o_.dump_grads.empty(),
+              "--dump-steps names the steps --dump-grads writes: give --dump-grads DIR too");
+  for (int64_t step : o_.dump_steps) {
+    OCTET_CHECK(step >= 1 && step <= o_.train_iters, "--dump-steps expected steps in [1, ",
+                o_.train_iters, "], got ", step);
+  }
+  dtype_ = compute_dtype(o_.precision);
+  fp8_ = o_.precision == "fp8";
+  recipe_ = fp8_ ? make_recipe(o_) : recipe::Recipe{};
+  delayed_scaling_ = fp8_ && std::holds_alternative<recipe::DelayedScaling>(recipe_);
+  OCTET_CHECK(!o_.fp8_stats || fp8_,
+              "--fp8-stats measures FP8 GEMM inputs: it needs --precision fp8, got --precision ",
+              o_.precision);
+}
+
+void TrainingRun::open_data() {
+  train_batches_ = std::make_unique<Batcher>(o_.train_data, o_.mock_data, config_.vocab_size,
+                                             seq_len_, o_.seed, 1);
+  entropy_ = o_.mock_data || !chief_ ? NAN : unigram_entropy(o_.train_data);
+  if (!quiet_ && std::isfinite(entropy_)) {
+    std::printf("training data: unigram entropy %.3f nats (a model below it uses context)\n",
+                entropy_);
+  }
+  if (o_.mock_data || !o_.valid_data.empty()) {
+    valid_batches_ = std::make_unique<Batcher>(o_.mock_data ? "" : o_.valid_data, o_.mock_data,
+                                               config_.vocab_size, seq_len_, o_.seed, 2);
+  }
+}
+
+std::unique_ptr<TrainableModel> TrainingRun::make_model(const GPTLayout& layout) const {
+  if (parallel_->tensor_size() > 1) {
+    auto model = std::make_unique<TensorParallelGPT>(
+        config_, o_.seed, o_.sequence_parallel, parallel_->tensor(), layout.stages,
+        layout.stage_of_chunk, o_.recompute_activations);
+    model->set_tp_comm_overlap(o_.tp_comm_overlap);
+    return model;
+  }
+  return std::make_unique<GPT>(config_, o_.seed, layout, o_.recompute_activations);
+}
+
+void TrainingRun::build_pipeline() {
+  pipeline::Schedule schedule = pipeline::make_schedule(
+      pipeline::parse_schedule_kind(o_.pipeline_schedule), parallel_->pipeline_size(),
+      static_cast<int>(accumulation_), static_cast<int>(o_.virtual_stages));
+  model_ = make_model(
+      GPTLayout{schedule.stages, pipeline::stages_of_rank(schedule, parallel_->pipeline_rank())});
+  pipeline::ExecutorOptions options;
+  options.dtype = dtype_;
+  if (delayed_scaling_ && parallel_->tensor_and_data().size() > 1) {
+    // The stage's tensor x data ranks run the same action list: after each chunk's forward
+    // and backward their amaxes become the group's maximum, as after a micro-batch.
+    options.after_compute = [states = model_->fp8_states(), group = &parallel_->tensor_and_data()] {
+      reduce_fp8_amax(states, *group);
+    };
+  }
+  // Pipeline x data: each chunk's gradients start reducing right after its last backward of
+  // the step (DualPipe sums its two copies after the schedule first: reduced after).
+  overlap_ = dp_ > 1 && o_.overlap_grad_reduce && schedule.model_copies == 1;
+  if (overlap_) {
+    options.chunk_gradients_final = [this](int chunk) {
+      // Tied copies are summed between their stages after the schedule: their bucket starts
+      // in finish_grad_sync, after that.
+      const std::vector<Parameter*> tied = model_->tied_copies();
+      std::vector<Parameter*> ready;
+      for (Parameter* p : model_->chunk_parameters(chunk)) {
+        if (!contains(tied, p)) ready.push_back(p);
+      }
+      // Sequence-parallel partial gradients are summed over the tensor ranks before their
+      // buckets reduce over the data ranks (the distributed optimizer keeps only a shard).
+      all_reduce_sequence_parallel_gradients(among(ready, model_->sequence_parallel_parameters()),
+                                             parallel_->tensor());
+      ddp_->grads_ready(ready);
+    };
+  }
+  executor_ = std::make_unique<pipeline::PipelineExecutor>(schedule, *model_, *parallel_, options);
+}
+
+void TrainingRun::load_checkpoint_state() {
+  Checkpoint checkpoint = load_checkpoint(o_.load);
+  OCTET_CHECK(checkpoint.trainer.value("config", nlohmann::json()) == config_.to_json(),
+              "checkpoint '", o_.load, "' was trained with another model config (",
+              checkpoint.trainer.value("config", nlohmann::json()).dump(), ")");
+  // A JSON object lacking a key would otherwise escape as nlohmann's exception.
+  auto count = [&](const char* key) {
+    const nlohmann::json& trainer = checkpoint.trainer;
+    OCTET_CHECK(trainer.contains(key) && trainer[key].is_number_integer() &&
+                    trainer[key].get<int64_t>() >= 0,
+                "checkpoint '", o_.load, "': trainer.json expected a non-negative integer '", key,
+                "', got ", trainer.contains(key) ? trainer[key].dump() : "none");
+    return trainer[key].get<int64_t>();
+  };
+  // Whole-model tensors (any layout's checkpoint): this rank's part of the parameters and
+  // this rank's slices of their optimizer state.
+  loaded_model_ = model_->from_checkpoint_names(checkpoint.model);
+  model_->load_state_dict(loaded_model_);
+  loaded_optimizer_ = shard_optimizer_state(*model_, std::move(checkpoint.optimizer), o_.load);
+  loaded_steps_ = count("optimizer_steps");
+  start_iteration_ = count("iteration");
+}
+
+std::vector<Parameter*> TrainingRun::pipeline_backward_order() const {
+  // Later stages finish their backward first; tied copies are summed between their stages
+  // after the schedule, so they are reduced last.
+  std::vector<int> chunks = model_->chunks_in_stage_order();
+  std::reverse(chunks.begin(), chunks.end());
+  const std::vector<Parameter*> tied = model_->tied_copies();
+  std::vector<Parameter*> order;
+  for (int chunk : chunks) {
+    for (Parameter* p : model_->chunk_parameters(chunk)) {
+      if (!contains(tied, p)) order.push_back(p);
+    }
+  }
+  order.insert(order.end(), tied.begin(), tied.end());
+  return order;
+}
+
+void TrainingRun::build_data_parallel() {
+  // Buckets in the order backward finalizes gradients; parameters move into them. Under PP
+  // chunk by chunk as the schedule finishes their backward, otherwise layer by layer.
+  const std::vector<Parameter*> order =
+      pipelined_ ? pipeline_backward_order() : model_->parameters_in_backward_order();
+  OCTET_CHECK(order.size() == model_->parameters().size(), "octet train: ", order.size(),
+              " parameters in backward order, the model part holds ", model_->parameters().size());
+  if (!pipelined_) overlap_ = o_.overlap_grad_reduce;  // (pipelined: set by build_pipeline)
+  DataParallelOptions options;
+  options.bucket_elements = o_.ddp_bucket_size;
+  options.overlap_grad_reduce = overlap_;
+  options.distributed_optimizer = o_.use_distributed_optimizer;
+  ddp_ = std::make_unique<DistributedDataParallel>(order, parallel_->data(), options);
+  model_->on_parameters_updated();
+  if (pipelined_) return;  // the executor reports chunks (build_pipeline)
+  if (overlap_) {
+    model_->set_grad_ready_hook([this](const std::vector<Parameter*>& ready) {
+      // Only the step's last micro-batch: earlier ones' gradients are not final, and their
+      // sequence-parallel parts must be summed once, after accumulation.
+      if (!last_micro_batch_) return;
+      all_reduce_sequence_parallel_gradients(among(ready, model_->sequence_parallel_parameters()),
+                                             parallel_->tensor());
+      ddp_->grads_ready(ready);
+    });
+  }
+  model_->set_embedding_grad_hook([this](Parameter& table, const Tensor& ids, const Tensor& rows) {
+    ddp_->add_embedding_rows(table, ids, rows);
+  });
+}
+
+void TrainingRun::build_optimizer() {
+  // With the model split over tensor or pipeline ranks the clipping norm spans the model
+  // group: AdamW clips nothing, the loop does (or ZeRO-1's scope).
+  const bool split_model = parallel_->model().size() > 1;
+  if (o_.use_distributed_optimizer) {
+    GradNormScope scope;
+    if (split_model) {
+      scope.counted =
+          model_->counted_in_norm(executor_ ? executor_->owned_parameters() : model_->parameters());
+      scope.model_group = &parallel_->model();
+    }
+    zero_ = std::make_unique<DistributedOptimizer>(*ddp_, adam_, scope);
+    if (!o_.load.empty()) zero_->load_state(loaded_optimizer_, loaded_steps_);
+    return;
+  }
+  AdamWOptions options = adam_;
+  if (split_model) options.clip_grad = 0;
+  adamw_ = std::make_unique<AdamW>(model_->parameters(), options);
+  if (!o_.load.empty()) adamw_->load_state(loaded_optimizer_, loaded_steps_);
+}
+
+void TrainingRun::restore_fp8_state() {
+  // Amax histories and scales continue where they were, so FP8 resumes exactly.
+  for (size_t i = 0; i < fp8_part_.size(); ++i) {
+    const std::string prefix = "fp8." + std::to_string(fp8_index_[i]) + ".";
+    if (loaded_optimizer_.count(prefix + "calls")) {
+      fp8_part_[i]->load_state(loaded_optimizer_, prefix, recipe_);
+    }
+  }
+}
+
+void TrainingRun::print_setup() const {
+  std::printf("octet train: %s, %.2fM parameters, seq %lld, micro-batch %lld x %lld, %s%s\n",
+              config_.name.c_str(), config_.num_parameters() / 1e6, (long long)seq_len_,
+              (long long)o_.micro_batch_size, (long long)accumulation_, o_.precision.c_str(),
+              fp8_ ? (" (" + recipe::describe(recipe_) + ")").c_str() : "");
+  const ParallelState& parallel = *parallel_;
+  if (parallel.world_size() > 1) {
+    std::printf("parallel: %d processes, TP=%d x DP=%d x PP=%d%s, %s, %zu gradient bucket(s)%s\n",
+                parallel.world_size(), parallel.tensor_size(), parallel.data_size(),
+                parallel.pipeline_size(),
+                parallel.tensor_size() > 1 && o_.sequence_parallel ? " (sequence-parallel)" : "",
+                o_.use_distributed_optimizer ? "distributed optimizer (ZeRO-1)" : "all-reduce",
+                ddp_ ? ddp_->buckets().size() : size_t{0},
+                ddp_ && ddp_->options().overlap_grad_reduce ? " reduced during backward" : "");
+  }
+  std::printf("measured BF16 GEMM peak %.0f GFLOP/s; %.2f GFLOP per token\n", peak_gflops_,
+              flops_per_token_ / 1e9);
+}
+
+}  // namespace octet::train_detail

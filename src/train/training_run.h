@@ -1,0 +1,103 @@
+// One training run: what a rank trains and how, assembled from the layout by one factory
+// (TrainingRun::TrainingRun, run_factory.cpp), and the loop over steps made of short
+// functions (trainer.cpp). Nothing here asks which model it trains: the model is a
+// TrainableModel; only the factory knows the layout (which model part, whether a pipeline
+// executor runs it, which optimizer and data-parallel wrapper hold its gradients).
+#pragma once
+
+#include <chrono>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "octet/comm.h"
+#include "octet/data_parallel.h"
+#include "octet/model.h"
+#include "octet/pipeline.h"
+#include "octet/recipe.h"
+#include "octet/train.h"
+#include "train/batcher.h"
+
+namespace octet::train_detail {
+
+class TrainingRun {
+ public:
+  explicit TrainingRun(const TrainOptions& options);  // the factory: checks, then builds
+  TrainResult run();
+
+ private:
+  using Clock = std::chrono::steady_clock;
+
+  // --- the factory (run_factory.cpp) ---
+  void check_options();
+  void open_data();
+  std::unique_ptr<TrainableModel> make_model(const GPTLayout& layout) const;
+  void build_pipeline();
+  void load_checkpoint_state();
+  void build_data_parallel();
+  void build_optimizer();
+  void restore_fp8_state();
+  void print_setup() const;
+  std::vector<Parameter*> pipeline_backward_order() const;
+
+  // --- the loop (trainer.cpp) ---
+  double run_micro_batches(int64_t iteration);
+  void finish_gradients();
+  double optimizer_step(float lr);
+  double model_grad_norm(const std::vector<Parameter*>& owned);
+  float evaluate();
+  void save(int64_t iteration);
+  TensorMap whole_parameters();
+  TensorMap whole_gradients();
+  void dump(int64_t step, TensorMap tensors);
+  nlohmann::json record_step(int64_t iteration, double loss, float lr, double grad_norm,
+                             double step_seconds);
+  void print_progress(int64_t iteration, const nlohmann::json& record, double busy_seconds) const;
+  void finish(double run_seconds);
+  nlohmann::json trainer_state(int64_t iteration) const;
+  int64_t optimizer_steps() const;
+
+  const TrainOptions& o_;
+  GPTConfig config_;
+  int64_t seq_len_ = 0, global_batch_ = 0;
+  DType dtype_ = DType::F32;
+  bool fp8_ = false, delayed_scaling_ = false;
+  recipe::Recipe recipe_;
+
+  std::shared_ptr<Communicator> world_;
+  std::unique_ptr<ParallelState> parallel_;
+  bool pipelined_ = false, chief_ = true, quiet_ = false, data_parallel_ = false;
+  int64_t dp_ = 1, dp_rank_ = 0;
+  // Micro-batches per step on this rank; the step's k-th micro-batch of data-parallel rank d
+  // is the step's (k * DP + d)-th, so any DP size sees the same global batch.
+  int64_t accumulation_ = 1, micro_batches_per_step_ = 1;
+
+  std::unique_ptr<Batcher> train_batches_, valid_batches_;
+  double entropy_ = 0;
+
+  std::unique_ptr<TrainableModel> model_;                 // this rank's part of the model
+  std::unique_ptr<pipeline::PipelineExecutor> executor_;  // pipeline parallelism only
+  std::unique_ptr<DistributedDataParallel> ddp_;
+  std::unique_ptr<DistributedOptimizer> zero_;
+  std::unique_ptr<AdamW> adamw_;
+  AdamWOptions adam_;
+  // Gradients reduced over the data ranks while backward runs (and sequence-parallel ones
+  // summed over the tensor ranks there too).
+  bool overlap_ = false;
+  bool last_micro_batch_ = true;  // of the step: the one whose gradients are final
+
+  TensorMap loaded_model_, loaded_optimizer_;
+  int64_t loaded_steps_ = 0, start_iteration_ = 0;
+
+  std::vector<Fp8State*> fp8_part_;
+  std::vector<int64_t> fp8_index_;
+
+  double peak_gflops_ = 0, flops_per_token_ = 0;
+  int64_t tokens_per_iteration_ = 0;
+  std::unique_ptr<MetricsWriter> metrics_;
+  Fp8StatsSummary fp8_summary_;
+  TrainResult result_;
+  std::vector<CurvePoint> train_curve_, valid_curve_;
+};
+
+}  // namespace octet::train_detail
