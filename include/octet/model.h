@@ -14,6 +14,7 @@
 #include "octet/modules.h"
 #include "octet/pipeline_stage.h"
 #include "octet/safetensors.h"
+#include "octet/tensor_parallel.h"
 #include "octet/trainable_model.h"
 
 namespace octet {
@@ -57,22 +58,35 @@ struct TiedOutputCache {
   void invalidate();  // after the parameters changed
 };
 
-// Which part of a GPT this process holds under pipeline parallelism (Megatron's pre_process /
-// post_process, generalized to several chunks per rank): the model is cut into `stages` equal
+// Which part of a GPT this process holds. Under pipeline parallelism (Megatron's pre_process /
+// post_process, generalized to several chunks per rank) the model is cut into `stages` equal
 // runs of layers, and chunk c of this rank holds stage stage_of_chunk[c]. The default, one
-// stage held as chunk 0, is the whole model.
+// stage held as chunk 0, is the whole model. Under tensor parallelism (a group given) every
+// layer, the token embedding and the tied output layer are split across the group.
 struct GPTLayout {
   int stages = 1;
   std::vector<int> stage_of_chunk = {0};  // pipeline::stages_of_rank(schedule, rank)
+  Communicator* tensor = nullptr;         // the tensor-parallel group; null: none
+  // With a group: the residual stream, norms and position embedding on token shards
+  // [B*T/TP, C] (B*T divisible by TP at run time).
+  bool sequence_parallel = false;
 };
 
-// A GPT, or the pipeline stages of one that a rank holds: chunk c holds layers
-// [s*L/stages, (s+1)*L/stages) of stage s = stage_of_chunk[c], plus the embeddings (wte, wpe)
-// when s is the first stage and the final norm + tied output layer (wte again) + loss when s
-// is the last. Every parameter is named and initialized exactly as in the whole model, so a
-// stage's parameters equal the single-process model's. A rank holding the first stage and
-// another holding the last each keep a copy of wte (a tied group: the pipeline executor sums
-// their gradients). The whole-model calls (train_step, evaluate, inference) need one stage.
+// A GPT, or the part of one that a rank holds: chunk c holds layers [s*L/stages,
+// (s+1)*L/stages) of stage s = stage_of_chunk[c], plus the embeddings (wte, wpe) when s is the
+// first stage and the final norm + tied output layer (wte again) + loss when s is the last.
+// Every parameter is named and initialized exactly as in the whole model, so a stage's
+// parameters equal the single-process model's. A rank holding the first stage and another
+// holding the last each keep a copy of wte (a tied group: the pipeline executor sums their
+// gradients). The whole-model calls (train_step, evaluate) need one stage.
+//
+// With a tensor-parallel group (Megatron's GPTModel with TP) the layers are TransformerLayers
+// given the group; wte holds this rank's vocabulary rows (vocab_range), so the embedding is a
+// vocabulary-parallel lookup summed over the group and the loss a vocabulary-parallel
+// cross-entropy that never gathers the logits. state_dict() gathers whole-model tensors and
+// load_state_dict() takes this rank's slices (TensorShard), so checkpoints load at any layout.
+// Activations between stages are [B,T,C], or this rank's token rows [B*T/TP, C] under
+// sequence parallelism. No dropout under TP yet; KV-cache inference runs without it.
 class GPT : public TrainableModel {
  public:
   // recompute_activations: each layer keeps only its input and recomputes in backward.
@@ -137,12 +151,19 @@ class GPT : public TrainableModel {
   // belongs to row ids[n] of wte; ids [N] I32, rows [N,C] F32) instead of adding them into
   // wte.grad. wte's gradient is then final right after the output layer, at the start of
   // backward, and reported ready there: its large reduction overlaps the whole backward.
-  bool set_embedding_grad_hook(EmbeddingGradHook hook) override {
-    embedding_grad_hook_ = std::move(hook);
-    return true;
-  }
+  bool set_embedding_grad_hook(EmbeddingGradHook hook) override;  // not under TP: false
   // Every parameter, in the order the hooks report them (both hooks set).
   std::vector<Parameter*> parameters_in_backward_order() override;
+  // Tensor parallelism: whole tensors from shards and back, and each element counted once in
+  // a norm over the model group (identities without a group).
+  Tensor gather(const Parameter& p, const Tensor& local) override;
+  Tensor shard(const Parameter& p, const Tensor& whole) const override;
+  std::vector<Parameter*> counted_in_norm(const std::vector<Parameter*>& candidates) const override;
+  // --tp-comm-overlap: every column GEMM's sequence-parallel all-gather overlapped with the
+  // GEMM of this rank's own rows.
+  void set_tp_comm_overlap(bool on);
+  // This rank's rows of the vocabulary (all of it without a group).
+  VocabRange vocab() const { return vocab_; }
   const GPTConfig& config() const { return config_; }
   const GPTLayout& layout() const { return layout_; }
   // The layers of the whole model (one stage held), or of one chunk.
@@ -164,13 +185,24 @@ class GPT : public TrainableModel {
   TensorMap to_checkpoint_names(const TensorMap& ours) const override;
   TensorMap from_checkpoint_names(const TensorMap& theirs) const override;
 
-  Parameter wte;  // [V,C] where the first or the last stage is held, else undefined
+  // [V,C] (this rank's vocab() rows under TP) where the first or the last stage is held, else
+  // undefined.
+  Parameter wte;
   Parameter wpe;  // [max_seq_len, C] on the first stage (learned positions only)
 
  private:
   bool is_first(int chunk) const { return stage_of_chunk(chunk) == 0; }
   bool is_last(int chunk) const { return stage_of_chunk(chunk) == layout_.stages - 1; }
   void check_whole(const char* what) const;
+  void check_inference(const char* what) const;  // the whole model, no tensor group
+  bool sequence_parallel() const { return layout_.tensor && layout_.sequence_parallel; }
+  void check_micro_batch(const Tensor& ids, DType dtype) const;
+  // ids [B,T] -> token + position embeddings [B*T(/TP), C] F32, and their backward from dx.
+  Tensor embed(const Tensor& ids);
+  void embed_backward(const Tensor& ids, const Tensor& dx);
+  // The tied output layer + loss over hidden [B*T(/TP), C]; dhidden shaped like hidden.
+  float output_loss(const Tensor& hidden, const Tensor& targets, DType dtype, float grad_scale,
+                    Tensor* dhidden);
   // forward (ctx given: kept for backward, the loss's gradient computed) or evaluate.
   Tensor run_forward(int chunk, const Tensor& input, const Tensor& ids, const Tensor& targets,
                      DType dtype, float grad_scale, Context* ctx, float* loss);
@@ -185,6 +217,7 @@ class GPT : public TrainableModel {
 
   GPTConfig config_;
   GPTLayout layout_;
+  VocabRange vocab_;
   bool has_first_ = false, has_last_ = false;
   std::vector<std::vector<TransformerLayer>> layers_;  // [chunk][layer of that stage]
   std::optional<Norm> final_norm_;                     // last stage only

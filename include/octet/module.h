@@ -13,10 +13,51 @@
 
 namespace octet {
 
+// How a parameter is split across the tensor-parallel group (Megatron's tensor_model_parallel
+// and partition_dim attributes), set by the module that owns it: checkpoints gather the whole
+// tensor from the shards and slice it back at any group size, and gradient norms count each
+// element once.
+struct TensorShard {
+  enum class Kind {
+    Replicated,  // every rank holds the whole tensor
+    Rows,        // dimension 0 split: rank r holds the r-th 1/TP of each block
+    Columns,     // dimension 1 split in equal 1/TP parts
+  };
+  Kind kind = Kind::Replicated;
+  Shape whole_shape;  // the whole tensor's shape (not replicated)
+  // Rows: dimension 0 is made of these blocks (empty: one block), e.g. a fused [q | k | v].
+  std::vector<int64_t> blocks;
+  // Rows: split by vocabulary ranges of ceil(V/TP) rows (the last may be shorter) instead.
+  bool vocabulary = false;
+  // Replicated but applied to token shards under sequence parallelism: each rank's gradient is
+  // partial until summed over the group (all_reduce_sequence_parallel_gradients).
+  bool sequence_parallel = false;
+
+  static TensorShard rows(Shape whole, std::vector<int64_t> blocks = {}) {
+    TensorShard s;
+    s.kind = Kind::Rows;
+    s.whole_shape = std::move(whole);
+    s.blocks = std::move(blocks);
+    return s;
+  }
+  static TensorShard vocabulary_rows(Shape whole) {
+    TensorShard s = rows(std::move(whole));
+    s.vocabulary = true;
+    return s;
+  }
+  static TensorShard columns(Shape whole) {
+    TensorShard s;
+    s.kind = Kind::Columns;
+    s.whole_shape = std::move(whole);
+    return s;
+  }
+};
+
 struct Parameter {
   std::string name;
   Tensor value;  // F32 master
   Tensor grad;   // F32, same shape
+  TensorShard shard = {};
 };
 
 class Module {

@@ -230,9 +230,9 @@ class Linear : public Module {
   const LinearOptions& options() const { return options_; }
   const LinearOptions& whole_options() const { return whole_; }
   Fp8State& fp8_state() { return fp8_; }
-  // Tensor parallelism. The replicated parameters whose gradients are partial under sequence
-  // parallelism (a row layer's bias), else empty.
-  std::vector<Parameter*> sequence_parallel_parameters();
+  // Tensor parallelism: whether the layer is split across a group (then its parameters'
+  // TensorShard says how; a row layer's bias is marked sequence_parallel under SP).
+  bool parallel() const { return tp_ != nullptr; }
   // Sets this rank's shard from the whole layer's weight [out, in] and bias [out] (or null).
   void load_full(const Tensor& weight, const Tensor* bias);
   // Column layers under sequence parallelism (not FP8): the GEMM of this rank's own token
@@ -299,7 +299,10 @@ struct LayerNormLinearOptions {
 };
 
 // norm(x) then Linear, with the norm's output cast to FP8 in the norm kernel under per-tensor
-// FP8 recipes (TransformerEngine's LayerNormLinear, e.g. the fused QKV projection).
+// FP8 recipes (TransformerEngine's LayerNormLinear, e.g. the fused QKV projection). Given a
+// tensor-parallel group, the Linear is parallel per linear.parallel_mode; under
+// sequence_parallel the norm runs on this rank's token rows and a column Linear gathers its
+// output (the FP8 codes are then made after the gather, not by the norm kernel).
 class LayerNormLinear : public Module {
  public:
   struct Context {
@@ -307,7 +310,7 @@ class LayerNormLinear : public Module {
     Linear::Context linear;
     Tensor norm_output;  // kept when return_layernorm_output or the GEMM is not FP8
   };
-  explicit LayerNormLinear(const LayerNormLinearOptions& options);
+  explicit LayerNormLinear(const LayerNormLinearOptions& options, Communicator* tp = nullptr);
   Tensor forward(const Tensor& x, Context& ctx);
   Tensor backward(const Tensor& dy, Context& ctx);
   void collect_parameters(std::vector<Parameter*>& out) override;
@@ -327,13 +330,19 @@ struct LayerNormMLPOptions {
   NormOptions norm;
   bool bias = true;
   bool checkpoint = false;  // recompute FC1 + activation in backward instead of saving them
+  // With a tensor-parallel group: the input and output are this rank's token rows
+  // [N/TP, hidden] (the norm runs on them; FC1 gathers, FC2 reduce-scatters).
+  bool sequence_parallel = false;
   float init_std = 0.02f;
   float output_init_std = 0.02f;
   uint64_t seed = 0;
   std::string name = "mlp";
 };
 
-// norm -> FC1 (bias fused) -> activation -> FC2.
+// norm -> FC1 (bias fused) -> activation -> FC2. Given a tensor-parallel group (Megatron's
+// MLP): FC1 column-parallel (a gated activation's two halves split alike), the activation on
+// this rank's ffn_hidden/TP columns, FC2 row-parallel; the parameters are the shards of the
+// same options' single-process module. FP8 runs quantize each GEMM input after the gather.
 class LayerNormMLP : public Module {
  public:
   struct Context {
@@ -349,7 +358,7 @@ class LayerNormMLP : public Module {
     // (0: it did not), and backward recomputes it the same way.
     float activation_fp8_scale = 0.0f;
   };
-  explicit LayerNormMLP(const LayerNormMLPOptions& options);
+  explicit LayerNormMLP(const LayerNormMLPOptions& options, Communicator* tp = nullptr);
   // FC1's (first) or FC2's options: sizes, seeds, names. Tensor-parallel MLPs shard these.
   static LinearOptions fc_options(const LayerNormMLPOptions& options, bool first);
   Tensor forward(const Tensor& x, Context& ctx);
@@ -364,6 +373,7 @@ class LayerNormMLP : public Module {
  private:
   void run_forward(const Tensor& x, Context& ctx, Tensor& out);
   LayerNormMLPOptions options_;
+  int64_t local_ffn_;  // ffn_hidden / TP
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -447,6 +457,8 @@ struct MultiheadAttentionOptions {
   NormKind qk_norm_type = NormKind::RMSNorm;
   float qk_norm_eps = 1e-6f;
   bool qk_norm_before_rope = false;
+  // With a tensor-parallel group: x and the output are this rank's token rows (below).
+  bool sequence_parallel = false;
   float init_std = 0.02f;
   float output_init_std = 0.02f;
   DType params_dtype = DType::F32;
@@ -459,6 +471,12 @@ struct MultiheadAttentionOptions {
 // Cross-attention: q from x (query projection), k and v from encoder_output (key_value
 // projection, [k | v]). Parameters (TE's names): layernorm_qkv | qkv, or layernorm_query |
 // query and key_value; q_norm, k_norm; proj.
+// Given a tensor-parallel group (self-attention; Megatron's attention with TP): the QKV
+// projection column-parallel by heads (rank r holds the r-th H/TP query and Hkv/TP kv heads of
+// each block), attention on those heads, the output projection row-parallel; the parameters
+// are the shards of the same options' single-process module. Under sequence_parallel, x is
+// this rank's token rows [B*T/TP, C] of the flattened [B*T, C] and forward needs seq_len = T;
+// the output is the same rows.
 class MultiheadAttention : public Module {
  public:
   struct Context {
@@ -468,12 +486,13 @@ class MultiheadAttention : public Module {
     Norm::Context q_norm, k_norm;
     DotProductAttention::Context core;
     Linear::Context proj;
-    Shape x_shape, encoder_shape;
+    Shape x_shape;  // [B, T, C] (the whole sequence under sequence parallelism)
+    Shape input_shape, encoder_shape;
     // FP8 self-attention with per-tensor scaling: q, k, v (and the QK-norm inputs) are not
     // kept; backward recomputes them from the QKV projection's kept FP8 input, bit for bit.
     bool replay_qkv = false;
   };
-  explicit MultiheadAttention(const MultiheadAttentionOptions& options);
+  explicit MultiheadAttention(const MultiheadAttentionOptions& options, Communicator* tp = nullptr);
   // The sub-modules' options (sizes, seeds, names), which tensor-parallel attention shards:
   // the core attention, the fused self-attention QKV projection with its input norm, and
   // the output projection.
@@ -481,9 +500,11 @@ class MultiheadAttention : public Module {
   static LayerNormLinearOptions qkv_options(const MultiheadAttentionOptions& options);
   static LinearOptions proj_options(const MultiheadAttentionOptions& options);
   // x [B,T,C], encoder_output [B,S,C] (cross-attention only), F32|BF16 -> [B,T,C].
-  // q_lengths [B] / kv_lengths [B] I32 for padding masks.
+  // q_lengths [B] / kv_lengths [B] I32 for padding masks. Sequence parallelism: x [B*T/TP, C]
+  // with seq_len = T -> [B*T/TP, C].
   Tensor forward(const Tensor& x, Context& ctx, const Tensor* encoder_output = nullptr,
-                 const Tensor* q_lengths = nullptr, const Tensor* kv_lengths = nullptr);
+                 const Tensor* q_lengths = nullptr, const Tensor* kv_lengths = nullptr,
+                 int64_t seq_len = 0);
   // dy [B,T,C] -> dx; cross-attention writes d_encoder_output [B,S,C] (required there).
   Tensor backward(const Tensor& dy, Context& ctx, Tensor* d_encoder_output = nullptr);
   // With return_bias: the projection bias the caller adds (and whose gradient it accumulates
@@ -513,8 +534,11 @@ class MultiheadAttention : public Module {
   void split_qkv(const Tensor& fused, Context& ctx, Tensor& q, Tensor& k, Tensor& v);
   void position_qk(Context& ctx, Tensor& q, Tensor& k);  // QK-norm and RoPE, in their order
   bool qkv_projection_can_replay(const Context& ctx) const;
+  // x's [B, T] (checked; under sequence parallelism x holds B*T/TP rows and seq_len is T).
+  std::pair<int64_t, int64_t> batch_and_seq(const Tensor& x, int64_t seq_len) const;
   MultiheadAttentionOptions options_;
-  int64_t heads_, kv_heads_, head_dim_;
+  int64_t heads_, kv_heads_, head_dim_;  // this rank's heads under TP
+  int tp_size_ = 1;
 };
 
 struct TransformerLayerOptions {
@@ -555,12 +579,17 @@ struct TransformerLayerOptions {
   // Keep only the layer's inputs; backward recomputes the forward (same FP8 scales, same
   // dropout masks) before running its own backward.
   bool checkpoint = false;
+  // With a tensor-parallel group: the residual stream is this rank's token rows (see
+  // MultiheadAttention); the norms and residual adds run on them.
+  bool sequence_parallel = false;
   uint64_t seed = 0;
   std::string name = "layer";
 };
 
 // One Transformer block: self-attention, cross-attention (decoder), MLP, each added to its
-// residual by bias_dropout_add (the attention projection's bias fused there).
+// residual by bias_dropout_add (the attention projection's bias fused there). Given a
+// tensor-parallel group, its attention and MLP are split across it (Megatron's
+// TransformerLayer with TP); hidden dropout is then not supported yet.
 class TransformerLayer : public Module {
  public:
   struct Context {
@@ -568,6 +597,7 @@ class TransformerLayer : public Module {
     Tensor lengths, encoder_lengths;
     std::optional<recipe::Recipe> fp8_recipe;
     uint64_t dropout_offset = 0;  // this forward's first hidden-dropout offset
+    int64_t seq_len = 0;          // sequence parallelism: T
     uint64_t self_attention_rng = 0, inter_attention_rng = 0;
     bool recompute = false;  // backward must recompute the forward first
     // Each FP8 state's forward meta as the forward left it: the recomputation quantizes with
@@ -581,7 +611,7 @@ class TransformerLayer : public Module {
     Norm::Context output_norm;
     uint64_t attention_dropout_offset = 0, inter_dropout_offset = 0, mlp_dropout_offset = 0;
   };
-  explicit TransformerLayer(const TransformerLayerOptions& options);
+  explicit TransformerLayer(const TransformerLayerOptions& options, Communicator* tp = nullptr);
   // The options (sizes, seeds, names) the layer gives its self- or cross-attention and its
   // MLP: a tensor-parallel layer derives its shards from the same ones.
   static MultiheadAttentionOptions attention_options(const TransformerLayerOptions& options,
@@ -589,8 +619,10 @@ class TransformerLayer : public Module {
   static LayerNormMLPOptions mlp_options(const TransformerLayerOptions& options);
   // x [B,T,C] F32|BF16 -> [B,T,C]. encoder_output [B,S,C] for decoder layers. lengths /
   // encoder_lengths [B] I32 for padding masks (self: lengths; cross: lengths, encoder_lengths).
+  // Sequence parallelism: x [B*T/TP, C] with seq_len = T -> [B*T/TP, C].
   Tensor forward(const Tensor& x, Context& ctx, const Tensor* encoder_output = nullptr,
-                 const Tensor* lengths = nullptr, const Tensor* encoder_lengths = nullptr);
+                 const Tensor* lengths = nullptr, const Tensor* encoder_lengths = nullptr,
+                 int64_t seq_len = 0);
   // dy [B,T,C] -> dx; decoder layers also write d_encoder_output [B,S,C] (if given).
   Tensor backward(const Tensor& dy, Context& ctx, Tensor* d_encoder_output = nullptr);
   void collect_parameters(std::vector<Parameter*>& out) override;
@@ -601,6 +633,9 @@ class TransformerLayer : public Module {
   Tensor forward_inference(const Tensor& x, InferenceParams& params, int64_t layer_number);
   // Every FP8 state: self-attention's, cross-attention's, then FC1 and FC2.
   std::vector<Fp8State*> fp8_states();
+  // The column-parallel GEMMs' sequence-parallel all-gathers overlapped with the GEMM of this
+  // rank's own rows (Linear::set_overlap_gather; TransformerEngine's ub overlap).
+  void set_overlap_gather(bool on);
 
   MultiheadAttention self_attention;
   std::optional<MultiheadAttention> inter_attention;

@@ -1,107 +1,73 @@
-// Tensor- and sequence-parallel modules (Megatron-Core's tensor_parallel layers) over a
-// tensor-parallel Communicator of TP ranks, built on the paired region mappings of
-// octet/mappings.h (the comm layer).
+// Tensor- and sequence-parallel pieces the parallel-aware modules (Linear, LayerNormLinear,
+// LayerNormMLP, MultiheadAttention, TransformerLayer given a tensor-parallel group, in
+// octet/modules.h) and the models built from them share: the sequence-parallel gradient sum,
+// vocabulary parallelism (Megatron's VocabParallelEmbedding and vocab_parallel_cross_entropy)
+// and moving whole tensors to and from the shards each parameter's TensorShard describes.
 //
-// Parallel modules (Linear with parallel_mode column / row, the MLP and self-attention
-// blocks) hold the shards
-// of the single-process module's parameters made with the same options and seed, so a TP run
-// computes what a TP = 1 run does (up to FP32 rounding of split sums). Under sequence
-// parallelism the replicated parameters applied to token shards (norms, the row layer's bias)
-// get partial gradients on each rank: all_reduce_sequence_parallel_gradients sums them over
-// the tensor group once per step, before the optimizer (Megatron does this in
-// finalize_model_grads).
+// Parallel modules hold the shards of the single-process module's parameters made with the
+// same options and seed, so a TP run computes what a TP = 1 run does (up to FP32 rounding of
+// split sums). Under sequence parallelism the replicated parameters applied to token shards
+// (norms, a row layer's bias, position embeddings) get partial gradients on each rank:
+// all_reduce_sequence_parallel_gradients sums them over the tensor group once per step, before
+// the optimizer (Megatron does this in finalize_model_grads).
 #pragma once
 
 #include <cstdint>
-#include <string>
 #include <vector>
 
 #include "octet/comm.h"
 #include "octet/mappings.h"
-#include "octet/modules.h"
+#include "octet/module.h"
 
 namespace octet {
 
+// The parameters of `parameters` marked TensorShard::sequence_parallel.
+std::vector<Parameter*> sequence_parallel_parameters(const std::vector<Parameter*>& parameters);
 // Sums the gradients of parameters replicated across the tensor group but applied to token
 // shards (sequence parallelism) over the group, in place. Call once per step, after every
 // backward of the step and before gradient clipping and the optimizer.
 void all_reduce_sequence_parallel_gradients(const std::vector<Parameter*>& parameters,
                                             Communicator& tp);
 
-// Column- and row-parallel Linear: Linear itself, given the group and parallel_mode
-// (octet/modules.h).
+// ---------------------------------------------------------------------------------------------
+// Shards of whole tensors.
+
+// The whole tensor of p (shaped p.shard.whole_shape) from every rank's `local` (shaped like
+// p.value, e.g. its optimizer state): collective over the group; `local` itself when
+// replicated.
+Tensor gather_shards(const Parameter& p, const Tensor& local, Communicator& tp);
+// This rank's part of p's whole tensor (a copy).
+Tensor shard_of(const Parameter& p, const Tensor& whole, Communicator& tp);
+// The parameters of `candidates` this rank counts in a norm over the model group, so each
+// element counts once: split ones on every rank, replicated ones on tensor rank 0 only.
+std::vector<Parameter*> counted_once(const std::vector<Parameter*>& candidates, Communicator& tp);
 
 // ---------------------------------------------------------------------------------------------
-// Blocks.
+// Vocabulary parallelism. The vocabulary V is split in contiguous row ranges of ceil(V/TP)
+// rows (the last range is shorter when TP does not divide V): no padding rows, so the softmax
+// runs over exactly V logits and the loss equals the single-process one.
 
-// LayerNormMLP split across the tensor group: norm -> column FC1 (its bias shard fused into
-// the activation) -> activation -> row FC2. The same options (and seed) give the shards of
-// LayerNormMLP(options). Gated activations split both halves [a | b] of FC1's output.
-// Input x [N, C] replicated, or the token shard [N/TP, C] with sequence_parallel (the norm
-// runs on the shard) -> output of the same shape. FP8 is not supported yet.
-class TensorParallelLayerNormMLP : public Module {
- public:
-  struct Context {
-    Norm::Context norm;
-    Linear::Context fc1;  // column-parallel
-    Linear::Context fc2;  // row-parallel
-    Tensor fc1_output;    // [N, F/TP] pre-activation, before FC1's bias
-  };
-  TensorParallelLayerNormMLP(const LayerNormMLPOptions& options, bool sequence_parallel,
-                             Communicator& tp);
-  Tensor forward(const Tensor& x, Context& ctx);
-  Tensor backward(const Tensor& dy, Context& ctx);
-  // Loads the shards from the whole module (same options).
-  void load_full(LayerNormMLP& full);
-  void collect_parameters(std::vector<Parameter*>& out) override;
-  void on_parameters_updated() override;
-  std::vector<Parameter*> sequence_parallel_parameters();
-
-  Norm norm;
-  Linear fc1;  // column-parallel
-  Linear fc2;  // row-parallel
-
- private:
-  LayerNormMLPOptions options_;
-  bool sequence_parallel_;
-  Communicator* tp_;
+// The rows [begin, end) of a V-row vocabulary that rank `rank` of `size` holds.
+struct VocabRange {
+  int64_t begin = 0, end = 0;
+  int64_t size() const { return end - begin; }
 };
+VocabRange vocab_range(int64_t vocab, int rank, int size);
 
-// Self-attention with heads split across the tensor group: norm -> column QKV (rank r's
-// heads from each of the q, k and v blocks) -> DotProductAttention on H/TP query heads and
-// Hkv/TP kv heads -> row projection. Options as MultiheadAttention's (input_layernorm must be
-// on; no RoPE, QK-norm or attention dropout yet); the same options give the shards of
-// MultiheadAttention(options). x [B*T, C], or the token shard [B*T/TP, C] with
-// sequence_parallel -> output of the same shape.
-class TensorParallelSelfAttention : public Module {
- public:
-  struct Context {
-    Norm::Context norm;
-    Linear::Context qkv;  // column-parallel
-    DotProductAttention::Context core;
-    Linear::Context proj;  // row-parallel
-    int64_t batch = 0, seq = 0;
-  };
-  TensorParallelSelfAttention(const MultiheadAttentionOptions& options, bool sequence_parallel,
-                              Communicator& tp);
-  Tensor forward(const Tensor& x, int64_t batch, int64_t seq, Context& ctx);
-  Tensor backward(const Tensor& dy, Context& ctx);
-  // Loads the shards from the whole module (same options; layernorm_qkv and proj).
-  void load_full(MultiheadAttention& full);
-  void collect_parameters(std::vector<Parameter*>& out) override;
-  void on_parameters_updated() override;
-  std::vector<Parameter*> sequence_parallel_parameters();
+// Vocabulary-parallel embedding. ids [N] I32 (whole vocabulary), table [range.size(), C] F32
+// -> partial rows [N, C] F32: table[id - begin] where this rank owns id, zeros elsewhere (the
+// sum over the group is the embedding).
+Tensor vocab_parallel_embedding_forward(const Tensor& ids, const Tensor& table, VocabRange range);
+// table_grad [range.size(), C] += dx [N, C] F32 rows of the owned ids.
+void vocab_parallel_embedding_backward(const Tensor& ids, const Tensor& dx, Tensor& table_grad,
+                                       VocabRange range);
 
-  Norm norm;
-  Linear qkv;  // column-parallel
-  DotProductAttention core_attention;
-  Linear proj;  // row-parallel
-
- private:
-  MultiheadAttentionOptions options_;
-  bool sequence_parallel_;
-  Communicator* tp_;
-  int64_t local_heads_, local_kv_heads_, head_dim_;
-};
+// Vocabulary-parallel cross-entropy over the group (collective). logits [N, range.size()]
+// F32: this rank's columns of the whole [N, V]; targets [N] I32 (whole-vocabulary ids, -100
+// ignored). Writes losses [N] F32 (the same on every rank; 0 for ignored rows). With
+// `backward`, overwrites logits with grad_scale x (softmax - onehot) of this rank's columns.
+void vocab_parallel_cross_entropy(Tensor& logits, const Tensor& targets, VocabRange range,
+                                  Tensor& losses, bool backward, float grad_scale,
+                                  Communicator& tp);
 
 }  // namespace octet

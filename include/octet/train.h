@@ -98,7 +98,7 @@ namespace octet {
 // FP8 health (`octet train --fp8-stats`), from the stats each module's Fp8State keeps under
 // fp8_stats_scope.
 // Every FP8 state of the model: each Linear inside its layers (GPT::fp8_states(); a pipeline
-// part lists its layers in layer order, TensorParallelGPT::fp8_states() the same way).
+// part or a tensor shard lists its layers in layer order the same way).
 std::vector<Fp8State*> fp8_states(TrainableModel& model);
 // Delayed scaling across ranks: the amaxes recorded since the last scale update (history
 // row 0 of every meta) become their maximum over `group` (tensor x data parallel), so every

@@ -1,5 +1,5 @@
 // What the trainer needs of a model, whatever the layout: the training interface. A model
-// implementing it (GPT and TensorParallelGPT today; BERT, T5, ViT next) trains in every layout
+// implementing it (GPT today, in every layout; BERT, T5, ViT next) trains in every layout
 // with the same flags and checkpoints - the trainer never asks which model it runs. Through
 // pipeline::StagedModel it also runs as pipeline stages under the executor.
 #pragma once
@@ -11,6 +11,7 @@
 #include "octet/modules.h"
 #include "octet/pipeline_stage.h"
 #include "octet/safetensors.h"
+#include "octet/tensor_parallel.h"
 
 namespace octet {
 
@@ -49,7 +50,9 @@ class TrainableModel : public pipeline::StagedModel {
   }
   // Replicated parameters applied to token shards: partial gradients under sequence
   // parallelism, summed over the tensor group before the optimizer.
-  virtual std::vector<Parameter*> sequence_parallel_parameters() { return {}; }
+  virtual std::vector<Parameter*> sequence_parallel_parameters() {
+    return octet::sequence_parallel_parameters(parameters());
+  }
 
   // Data parallelism while backward runs (whole model only): every parameter in the order
   // backward finalizes their gradients, and a hook that backward calls with each group as it

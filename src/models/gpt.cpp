@@ -1,6 +1,7 @@
-// GPT, whole or as the pipeline stages a rank holds: construction, the one forward (embeddings
-// on the first stage; layers; final norm, fused chunked output layer + cross-entropy on the
-// last) and its backward, parameters and state dicts. Inference is in gpt_inference.cpp.
+// GPT, whole or as the part a rank holds (pipeline stages, tensor shards): construction, the one
+// forward (embeddings on the first stage; layers; final norm, fused chunked output layer +
+// cross-entropy on the last) and its backward, parameters and state dicts. Inference is in
+// gpt_inference.cpp.
 #include <algorithm>
 
 #include "models/gpt_parts.h"
@@ -27,6 +28,11 @@ GPT::GPT(const GPTConfig& config, uint64_t seed, bool recompute_activations)
 
 GPT::GPT(const GPTConfig& config, uint64_t seed, GPTLayout layout, bool recompute_activations)
     : config_(config), layout_(std::move(layout)) {
+  Communicator* tp = layout_.tensor;
+  OCTET_CHECK(tp == nullptr || config.vocab_size >= tp->size(), "gpt: vocabulary ",
+              config.vocab_size, " smaller than TP=", tp ? tp->size() : 1);
+  vocab_ = tp ? vocab_range(config.vocab_size, tp->rank(), tp->size())
+              : VocabRange{0, config.vocab_size};
   const int stages = layout_.stages;
   OCTET_CHECK(stages >= 1 && config.num_layers % stages == 0, "gpt: num_layers (",
               config.num_layers, ") expected a multiple of the pipeline stages (", stages,
@@ -40,19 +46,68 @@ GPT::GPT(const GPTConfig& config, uint64_t seed, GPTLayout layout, bool recomput
     std::vector<TransformerLayer> layers;
     layers.reserve(static_cast<size_t>(per_stage));
     for (int64_t i = stage * per_stage; i < (stage + 1) * per_stage; ++i) {
-      layers.emplace_back(gpt_parts::layer_options(config, i, seed, recompute_activations));
+      TransformerLayerOptions o = gpt_parts::layer_options(config, i, seed, recompute_activations);
+      o.sequence_parallel = sequence_parallel();
+      layers.emplace_back(o, tp);
     }
     layers_.push_back(std::move(layers));
   }
-  if (has_first_ || has_last_) wte = gpt_parts::token_embedding(config, seed);
+  if (has_first_ || has_last_) {
+    wte = gpt_parts::token_embedding(config, seed);
+    if (tp) {
+      // This rank's rows of the same-seed whole table.
+      wte.value = wte.value.slice_rows(vocab_.begin, vocab_.end).clone();
+      wte.grad = Tensor::zeros(wte.value.shape(), DType::F32);
+      wte.shard = TensorShard::vocabulary_rows({config.vocab_size, config.hidden});
+    }
+  }
   if (has_first_) wpe = gpt_parts::position_embedding(config, seed);
   if (has_last_) final_norm_.emplace(gpt_parts::final_norm_options(config));
+  // Applied to token shards under sequence parallelism: partial gradients.
+  wpe.shard.sequence_parallel = sequence_parallel();
+  if (final_norm_) {
+    for (Parameter* p : final_norm_->parameters()) p->shard.sequence_parallel = sequence_parallel();
+  }
+}
+
+bool GPT::set_embedding_grad_hook(EmbeddingGradHook hook) {
+  if (layout_.tensor) return false;  // vocabulary shards: rows summed over the group first
+  embedding_grad_hook_ = std::move(hook);
+  return true;
+}
+
+void GPT::set_tp_comm_overlap(bool on) {
+  for (std::vector<TransformerLayer>& stack : layers_) {
+    for (TransformerLayer& layer : stack) layer.set_overlap_gather(on);
+  }
+}
+
+Tensor GPT::gather(const Parameter& p, const Tensor& local) {
+  return layout_.tensor ? gather_shards(p, local, *layout_.tensor) : local;
+}
+
+Tensor GPT::shard(const Parameter& p, const Tensor& whole) const {
+  if (layout_.tensor) return shard_of(p, whole, *layout_.tensor);
+  check_shape(whole, p.value.shape(), "checkpoint: tensor '" + p.name + "'");
+  check_dtype(whole, DType::F32, "checkpoint: tensor '" + p.name + "'");
+  return whole;
+}
+
+std::vector<Parameter*> GPT::counted_in_norm(const std::vector<Parameter*>& candidates) const {
+  return layout_.tensor ? counted_once(candidates, *layout_.tensor) : candidates;
 }
 
 void GPT::check_whole(const char* what) const {
   OCTET_CHECK(layout_.stages == 1, "gpt: ", what, " needs the whole model; this rank holds ",
               chunks(), " of ", layout_.stages,
               " pipeline stages (run them through the pipeline executor)");
+}
+
+void GPT::check_inference(const char* what) const {
+  check_whole(what);
+  OCTET_CHECK(layout_.tensor == nullptr, "gpt: ", what,
+              " runs without tensor parallelism (this model is split over ", layout_.tensor->size(),
+              " tensor ranks)");
 }
 
 std::vector<TransformerLayer>& GPT::layers() {
@@ -86,7 +141,9 @@ void GPT::collect_parameters(std::vector<Parameter*>& out) {
 
 std::vector<Parameter*> GPT::parameters_in_backward_order() {
   std::vector<Parameter*> out;
-  if (wte.value.defined()) out.push_back(&wte);
+  // With the embedding hook (no tensor parallelism) wte is final first, else last.
+  const bool wte_first = layout_.tensor == nullptr;
+  if (wte.value.defined() && wte_first) out.push_back(&wte);
   if (final_norm_) {
     for (Parameter* p : final_norm_->parameters()) out.push_back(p);
   }
@@ -98,6 +155,7 @@ std::vector<Parameter*> GPT::parameters_in_backward_order() {
     }
   }
   if (wpe.value.defined()) out.push_back(&wpe);
+  if (wte.value.defined() && !wte_first) out.push_back(&wte);
   return out;
 }
 
@@ -166,6 +224,7 @@ Tensor GPT::evaluate(int chunk, const Tensor& input, const pipeline::MicroBatch&
 
 Shape GPT::activation_shape(const pipeline::MicroBatch& batch) const {
   const Tensor& ids = pipeline::batch_tensor(batch, "ids", "gpt");
+  if (sequence_parallel()) return {ids.numel() / layout_.tensor->size(), config_.hidden};
   return {ids.dim(0), ids.dim(1), config_.hidden};
 }
 
@@ -203,50 +262,124 @@ float GPT::evaluate(const Tensor& ids, const Tensor& targets, DType dtype) {
   return loss;
 }
 
-Tensor GPT::run_forward(int chunk, const Tensor& input, const Tensor& ids, const Tensor& targets,
-                        DType dtype, float grad_scale, Context* ctx, float* loss) {
+void GPT::check_micro_batch(const Tensor& ids, DType dtype) const {
   OCTET_CHECK(dtype == DType::F32 || dtype == DType::BF16,
               "gpt: compute dtype expected f32 or bf16, got ", dtype_name(dtype));
   check_dtype(ids, DType::I32, "gpt: ids");
   OCTET_CHECK(ids.ndim() == 2, "gpt: ids expected [B,T], got ", shape_str(ids.shape()));
+  OCTET_CHECK(ids.dim(1) <= config_.max_seq_len, "gpt: sequence length ", ids.dim(1),
+              " exceeds max_seq_len ", config_.max_seq_len);
+  OCTET_CHECK(!sequence_parallel() || ids.numel() % layout_.tensor->size() == 0,
+              "gpt: sequence parallelism needs B*T (", ids.numel(),
+              ") divisible by TP=", sequence_parallel() ? layout_.tensor->size() : 1);
+}
+
+Tensor GPT::embed(const Tensor& ids) {
+  Communicator* tp = layout_.tensor;
+  if (tp == nullptr) return gpt_parts::embed(ids, wte, wpe, 0);
+  const int64_t T = ids.dim(1), N = ids.numel();
+  const Tensor partial = vocab_parallel_embedding_forward(ids.reshape({N}), wte.value, vocab_);
+  Tensor x = sequence_parallel() ? reduce_scatter_to_sequence_parallel_region(partial, *tp)
+                                 : reduce_from_tensor_parallel_region(partial, *tp);
+  if (wpe.value.defined()) {
+    // x's rows are tokens first_row.. of the whole [B*T].
+    const int64_t first_row = sequence_parallel() ? tp->rank() * x.rows() : 0;
+    ops::position_embedding_forward(x, wpe.value, T, first_row);
+  }
+  return x;
+}
+
+void GPT::embed_backward(const Tensor& ids, const Tensor& dx) {
+  Communicator* tp = layout_.tensor;
+  const int64_t T = ids.dim(1), N = ids.numel();
+  if (wpe.value.defined()) {
+    // Under SP this rank's token rows give a partial gradient (summed over the group later).
+    const int64_t first_row = sequence_parallel() ? tp->rank() * dx.rows() : 0;
+    ops::position_embedding_backward(dx, T, wpe.grad, first_row);
+  }
+  if (tp == nullptr) {
+    if (embedding_grad_hook_) {
+      embedding_grad_hook_(wte, ids.reshape({N}), dx);
+    } else {
+      ops::embedding_backward(ids.reshape({N}), dx, wte.grad);
+    }
+    return;
+  }
+  const Tensor dwhole = sequence_parallel()
+                            ? reduce_scatter_to_sequence_parallel_region_backward(dx, *tp)
+                            : reduce_from_tensor_parallel_region_backward(dx, *tp);
+  vocab_parallel_embedding_backward(ids.reshape({N}), dwhole, wte.grad, vocab_);
+}
+
+float GPT::output_loss(const Tensor& hidden, const Tensor& targets, DType dtype, float grad_scale,
+                       Tensor* dhidden) {
+  Communicator* tp = layout_.tensor;
+  if (tp == nullptr) {
+    return gpt_parts::tied_output_loss(hidden, targets, wte, dtype, grad_scale, dhidden,
+                                       output_cache_);
+  }
+  // Every rank needs every token against its vocabulary rows.
+  const Tensor whole = sequence_parallel() ? gather_from_sequence_parallel_region(hidden, *tp)
+                                           : copy_to_tensor_parallel_region(hidden, *tp);
+  Tensor dwhole;
+  const float loss = gpt_parts::tied_output_loss(
+      whole, targets, wte, dtype, grad_scale, dhidden ? &dwhole : nullptr, output_cache_,
+      [&](Tensor& logits, const Tensor& target_rows, Tensor& losses, bool backward, float scale) {
+        vocab_parallel_cross_entropy(logits, target_rows, vocab_, losses, backward, scale, *tp);
+      },
+      // Rank 0's shard is the widest: every rank cuts the same chunks (collective per chunk).
+      vocab_range(config_.vocab_size, 0, tp->size()).size());
+  if (dhidden) {
+    // Each rank's part of dhidden comes from its vocabulary rows: summed over the group.
+    *dhidden = sequence_parallel() ? gather_from_sequence_parallel_region_backward(dwhole, *tp)
+                                   : copy_to_tensor_parallel_region_backward(dwhole, *tp);
+  }
+  return loss;
+}
+
+Tensor GPT::run_forward(int chunk, const Tensor& input, const Tensor& ids, const Tensor& targets,
+                        DType dtype, float grad_scale, Context* ctx, float* loss) {
+  check_micro_batch(ids, dtype);
   const int64_t B = ids.dim(0), T = ids.dim(1), C = config_.hidden;
-  OCTET_CHECK(T <= config_.max_seq_len, "gpt: sequence length ", T, " exceeds max_seq_len ",
-              config_.max_seq_len);
   if (is_last(chunk)) check_shape(targets, ids.shape(), "gpt: targets", "B,T");
   if (ctx) ctx->ids = ids;
+  const Shape boundary = activation_shape(gpt_micro_batch(ids, targets));
   Tensor h;
   if (is_first(chunk)) {
-    Tensor x = gpt_parts::embed(ids, wte, wpe, 0);
-    h = (dtype == DType::F32 ? x : x.to(dtype)).reshape({B, T, C});
+    Tensor x = embed(ids);
+    h = (dtype == DType::F32 ? x : x.to(dtype)).reshape(boundary);
   } else {
-    check_shape(input, {B, T, C}, "gpt: input of chunk " + std::to_string(chunk), "B,T,C");
-    check_dtype(input, dtype, "gpt: input of chunk " + std::to_string(chunk));
+    const std::string what = "gpt: input of chunk " + std::to_string(chunk);
+    check_shape(input, boundary, what, sequence_parallel() ? "B*T/TP,C" : "B,T,C");
+    check_dtype(input, dtype, what);
     h = input;
   }
   std::vector<TransformerLayer>& stack = layers(chunk);
   if (ctx) ctx->layers.assign(stack.size(), TransformerLayer::Context{});
+  const int64_t seq_len = sequence_parallel() ? T : 0;  // the layers' token rows are a shard
   for (size_t i = 0; i < stack.size(); ++i) {
     TransformerLayer::Context scratch;
-    h = stack[i].forward(h, ctx ? ctx->layers[i] : scratch);
+    h = stack[i].forward(h, ctx ? ctx->layers[i] : scratch, nullptr, nullptr, nullptr, seq_len);
   }
   if (!is_last(chunk)) return h;
   Norm::Context norm_scratch;
-  Tensor hidden = final_norm_->forward(h, ctx ? ctx->final_norm : norm_scratch).reshape({B * T, C});
+  Tensor hidden = final_norm_->forward(h, ctx ? ctx->final_norm : norm_scratch);
+  hidden = hidden.reshape({hidden.numel() / C, C});
   h = Tensor();
-  *loss = gpt_parts::tied_output_loss(hidden, targets.reshape({B * T}), wte, dtype, grad_scale,
-                                      ctx ? &ctx->doutput : nullptr, output_cache_);
+  *loss = output_loss(hidden, targets.reshape({B * T}), dtype, grad_scale,
+                      ctx ? &ctx->doutput : nullptr);
   return Tensor();
 }
 
 Tensor GPT::backward(int chunk, const Tensor& doutput, StagedModel::Context& base) {
   Context& ctx = own_context(base);
-  const int64_t B = ctx.ids.dim(0), T = ctx.ids.dim(1), C = config_.hidden;
   Tensor dx;
   if (is_last(chunk)) {
     OCTET_CHECK(ctx.doutput.defined(), "gpt: backward of the last stage before its forward");
     // With the embedding hook, wte's rows go to the hook: its gradient is final already.
     if (embedding_grad_hook_ && is_first(chunk)) grads_ready({&wte});
-    dx = final_norm_->backward(ctx.doutput, ctx.final_norm).reshape({B, T, C});
+    dx = final_norm_->backward(ctx.doutput, ctx.final_norm)
+             .reshape(activation_shape(gpt_micro_batch(ctx.ids, ctx.ids)));
     ctx.doutput = Tensor();
     grads_ready(final_norm_->parameters());
   } else {
@@ -264,14 +397,8 @@ Tensor GPT::backward(int chunk, const Tensor& doutput, StagedModel::Context& bas
     ctx = Context{};
     return dx;
   }
-  Tensor dx32 = (dx.dtype() == DType::F32 ? dx : dx.to(DType::F32)).reshape({B * T, C});
-  const Tensor ids = ctx.ids.reshape({B * T});
-  if (embedding_grad_hook_) {
-    embedding_grad_hook_(wte, ids, dx32);
-  } else {
-    ops::embedding_backward(ids, dx32, wte.grad);
-  }
-  if (wpe.value.defined()) gpt_parts::position_embedding_backward(dx32, B, T, wpe);
+  const Tensor dx32 = dx.dtype() == DType::F32 ? dx : dx.to(DType::F32);
+  embed_backward(ctx.ids, dx32.reshape({dx32.numel() / config_.hidden, config_.hidden}));
   std::vector<Parameter*> embeddings;
   if (!embedding_grad_hook_) embeddings.push_back(&wte);
   if (wpe.value.defined()) embeddings.push_back(&wpe);
@@ -282,7 +409,7 @@ Tensor GPT::backward(int chunk, const Tensor& doutput, StagedModel::Context& bas
 
 TensorMap GPT::state_dict() {
   TensorMap out;
-  for (Parameter* p : parameters()) out[p->name] = p->value;
+  for (Parameter* p : parameters()) out[p->name] = gather(*p, p->value);
   return out;
 }
 
@@ -292,9 +419,7 @@ void GPT::load_state_dict(const TensorMap& tensors) {
     auto it = tensors.find(p->name);
     OCTET_CHECK(it != tensors.end(), "checkpoint: missing tensor '", p->name,
                 "' (does the checkpoint match this model config?)");
-    check_shape(it->second, p->value.shape(), "checkpoint: tensor '" + p->name + "'");
-    check_dtype(it->second, DType::F32, "checkpoint: tensor '" + p->name + "'");
-    p->value.copy_from(it->second);
+    p->value.copy_from(shard(*p, it->second));
   }
   // Another stage's tensors are expected in a whole-model map; the whole model has no others.
   OCTET_CHECK(layout_.stages > 1 || tensors.size() == params.size(), "checkpoint: holds ",

@@ -24,15 +24,10 @@ Tensor last_rows(const Tensor& hidden, int64_t B, int64_t T) {
 }  // namespace
 
 Tensor GPT::last_logits(const Tensor& ids, DType dtype) {
-  check_whole("last_logits");
-  OCTET_CHECK(dtype == DType::F32 || dtype == DType::BF16,
-              "gpt: compute dtype expected f32 or bf16, got ", dtype_name(dtype));
-  check_dtype(ids, DType::I32, "gpt: ids");
-  OCTET_CHECK(ids.ndim() == 2, "gpt: ids expected [B,T], got ", shape_str(ids.shape()));
+  check_inference("last_logits");
+  check_micro_batch(ids, dtype);
   const int64_t B = ids.dim(0), T = ids.dim(1), C = config_.hidden;
-  OCTET_CHECK(T <= config_.max_seq_len, "gpt: sequence length ", T, " exceeds max_seq_len ",
-              config_.max_seq_len);
-  Tensor x = gpt_parts::embed(ids, wte, wpe, 0);
+  Tensor x = embed(ids);
   Tensor h = (dtype == DType::F32 ? x : x.to(dtype)).reshape({B, T, C});
   for (TransformerLayer& layer : layers()) {
     TransformerLayer::Context scratch;
@@ -54,7 +49,7 @@ Tensor GPT::logits_of_last(const Tensor& hidden) {
 }
 
 Tensor GPT::forward_inference(const Tensor& ids, InferenceParams& params, DType dtype) {
-  check_whole("forward_inference");
+  check_inference("forward_inference");
   check_dtype(ids, DType::I32, "gpt: ids");
   OCTET_CHECK(ids.ndim() == 2 && ids.dim(1) > 0, "gpt: ids expected [B,T] with T > 0, got ",
               shape_str(ids.shape()));

@@ -91,11 +91,6 @@ Tensor embed(const Tensor& ids, const Parameter& wte, const Parameter& wpe,
   return x;
 }
 
-void position_embedding_backward(const Tensor& dx, int64_t B, int64_t T, Parameter& wpe) {
-  check_shape(dx, {B * T, wpe.value.dim(1)}, "gpt: position embedding gradient", "B*T,C");
-  ops::position_embedding_backward(dx, T, wpe.grad);
-}
-
 const Tensor& tied_weight_as(Parameter& wte, DType dtype, TiedOutputCache& cache) {
   if (dtype == DType::F32) return wte.value;
   if (!cache.wte_bf16.defined()) cache.wte_bf16 = wte.value.to(DType::BF16);

@@ -1,5 +1,5 @@
-// The pieces GPT and TensorParallelGPT share, so every layout builds and runs its layers exactly as
-// the single-process GPT does (same seeds, same kernels, same output layer).
+// GPT's pieces: layer options and seeds (the same in every layout, so every layout builds the
+// single-process GPT's parameters), embeddings and the fused tied output layer.
 #pragma once
 
 #include <functional>
@@ -19,8 +19,6 @@ Parameter position_embedding(const GPTConfig& config, uint64_t seed);  // wpe [m
 // wpe may be undefined (RoPE).
 Tensor embed(const Tensor& ids, const Parameter& wte, const Parameter& wpe,
              int64_t position_offset);
-// wpe.grad[t] += sum over b of dx [B*T, C] F32 row b*T + t.
-void position_embedding_backward(const Tensor& dx, int64_t B, int64_t T, Parameter& wpe);
 
 // wte in the compute dtype (F32: the master itself; BF16: a copy cached until invalidate()).
 const Tensor& tied_weight_as(Parameter& wte, DType dtype, TiedOutputCache& cache);

@@ -6,11 +6,17 @@
 
 namespace octet {
 
-LayerNormLinear::LayerNormLinear(const LayerNormLinearOptions& options)
-    : norm(options.norm), linear(options.linear), options_(options) {
+LayerNormLinear::LayerNormLinear(const LayerNormLinearOptions& options, Communicator* tp)
+    : norm(options.norm), linear(options.linear, tp), options_(options) {
   OCTET_CHECK(options.norm.hidden == options.linear.in_features, options.linear.name,
               ": norm hidden (", options.norm.hidden, ") must equal in_features (",
               options.linear.in_features, ")");
+  OCTET_CHECK(!linear.parallel() || options.linear.parallel_mode == ParallelMode::Column,
+              options.linear.name, ": a norm before a row-parallel Linear would see split inputs");
+  // Applied to this rank's token rows under sequence parallelism: partial gradients.
+  for (Parameter* p : norm.parameters()) {
+    p->shard.sequence_parallel = linear.parallel() && options.linear.sequence_parallel;
+  }
 }
 
 void LayerNormLinear::collect_parameters(std::vector<Parameter*>& out) {
@@ -71,7 +77,8 @@ Tensor LayerNormLinear::forward(const Tensor& x, Context& ctx) {
   ctx = Context{};
   Shape out_shape = x.shape();
   out_shape.back() = options_.linear.out_features;
-  if (fp8_enabled() && !options_.return_layernorm_output) {
+  // A parallel Linear quantizes its input after the gather: the norm cannot write its codes.
+  if (fp8_enabled() && !options_.return_layernorm_output && !linear.parallel()) {
     Fp8State& fp8 = linear.fp8_state();
     fp8.begin_forward(fp8_recipe());
     const Float8Tensor xq =

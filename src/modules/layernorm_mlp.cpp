@@ -9,7 +9,8 @@ namespace octet {
 
 LinearOptions LayerNormMLP::fc_options(const LayerNormMLPOptions& o, bool first) {
   LinearOptions l;
-  int64_t fc1_out = ops::is_gated(o.activation) ? 2 * o.ffn_hidden : o.ffn_hidden;
+  const bool gated = ops::is_gated(o.activation);
+  int64_t fc1_out = gated ? 2 * o.ffn_hidden : o.ffn_hidden;
   l.in_features = first ? o.hidden : o.ffn_hidden;
   l.out_features = first ? fc1_out : o.hidden;
   l.bias = o.bias;
@@ -17,6 +18,11 @@ LinearOptions LayerNormMLP::fc_options(const LayerNormMLPOptions& o, bool first)
   l.init_std = first ? o.init_std : o.output_init_std;
   l.seed = o.seed * 2 + (first ? 1 : 2);
   l.name = o.name + (first ? ".fc1" : ".fc2");
+  // Under a tensor-parallel group: FC1 by output columns (both halves [a | b] of a gated
+  // activation split alike), FC2 by input columns.
+  l.parallel_mode = first ? ParallelMode::Column : ParallelMode::Row;
+  l.sequence_parallel = o.sequence_parallel;
+  if (first && gated) l.output_blocks = {o.ffn_hidden, o.ffn_hidden};
   return l;
 }
 
@@ -43,13 +49,17 @@ Float8Tensor activation_fp8(ops::ActivationKind kind, const Tensor& h, const Ten
 
 }  // namespace
 
-LayerNormMLP::LayerNormMLP(const LayerNormMLPOptions& options)
+LayerNormMLP::LayerNormMLP(const LayerNormMLPOptions& options, Communicator* tp)
     : norm(options.norm),
-      fc1(fc_options(options, true)),
-      fc2(fc_options(options, false)),
-      options_(options) {
+      fc1(fc_options(options, true), tp),
+      fc2(fc_options(options, false), tp),
+      options_(options),
+      local_ffn_(options.ffn_hidden / (tp ? tp->size() : 1)) {
   OCTET_CHECK(options.norm.hidden == options.hidden, options.name, ": norm hidden (",
               options.norm.hidden, ") must equal hidden (", options.hidden, ")");
+  for (Parameter* p : norm.parameters()) {
+    p->shard.sequence_parallel = fc1.parallel() && options.sequence_parallel;
+  }
 }
 
 void LayerNormMLP::collect_parameters(std::vector<Parameter*>& out) {
@@ -65,7 +75,9 @@ void LayerNormMLP::on_parameters_updated() {
 
 void LayerNormMLP::run_forward(const Tensor& x, Context& ctx, Tensor& out) {
   Tensor h;
-  if (fp8_enabled()) {
+  // A parallel FC1 / FC2 quantizes its input after the collective: no kernel writes the codes.
+  const bool parallel = fc1.parallel();
+  if (fp8_enabled() && !parallel) {
     // The norm writes FC1's FP8 input directly (delayed scaling), as in LayerNormLinear.
     Fp8State& fp8 = fc1.fp8_state();
     fp8.begin_forward(fp8_recipe());
@@ -81,13 +93,13 @@ void LayerNormMLP::run_forward(const Tensor& x, Context& ctx, Tensor& out) {
   Shape out_shape = x.shape();
   out_shape.back() = options_.hidden;
   Fp8State& fc2_fp8 = fc2.fp8_state();
-  if (fp8_enabled() && std::holds_alternative<recipe::DelayedScaling>(fp8_recipe()) &&
+  if (fp8_enabled() && !parallel && std::holds_alternative<recipe::DelayedScaling>(fp8_recipe()) &&
       !fp8_stats_enabled()) {
     // Delayed scaling: the activation kernel writes FC2's FP8 input; FC2 keeps none of it.
     fc2_fp8.begin_forward(fp8_recipe());
     const Quantizer quantizer = fc2_fp8.input_quantizer(0);
     ctx.activation_fp8_scale = fc2_fp8.input_scale(0);
-    const Float8Tensor aq = activation_fp8(options_.activation, h, fc1_bias, options_.ffn_hidden,
+    const Float8Tensor aq = activation_fp8(options_.activation, h, fc1_bias, local_ffn_,
                                            quantizer.format(), ctx.activation_fp8_scale);
     fc2_fp8.record_input_amax(0, aq.amax);
     out = fc2.forward_fp8_input(aq, quantizer, x.dtype(), ctx.fc2, SavedInput::None)
@@ -95,13 +107,16 @@ void LayerNormMLP::run_forward(const Tensor& x, Context& ctx, Tensor& out) {
     return;
   }
   Shape act_shape = h.shape();
-  act_shape.back() = options_.ffn_hidden;
+  act_shape.back() = local_ffn_;
   Tensor a = Tensor::empty(act_shape, x.dtype());
   ops::activation_forward(options_.activation, h, fc1_bias, a);
-  // FP8: FC2 keeps no copy of its input; backward recomputes it from fc1_output.
+  // FP8: FC2 keeps no copy of its input; backward recomputes it from fc1_output (a parallel
+  // FC2 keeps its codes).
   const bool fp8 = fp8_enabled();
   out = fc2.forward(a, ctx.fc2, fp8 ? SavedInput::None : SavedInput::Fp8);
   if (!fp8) ctx.activation = a;
+  // A row-parallel FC2 returns rows of x's count, [N(/TP), hidden]: x's leading shape.
+  out = out.reshape(out_shape);
 }
 
 Tensor LayerNormMLP::forward(const Tensor& x, Context& ctx) {
@@ -140,12 +155,12 @@ Tensor LayerNormMLP::backward(const Tensor& dy, Context& ctx) {
     // The activation's FP8 codes again, bit for bit, with the forward's scale.
     if (ctx.activation_fp8_scale > 0.0f) {
       fc2.restore_input(
-          activation_fp8(options_.activation, ctx.fc1_output, fc1_bias, options_.ffn_hidden,
+          activation_fp8(options_.activation, ctx.fc1_output, fc1_bias, local_ffn_,
                          ctx.fc2.input_requantizer->format(), ctx.activation_fp8_scale),
           ctx.fc2);
     } else {
       Shape act_shape = ctx.fc1_output.shape();
-      act_shape.back() = options_.ffn_hidden;
+      act_shape.back() = local_ffn_;
       Tensor a = Tensor::empty(act_shape, ctx.fc1_output.dtype());
       ops::activation_forward(options_.activation, ctx.fc1_output, fc1_bias, a);
       fc2.restore_input(a, ctx.fc2);
@@ -155,7 +170,7 @@ Tensor LayerNormMLP::backward(const Tensor& dy, Context& ctx) {
   Tensor dbias = Tensor::empty({fc1.options().out_features}, DType::F32);
   Fp8State& fc1_fp8 = fc1.fp8_state();
   Tensor dnorm;
-  if (ctx.fc1.fp8 && fc1_fp8.input_scale_known() && !fp8_stats_enabled()) {
+  if (ctx.fc1.fp8 && !fc1.parallel() && fc1_fp8.input_scale_known() && !fp8_stats_enabled()) {
     // Delayed scaling: the activation's backward writes FC1's FP8 output gradient itself.
     fc1_fp8.begin_backward(fc1_fp8.recipe());
     Float8Tensor dhq;

@@ -169,20 +169,54 @@ LinearOptions MultiheadAttention::proj_options(const MultiheadAttentionOptions& 
   LinearOptions l = linear_options(o, "proj", o.num_attention_heads * resolved_kv_channels(o),
                                    o.hidden_size, o.output_init_std, 4);
   l.return_bias = o.return_bias;
+  l.parallel_mode = ParallelMode::Row;  // under a tensor-parallel group
+  l.sequence_parallel = o.sequence_parallel;
   return l;
 }
 
 LayerNormLinearOptions MultiheadAttention::qkv_options(const MultiheadAttentionOptions& o) {
   const int64_t heads = o.num_attention_heads, d = resolved_kv_channels(o);
   const int64_t kv_heads = o.num_gqa_groups > 0 ? o.num_gqa_groups : heads;
-  return layernorm_linear_options(
+  LayerNormLinearOptions l = layernorm_linear_options(
       o, linear_options(o, o.input_layernorm ? "layernorm_qkv" : "qkv", o.hidden_size,
                         (heads + 2 * kv_heads) * d, o.init_std, 1));
+  // Under a tensor-parallel group: rank r holds the r-th 1/TP of the q, k and v heads.
+  l.linear.parallel_mode = ParallelMode::Column;
+  l.linear.sequence_parallel = o.sequence_parallel;
+  l.linear.output_blocks = {heads * d, kv_heads * d, kv_heads * d};
+  return l;
 }
 
-MultiheadAttention::MultiheadAttention(const MultiheadAttentionOptions& options)
-    : core_attention(core_options(options)), proj(proj_options(options)), options_(options) {
-  heads_ = options.num_attention_heads;
+namespace {
+
+// The options, checked for what tensor-parallel attention supports, and the core attention
+// on this rank's heads.
+DotProductAttentionOptions local_core_options(const MultiheadAttentionOptions& o,
+                                              Communicator* tp) {
+  DotProductAttentionOptions c = MultiheadAttention::core_options(o);
+  if (tp == nullptr) return c;
+  OCTET_CHECK(o.attention_type == AttentionType::Self, o.name,
+              ": tensor-parallel attention supports self-attention only (cross-attention not yet)");
+  OCTET_CHECK(!o.qk_norm && o.attention_dropout == 0.0f, o.name,
+              ": tensor-parallel attention does not support QK-norm or attention dropout yet");
+  const int64_t size = tp->size(),
+                kv_heads = c.num_gqa_groups > 0 ? c.num_gqa_groups : c.num_attention_heads;
+  OCTET_CHECK(c.num_attention_heads % size == 0 && kv_heads % size == 0, o.name, ": ",
+              c.num_attention_heads, " query heads and ", kv_heads,
+              " kv heads must both be divisible by TP=", size);
+  c.num_attention_heads /= size;
+  c.num_gqa_groups = kv_heads / size;
+  return c;
+}
+
+}  // namespace
+
+MultiheadAttention::MultiheadAttention(const MultiheadAttentionOptions& options, Communicator* tp)
+    : core_attention(local_core_options(options, tp)),
+      proj(proj_options(options), tp),
+      options_(options),
+      tp_size_(tp ? tp->size() : 1) {
+  heads_ = core_attention.options().num_attention_heads;
   kv_heads_ = core_attention.options().num_gqa_groups;
   head_dim_ = resolved_kv_channels(options);
   const int64_t c = options.hidden_size;
@@ -190,9 +224,9 @@ MultiheadAttention::MultiheadAttention(const MultiheadAttentionOptions& options)
   if (options.attention_type == AttentionType::Self) {
     LayerNormLinearOptions l = qkv_options(options);
     if (options.input_layernorm) {
-      layernorm_qkv.emplace(l);
+      layernorm_qkv.emplace(l, tp);
     } else {
-      qkv.emplace(l.linear);
+      qkv.emplace(l.linear, tp);
     }
   } else {
     LinearOptions l = linear_options(options, options.input_layernorm ? "layernorm_query" : "query",
@@ -301,14 +335,30 @@ void MultiheadAttention::position_qk(Context& ctx, Tensor& q, Tensor& k) {
   }
 }
 
-Tensor MultiheadAttention::forward(const Tensor& x, Context& ctx, const Tensor* encoder_output,
-                                   const Tensor* q_lengths, const Tensor* kv_lengths) {
+std::pair<int64_t, int64_t> MultiheadAttention::batch_and_seq(const Tensor& x,
+                                                              int64_t seq_len) const {
   const auto& o = options_;
-  OCTET_CHECK(x.ndim() == 3 && x.dim(2) == o.hidden_size, o.name,
-              ": input expected [B,T,C] with C=", o.hidden_size, ", got ", shape_str(x.shape()));
-  const int64_t batch = x.dim(0), seq = x.dim(1);
+  if (!(proj.parallel() && proj.whole_options().sequence_parallel)) {
+    OCTET_CHECK(x.ndim() == 3 && x.dim(2) == o.hidden_size, o.name,
+                ": input expected [B,T,C] with C=", o.hidden_size, ", got ", shape_str(x.shape()));
+    return {x.dim(0), x.dim(1)};
+  }
+  OCTET_CHECK(seq_len > 0, o.name, ": sequence parallelism needs seq_len (T)");
+  const int64_t rows = x.rows() * tp_size_;
+  OCTET_CHECK(x.ndim() == 2 && x.cols() == o.hidden_size && rows % seq_len == 0, o.name,
+              ": input expected this rank's token rows [B*T/TP, C] with T=", seq_len,
+              ", TP=", tp_size_, ", C=", o.hidden_size, ", got ", shape_str(x.shape()));
+  return {rows / seq_len, seq_len};
+}
+
+Tensor MultiheadAttention::forward(const Tensor& x, Context& ctx, const Tensor* encoder_output,
+                                   const Tensor* q_lengths, const Tensor* kv_lengths,
+                                   int64_t seq_len) {
+  const auto& o = options_;
+  const auto [batch, seq] = batch_and_seq(x, seq_len);
   ctx = Context{};
-  ctx.x_shape = x.shape();
+  ctx.x_shape = {batch, seq, o.hidden_size};
+  ctx.input_shape = x.shape();
   Tensor q, k, v;
   if (o.attention_type == AttentionType::Self) {
     Tensor fused =
@@ -339,7 +389,10 @@ Tensor MultiheadAttention::forward(const Tensor& x, Context& ctx, const Tensor* 
     ctx.core.q = ctx.core.k = ctx.core.v = Tensor();
     ctx.q_norm = ctx.k_norm = Norm::Context{};
   }
-  return proj.forward(out.reshape({batch, seq, heads_ * head_dim_}), ctx.proj);
+  // A row-parallel projection returns [rows, C]: x's shape (its token rows under SP).
+  Shape out_shape = x.shape();
+  out_shape.back() = o.hidden_size;
+  return proj.forward(out.reshape({batch, seq, heads_ * head_dim_}), ctx.proj).reshape(out_shape);
 }
 
 bool MultiheadAttention::qkv_projection_can_replay(const Context& ctx) const {
@@ -382,6 +435,7 @@ Tensor MultiheadAttention::forward_inference(const Tensor& x, InferenceParams& p
               o.name, ": KV-cache inference expects a causal or no mask, got a padding mask");
   OCTET_CHECK(x.ndim() == 3 && x.dim(2) == o.hidden_size && x.dim(1) > 0, o.name,
               ": input expected [B,T,C] with C=", o.hidden_size, ", got ", shape_str(x.shape()));
+  OCTET_CHECK(!proj.parallel(), o.name, ": KV-cache inference runs without tensor parallelism");
   const int64_t batch = x.dim(0), seq = x.dim(1), offset = params.sequence_len_offset;
   OCTET_CHECK(batch <= params.max_batch_size, o.name, ": batch ", batch,
               " exceeds the cache's max_batch_size ", params.max_batch_size);
@@ -466,8 +520,9 @@ Tensor MultiheadAttention::backward(const Tensor& dy, Context& ctx, Tensor* d_en
   if (o.attention_type == AttentionType::Self) {
     Tensor dfused = join_columns({&dq, &dk, &dv}, batch * seq)
                         .reshape({batch, seq, (heads_ + 2 * kv_heads_) * head_dim_});
-    dx = layernorm_qkv ? layernorm_qkv->backward(dfused, ctx.layernorm_input)
-                       : qkv->backward(dfused, ctx.input);
+    dx = (layernorm_qkv ? layernorm_qkv->backward(dfused, ctx.layernorm_input)
+                        : qkv->backward(dfused, ctx.input))
+             .reshape(ctx.input_shape);
   } else {
     OCTET_CHECK(d_encoder_output != nullptr, o.name,
                 ": cross-attention backward needs d_encoder_output");

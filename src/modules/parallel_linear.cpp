@@ -114,6 +114,15 @@ Linear::Linear(const LinearOptions& options, Communicator* tp)
                      Tensor::zeros({whole_.out_features}, DType::F32)};
   }
   load_full(full.weight.value, whole_.bias ? &full.bias.value : nullptr);
+  const Shape whole_weight = {whole_.out_features, whole_.in_features};
+  if (whole_.parallel_mode == ParallelMode::Column) {
+    weight.shard = TensorShard::rows(whole_weight, whole_.output_blocks);
+    if (whole_.bias) bias.shard = TensorShard::rows({whole_.out_features}, whole_.output_blocks);
+  } else {
+    weight.shard = TensorShard::columns(whole_weight);
+    // Added to this rank's token rows under SP: a partial gradient there.
+    if (whole_.bias) bias.shard.sequence_parallel = whole_.sequence_parallel;
+  }
 }
 
 void Linear::load_full(const Tensor& full_weight, const Tensor* full_bias) {
@@ -146,13 +155,6 @@ void Linear::load_full(const Tensor& full_weight, const Tensor* full_bias) {
     if (full_bias != nullptr) bias.value.copy_from(*full_bias);
   }
   on_parameters_updated();
-}
-
-std::vector<Parameter*> Linear::sequence_parallel_parameters() {
-  if (tp_ && whole_.parallel_mode == ParallelMode::Row && whole_.sequence_parallel && whole_.bias) {
-    return {&bias};
-  }
-  return {};
 }
 
 Tensor Linear::parallel_forward(const Tensor& x, Context& ctx) {

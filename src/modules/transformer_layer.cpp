@@ -12,8 +12,6 @@ namespace octet {
 
 using modules_detail::add;
 
-namespace {}  // namespace
-
 MultiheadAttentionOptions TransformerLayer::attention_options(const TransformerLayerOptions& o,
                                                               bool cross) {
   MultiheadAttentionOptions a;
@@ -41,6 +39,7 @@ MultiheadAttentionOptions TransformerLayer::attention_options(const TransformerL
   a.qk_norm_type = o.qk_norm_type;
   a.qk_norm_eps = o.qk_norm_eps;
   a.qk_norm_before_rope = o.qk_norm_before_rope;
+  a.sequence_parallel = o.sequence_parallel;
   a.init_std = o.init_std;
   a.output_init_std = o.output_init_std;
   a.params_dtype = o.params_dtype;
@@ -61,6 +60,7 @@ LayerNormMLPOptions TransformerLayer::mlp_options(const TransformerLayerOptions&
   m.norm.name = o.name + ".layernorm_mlp.norm";
   m.bias = o.bias;
   m.checkpoint = false;  // the layer's own checkpoint covers the MLP
+  m.sequence_parallel = o.sequence_parallel;
   m.init_std = o.init_std;
   m.output_init_std = o.output_init_std;
   m.seed = o.seed * 4 + 3;
@@ -70,7 +70,10 @@ LayerNormMLPOptions TransformerLayer::mlp_options(const TransformerLayerOptions&
 
 namespace {
 
-const TransformerLayerOptions& checked(const TransformerLayerOptions& o) {
+const TransformerLayerOptions& checked(const TransformerLayerOptions& o, Communicator* tp) {
+  OCTET_CHECK(tp == nullptr || o.hidden_dropout == 0.0f, o.name,
+              ": hidden dropout under tensor parallelism is not supported yet, got ",
+              o.hidden_dropout);
   OCTET_CHECK(o.hidden_size > 0 && o.ffn_hidden_size > 0, o.name,
               ": hidden_size and ffn_hidden_size must be positive, got ", o.hidden_size, " and ",
               o.ffn_hidden_size);
@@ -85,12 +88,12 @@ const TransformerLayerOptions& checked(const TransformerLayerOptions& o) {
 
 }  // namespace
 
-TransformerLayer::TransformerLayer(const TransformerLayerOptions& options)
-    : self_attention(attention_options(checked(options), false)),
-      layernorm_mlp(mlp_options(options)),
+TransformerLayer::TransformerLayer(const TransformerLayerOptions& options, Communicator* tp)
+    : self_attention(attention_options(checked(options, tp), false), tp),
+      layernorm_mlp(mlp_options(options), tp),
       options_(options) {
   if (options.layer_type == LayerType::Decoder)
-    inter_attention.emplace(attention_options(options, true));
+    inter_attention.emplace(attention_options(options, true), tp);
   if (options.output_layernorm) {
     NormOptions n;
     n.hidden = options.hidden_size;
@@ -99,7 +102,16 @@ TransformerLayer::TransformerLayer(const TransformerLayerOptions& options)
     n.zero_centered_gamma = options.zero_centered_gamma;
     n.name = options.name + ".layernorm";
     layernorm.emplace(n);
+    for (Parameter* p : layernorm->parameters()) {
+      p->shard.sequence_parallel = tp != nullptr && options.sequence_parallel;
+    }
   }
+}
+
+void TransformerLayer::set_overlap_gather(bool on) {
+  if (self_attention.layernorm_qkv) self_attention.layernorm_qkv->linear.set_overlap_gather(on);
+  if (self_attention.qkv) self_attention.qkv->set_overlap_gather(on);
+  layernorm_mlp.fc1.set_overlap_gather(on);
 }
 
 void TransformerLayer::collect_parameters(std::vector<Parameter*>& out) {
@@ -144,7 +156,8 @@ void TransformerLayer::run_forward(const Tensor& x, const Tensor* encoder_output
     return sum;
   };
 
-  Tensor attention = self_attention.forward(x, ctx.self_attention, nullptr, lengths, lengths);
+  Tensor attention =
+      self_attention.forward(x, ctx.self_attention, nullptr, lengths, lengths, ctx.seq_len);
   Tensor residual = x;
   if (post && !o.output_layernorm) {
     residual = self_attention.layernorm_qkv->norm.forward(x, ctx.self_residual_norm);
@@ -172,13 +185,16 @@ void TransformerLayer::run_forward(const Tensor& x, const Tensor* encoder_output
 }
 
 Tensor TransformerLayer::forward(const Tensor& x, Context& ctx, const Tensor* encoder_output,
-                                 const Tensor* lengths, const Tensor* encoder_lengths) {
+                                 const Tensor* lengths, const Tensor* encoder_lengths,
+                                 int64_t seq_len) {
   const auto& o = options_;
-  OCTET_CHECK(x.ndim() == 3 && x.dim(2) == o.hidden_size, o.name,
+  // Under sequence parallelism the attention checks x's token rows against seq_len.
+  OCTET_CHECK(seq_len > 0 || (x.ndim() == 3 && x.dim(2) == o.hidden_size), o.name,
               ": input expected [B,T,C] with C=", o.hidden_size, ", got ", shape_str(x.shape()));
   OCTET_CHECK(o.layer_type == LayerType::Encoder || encoder_output != nullptr, o.name,
               ": a decoder layer needs encoder_output");
   ctx = Context{};
+  ctx.seq_len = seq_len;
   if (lengths) ctx.lengths = *lengths;
   if (encoder_lengths) ctx.encoder_lengths = *encoder_lengths;
   if (fp8_enabled()) ctx.fp8_recipe = fp8_recipe();
@@ -195,6 +211,7 @@ Tensor TransformerLayer::forward(const Tensor& x, Context& ctx, const Tensor* en
     kept.encoder_lengths = ctx.encoder_lengths;
     kept.fp8_recipe = ctx.fp8_recipe;
     kept.dropout_offset = ctx.dropout_offset;
+    kept.seq_len = ctx.seq_len;
     kept.self_attention_rng = ctx.self_attention_rng;
     kept.inter_attention_rng = ctx.inter_attention_rng;
     kept.recompute = true;

@@ -6,7 +6,6 @@
 #include <cstdio>
 #include <variant>
 
-#include "octet/model_tensor_parallel.h"
 #include "octet/tensor_parallel.h"
 #include "train/training_run.h"
 
@@ -139,15 +138,14 @@ void TrainingRun::open_data() {
   }
 }
 
-std::unique_ptr<TrainableModel> TrainingRun::make_model(const GPTLayout& layout) const {
+std::unique_ptr<TrainableModel> TrainingRun::make_model(GPTLayout layout) const {
   if (parallel_->tensor_size() > 1) {
-    auto model = std::make_unique<TensorParallelGPT>(
-        config_, o_.seed, o_.sequence_parallel, parallel_->tensor(), layout.stages,
-        layout.stage_of_chunk, o_.recompute_activations);
-    model->set_tp_comm_overlap(o_.tp_comm_overlap);
-    return model;
+    layout.tensor = &parallel_->tensor();
+    layout.sequence_parallel = o_.sequence_parallel;
   }
-  return std::make_unique<GPT>(config_, o_.seed, layout, o_.recompute_activations);
+  auto model = std::make_unique<GPT>(config_, o_.seed, std::move(layout), o_.recompute_activations);
+  model->set_tp_comm_overlap(o_.tp_comm_overlap);
+  return model;
 }
 
 void TrainingRun::build_pipeline() {

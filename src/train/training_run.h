@@ -31,7 +31,7 @@ class TrainingRun {
   // --- the factory (run_factory.cpp) ---
   void check_options();
   void open_data();
-  std::unique_ptr<TrainableModel> make_model(const GPTLayout& layout) const;
+  std::unique_ptr<TrainableModel> make_model(GPTLayout layout) const;
   void build_pipeline();
   void load_checkpoint_state();
   void build_data_parallel();

@@ -303,7 +303,7 @@ TEST_F(TensorParallel, RowParallelLinearEqualsLinear) {
       expect_close(row.forward(x_in, ctx), sp ? row_block(y, r, n) : y, what + " y");
       const Tensor dx_tp = row.backward(sp ? row_block(dy, r, n).clone() : dy, ctx);
       expect_close(dx_tp, input_is_parallel ? columns(dx, r * in / n, in / n) : dx, what + " dx");
-      all_reduce_sequence_parallel_gradients(row.sequence_parallel_parameters(), *tp);
+      all_reduce_sequence_parallel_gradients(sequence_parallel_parameters(row.parameters()), *tp);
       expect_close(row.weight.grad, columns(full.weight.grad, r * in / n, in / n), what + " dW");
       expect_close(row.bias.grad, full.bias.grad, what + " db (added once, after the sum)");
     }
@@ -315,6 +315,21 @@ TEST_F(TensorParallel, RowParallelLinearEqualsLinear) {
 
 void randomize(Parameter& p, uint64_t seed, float scale) {
   p.value.copy_from(random_tensor(p.value.shape(), seed, scale));
+}
+
+// Sets every parameter of the parallel module `part` to its shard (TensorShard) of the same
+// parameter of `whole`, the same module without a group; gathering them back gives whole's.
+void load_shards(Module& part, Module& whole, Communicator& group) {
+  const std::vector<Parameter*> mine = part.parameters(), theirs = whole.parameters();
+  ASSERT_EQ(mine.size(), theirs.size());
+  for (size_t i = 0; i < mine.size(); ++i) {
+    ASSERT_EQ(mine[i]->name, theirs[i]->name);
+    mine[i]->value.copy_from(shard_of(*mine[i], theirs[i]->value, group));
+    const Tensor gathered = gather_shards(*mine[i], mine[i]->value, group);
+    EXPECT_EQ(std::memcmp(gathered.raw(), theirs[i]->value.raw(), gathered.nbytes()), 0)
+        << mine[i]->name << ": gathering the shards gives the whole tensor back";
+  }
+  part.on_parameters_updated();
 }
 
 TEST_F(TensorParallel, LayerNormMLPEqualsTheUnshardedBlock) {
@@ -336,8 +351,9 @@ TEST_F(TensorParallel, LayerNormMLPEqualsTheUnshardedBlock) {
       randomize(full.norm.bias, 32, 0.5f);
       randomize(full.fc1.bias, 33, 0.5f);
       randomize(full.fc2.bias, 34, 0.5f);
-      TensorParallelLayerNormMLP mlp(o, sp, *tp);
-      mlp.load_full(full);
+      o.sequence_parallel = sp;
+      LayerNormMLP mlp(o, tp);
+      load_shards(mlp, full, *tp);
 
       const Tensor x = random_tensor({tokens, hidden}, 35),
                    dy = random_tensor({tokens, hidden}, 36);
@@ -345,12 +361,12 @@ TEST_F(TensorParallel, LayerNormMLPEqualsTheUnshardedBlock) {
       const Tensor y = full.forward(x, full_ctx);
       const Tensor dx = full.backward(dy, full_ctx);
 
-      TensorParallelLayerNormMLP::Context ctx;
+      LayerNormMLP::Context ctx;
       const Tensor y_tp = mlp.forward(sp ? row_block(x, r, n) : x, ctx);
       expect_close(y_tp, sp ? row_block(y, r, n) : y, what + " y");
       const Tensor dx_tp = mlp.backward(sp ? row_block(dy, r, n).clone() : dy, ctx);
       expect_close(dx_tp, sp ? row_block(dx, r, n) : dx, what + " dx");
-      all_reduce_sequence_parallel_gradients(mlp.sequence_parallel_parameters(), *tp);
+      all_reduce_sequence_parallel_gradients(sequence_parallel_parameters(mlp.parameters()), *tp);
 
       const int64_t f = o.ffn_hidden;
       const std::vector<int64_t> fc1_blocks =
@@ -372,9 +388,12 @@ TEST_F(TensorParallel, SelfAttentionEqualsTheUnshardedBlock) {
   const int64_t batch = 2, seq = 2 * n, heads = 2 * n, head_dim = 4, hidden = heads * head_dim;
   for (int64_t kv_heads : {heads, static_cast<int64_t>(n)}) {
     for (bool sp : {false, true}) {
-      const std::string what =
-          "attention kv_heads=" + std::to_string(kv_heads) + " sp=" + (sp ? "1" : "0");
+      // The GQA case also rotates q and k (RoPE on this rank's heads).
+      const bool rope = kv_heads != heads;
+      const std::string what = "attention kv_heads=" + std::to_string(kv_heads) +
+                               " rope=" + (rope ? "1" : "0") + " sp=" + (sp ? "1" : "0");
       MultiheadAttentionOptions o;
+      o.rope = rope;
       o.hidden_size = hidden;
       o.num_attention_heads = heads;
       o.num_gqa_groups = kv_heads;
@@ -388,8 +407,9 @@ TEST_F(TensorParallel, SelfAttentionEqualsTheUnshardedBlock) {
       randomize(full.layernorm_qkv->norm.bias, 42, 0.5f);
       randomize(full.layernorm_qkv->linear.bias, 43, 0.5f);
       randomize(full.proj.bias, 44, 0.5f);
-      TensorParallelSelfAttention attention(o, sp, *tp);
-      attention.load_full(full);
+      o.sequence_parallel = sp;
+      MultiheadAttention attention(o, tp);
+      load_shards(attention, full, *tp);
 
       const int64_t tokens = batch * seq;
       const Tensor x = random_tensor({tokens, hidden}, 45),
@@ -400,27 +420,33 @@ TEST_F(TensorParallel, SelfAttentionEqualsTheUnshardedBlock) {
       const Tensor dx =
           full.backward(dy.reshape({batch, seq, hidden}), full_ctx).reshape({tokens, hidden});
 
-      TensorParallelSelfAttention::Context ctx;
-      const Tensor y_tp = attention.forward(sp ? row_block(x, r, n) : x, batch, seq, ctx);
-      expect_close(y_tp, sp ? row_block(y, r, n) : y, what + " y");
-      const Tensor dx_tp = attention.backward(sp ? row_block(dy, r, n).clone() : dy, ctx);
-      expect_close(dx_tp, sp ? row_block(dx, r, n) : dx, what + " dx");
-      all_reduce_sequence_parallel_gradients(attention.sequence_parallel_parameters(), *tp);
+      // Under SP the token rows of the flattened [B*T, C] with seq_len = T, else [B,T,C].
+      MultiheadAttention::Context ctx;
+      const Tensor y_tp =
+          attention.forward(sp ? row_block(x, r, n) : x.reshape({batch, seq, hidden}), ctx, nullptr,
+                            nullptr, nullptr, sp ? seq : 0);
+      expect_close(y_tp.reshape({y_tp.numel() / hidden, hidden}), sp ? row_block(y, r, n) : y,
+                   what + " y");
+      const Tensor dx_tp = attention.backward(
+          sp ? row_block(dy, r, n).clone() : dy.reshape({batch, seq, hidden}), ctx);
+      expect_close(dx_tp.reshape({dx_tp.numel() / hidden, hidden}), sp ? row_block(dx, r, n) : dx,
+                   what + " dx");
+      all_reduce_sequence_parallel_gradients(sequence_parallel_parameters(attention.parameters()),
+                                             *tp);
 
       const std::vector<int64_t> blocks = {heads * head_dim, kv_heads * head_dim,
                                            kv_heads * head_dim};
       const Linear& qkv = full.layernorm_qkv->linear;
-      expect_close(attention.qkv.weight.grad, block_rows(qkv.weight.grad, blocks, r, n),
-                   what + " qkv dW");
-      expect_close(attention.qkv.bias.grad, block_rows(qkv.bias.grad, blocks, r, n),
-                   what + " qkv db");
+      const Linear& qkv_tp = attention.layernorm_qkv->linear;
+      expect_close(qkv_tp.weight.grad, block_rows(qkv.weight.grad, blocks, r, n), what + " qkv dW");
+      expect_close(qkv_tp.bias.grad, block_rows(qkv.bias.grad, blocks, r, n), what + " qkv db");
       const int64_t local = hidden / n;
       expect_close(attention.proj.weight.grad, columns(full.proj.weight.grad, r * local, local),
                    what + " proj dW");
       expect_close(attention.proj.bias.grad, full.proj.bias.grad, what + " proj db");
-      expect_close(attention.norm.weight.grad, full.layernorm_qkv->norm.weight.grad,
+      expect_close(attention.layernorm_qkv->norm.weight.grad, full.layernorm_qkv->norm.weight.grad,
                    what + " norm dgamma");
-      expect_close(attention.norm.bias.grad, full.layernorm_qkv->norm.bias.grad,
+      expect_close(attention.layernorm_qkv->norm.bias.grad, full.layernorm_qkv->norm.bias.grad,
                    what + " norm dbeta");
     }
   }

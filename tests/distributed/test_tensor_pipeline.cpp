@@ -1,7 +1,7 @@
 // Tensor x pipeline parallelism (TP = 2 x PP = world / 2; CMake runs 4 ranks): every pipeline
-// schedule runs TensorParallelGPT stages through the executor, SP off and on, for two steps of
-// plain SGD, against the single-process GPT made with the same config and seed in the same
-// process on the same micro-batches. Each rank's gathered gradients, the loss and the
+// schedule runs the stages of a GPT split over the tensor group through the executor, SP off and
+// on, for two steps of plain SGD, against the single-process GPT made with the same config and seed
+// in the same process on the same micro-batches. Each rank's gathered gradients, the loss and the
 // global gradient norm (owned parameters over tensor x pipeline) agree within 1e-5 relative.
 //
 // Tolerance: what differs from the single process is the order of FP32 sums only: the split
@@ -22,7 +22,6 @@
 #include "octet/comm.h"
 #include "octet/error.h"
 #include "octet/model.h"
-#include "octet/model_tensor_parallel.h"
 #include "octet/ops/optimizer.h"
 #include "octet/pipeline.h"
 #include "octet/tensor_parallel.h"
@@ -110,8 +109,9 @@ TEST_P(TensorPipeline, EqualsTheSingleProcessGPT) {
   const pipeline::Schedule schedule = pipeline::make_schedule(kind, P, 2 * P, 2);
   const int M = schedule.micro_batches;
   GPT reference(config, kSeed);
-  TensorParallelGPT model(config, kSeed, sp, parallel.tensor(), schedule.stages,
-                          pipeline::stages_of_rank(schedule, parallel.pipeline_rank()));
+  GPT model(config, kSeed,
+            GPTLayout{schedule.stages, pipeline::stages_of_rank(schedule, parallel.pipeline_rank()),
+                      &parallel.tensor(), sp});
   pipeline::PipelineExecutor executor(schedule, model, parallel);
 
   // The stage's gathered parameters are GPT's tensors of those stages, bit for bit.
@@ -149,7 +149,12 @@ TEST_P(TensorPipeline, EqualsTheSingleProcessGPT) {
     }
     // Owned parameters over tensor x pipeline count each model parameter exactly once.
     const double norm = ops::global_grad_norm(all_grads);
-    EXPECT_NEAR(model.grad_norm(parallel.model(), executor.owned_parameters()), norm,
+    double squares = 0;
+    for (Parameter* p : model.counted_in_norm(executor.owned_parameters())) {
+      const Tensor grads[] = {p->grad};
+      squares += std::pow(ops::global_grad_norm(grads), 2);
+    }
+    EXPECT_NEAR(std::sqrt(parallel.model().all_reduce(squares, ReduceOp::Sum)), norm,
                 kRelativeTolerance * norm)
         << "step " << step;
     sgd(reference, 0.1f);
@@ -194,7 +199,7 @@ TEST(TensorPipelineState, StageLoadsItsSlicesOfAWholeModel) {
       pipeline::make_schedule(pipeline::ScheduleKind::OneFOneB, parallel.pipeline_size(), 2);
   const std::vector<int> held = pipeline::stages_of_rank(schedule, parallel.pipeline_rank());
   GPT source(config, kSeed + 1);
-  TensorParallelGPT model(config, kSeed, false, parallel.tensor(), schedule.stages, held);
+  GPT model(config, kSeed, GPTLayout{schedule.stages, held, &parallel.tensor(), false});
   model.load_state_dict(source.state_dict());
   const TensorMap expected = source.state_dict();
   const TensorMap ours = model.state_dict();

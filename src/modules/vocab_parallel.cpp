@@ -5,7 +5,7 @@
 #include <cstring>
 #include <limits>
 
-#include "octet/model_tensor_parallel.h"
+#include "octet/tensor_parallel.h"
 
 namespace octet {
 
