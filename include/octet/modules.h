@@ -14,6 +14,8 @@
 #include <utility>
 #include <vector>
 
+#include <nlohmann/json.hpp>
+
 #include "octet/comm.h"
 #include "octet/gemm.h"
 #include "octet/module.h"
@@ -128,6 +130,20 @@ class Fp8State {
   int backward_calls_ = 0;
   bool recomputing_ = false;
 };
+
+// Delayed scaling across ranks: the amaxes recorded since the last scale update (history
+// row 0 of every meta) become their maximum over `group` (tensor x data parallel), so every
+// rank derives the same scales. Collective; call after each micro-batch's backward (under
+// pipeline parallelism, after each forward and backward of a chunk: every rank of the group
+// runs the same stage's schedule).
+void reduce_fp8_amax(const std::vector<Fp8State*>& states, Communicator& group);
+// FP8 health (`octet train --fp8-stats`): {tensor name: {amax, scale, underflow, saturated}}
+// (fractions in [0, 1]) of every tensor measured since the last call (keys sorted by name);
+// clears the stats.
+nlohmann::json take_fp8_stats(const std::vector<Fp8State*>& states);
+// Every rank's take_fp8_stats() object merged into one, on every rank (a pipeline group's
+// stages hold different tensors): collective over `group`.
+nlohmann::json gather_fp8_stats(const nlohmann::json& mine, Communicator& group);
 
 // What an FP8 Linear forward keeps of its input for backward.
 enum class SavedInput {
@@ -654,6 +670,11 @@ struct GroupedLinearOptions {
   int64_t out_features = 0;
   bool bias = true;
   bool return_bias = false;  // forward leaves the biases out; the caller owns their gradients
+  // Tensor parallelism (as Linear's), in effect when a group is given. Column: every weight{i}
+  // split by output rows, the input [M, in] whole on every rank, the output [M, out/TP] this
+  // rank's columns. Row: split by input columns, the input [M, in/TP] this rank's columns, the
+  // output [M, out] summed over the group with the biases added once after the sum.
+  ParallelMode parallel_mode = ParallelMode::None;
   float init_std = 0.02f;
   uint64_t seed = 0;
   std::string name = "grouped_linear";
@@ -673,14 +694,18 @@ class GroupedLinear : public Module {
     bool fp8 = false;
     int64_t rows = 0;
   };
-  explicit GroupedLinear(const GroupedLinearOptions& options);
-  // x [M, in] with M = sum(m_splits) (entries >= 0, any may be 0) -> y [M, out].
+  // tp: the tensor-parallel group for parallel_mode column / row (null: no parallelism); the
+  // weights are then the shards of the same options' single-process module.
+  explicit GroupedLinear(const GroupedLinearOptions& options, Communicator* tp = nullptr);
+  // x [M, in] with M = sum(m_splits) (entries >= 0, any may be 0) -> y [M, out] (this rank's
+  // part under tensor parallelism, above).
   Tensor forward(const Tensor& x, const std::vector<int64_t>& m_splits, Context& ctx);
   // dy [M, out] -> dx [M, in]; accumulates every weight{i}.grad and bias{i}.grad.
   Tensor backward(const Tensor& dy, Context& ctx);
   void collect_parameters(std::vector<Parameter*>& out) override;
   void on_parameters_updated() override;
-  const GroupedLinearOptions& options() const { return options_; }
+  const GroupedLinearOptions& options() const { return options_; }  // this rank's shard
+  const GroupedLinearOptions& whole_options() const { return whole_; }
   Fp8State& fp8_state() { return fp8_; }
 
   std::vector<Parameter> weights;  // weight{i} [out, in]
@@ -688,7 +713,11 @@ class GroupedLinear : public Module {
 
  private:
   PackedWeight& packed_weight(int gemm, DType dtype);
-  GroupedLinearOptions options_;
+  Tensor local_forward(const Tensor& x, const std::vector<int64_t>& m_splits, Context& ctx);
+  Tensor local_backward(const Tensor& dy, Context& ctx);
+  GroupedLinearOptions whole_;    // the module as given
+  GroupedLinearOptions options_;  // this rank's shard (the whole module without a group)
+  Communicator* tp_ = nullptr;
   Fp8State fp8_;
   std::vector<std::optional<PackedWeight>> packed_;
   std::vector<DType> packed_dtype_;

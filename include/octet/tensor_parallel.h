@@ -41,6 +41,9 @@ Tensor shard_of(const Parameter& p, const Tensor& whole, Communicator& tp);
 // The parameters of `candidates` this rank counts in a norm over the model group, so each
 // element counts once: split ones on every rank, replicated ones on tensor rank 0 only.
 std::vector<Parameter*> counted_once(const std::vector<Parameter*>& candidates, Communicator& tp);
+// sqrt of the sum of squared gradients of `parameters` over `group` (tensor x pipeline ranks),
+// each rank passing the ones it counts (counted_once): collective.
+double grad_norm_over(const std::vector<Parameter*>& parameters, Communicator& group);
 
 // ---------------------------------------------------------------------------------------------
 // Vocabulary parallelism. The vocabulary V is split in contiguous row ranges of ceil(V/TP)
@@ -54,13 +57,8 @@ struct VocabRange {
 };
 VocabRange vocab_range(int64_t vocab, int rank, int size);
 
-// Vocabulary-parallel embedding. ids [N] I32 (whole vocabulary), table [range.size(), C] F32
-// -> partial rows [N, C] F32: table[id - begin] where this rank owns id, zeros elsewhere (the
-// sum over the group is the embedding).
-Tensor vocab_parallel_embedding_forward(const Tensor& ids, const Tensor& table, VocabRange range);
-// table_grad [range.size(), C] += dx [N, C] F32 rows of the owned ids.
-void vocab_parallel_embedding_backward(const Tensor& ids, const Tensor& dx, Tensor& table_grad,
-                                       VocabRange range);
+// Vocabulary-parallel embedding: ops::embedding_part_forward / backward of this rank's range
+// (the partial rows summed over the group, as Megatron's VocabParallelEmbedding).
 
 // Vocabulary-parallel cross-entropy over the group (collective). logits [N, range.size()]
 // F32: this rank's columns of the whole [N, V]; targets [N] I32 (whole-vocabulary ids, -100

@@ -95,27 +95,6 @@ void write_loss_svg(const std::string& path, const std::string& title,
 
 namespace octet {
 
-// FP8 health (`octet train --fp8-stats`), from the stats each module's Fp8State keeps under
-// fp8_stats_scope.
-// Every FP8 state of the model: each Linear inside its layers (GPT::fp8_states(); a pipeline
-// part or a tensor shard lists its layers in layer order the same way).
-std::vector<Fp8State*> fp8_states(TrainableModel& model);
-// Delayed scaling across ranks: the amaxes recorded since the last scale update (history
-// row 0 of every meta) become their maximum over `group` (tensor x data parallel), so every
-// rank derives the same scales. Collective; call after each micro-batch's backward (under
-// pipeline parallelism, after each forward and backward of a chunk: every rank of the group
-// runs the same stage's schedule).
-class Communicator;
-void reduce_fp8_amax(const std::vector<Fp8State*>& states, Communicator& group);
-void reduce_fp8_amax(TrainableModel& model, Communicator& group);
-// {tensor name: {amax, scale, underflow, saturated}} (fractions in [0, 1]) of every tensor
-// measured since the last call (keys sorted by name); clears the stats.
-nlohmann::json take_fp8_stats(const std::vector<Fp8State*>& states);
-nlohmann::json take_fp8_stats(TrainableModel& model);
-// Every rank's take_fp8_stats() object merged into one, on every rank (a pipeline group's
-// stages hold different tensors): collective over `group`.
-nlohmann::json gather_fp8_stats(const nlohmann::json& mine, Communicator& group);
-
 // Per tensor over a run: max amax, min and max scale, mean underflow, max saturation.
 class Fp8StatsSummary {
  public:

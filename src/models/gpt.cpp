@@ -278,7 +278,9 @@ Tensor GPT::embed(const Tensor& ids) {
   Communicator* tp = layout_.tensor;
   if (tp == nullptr) return gpt_parts::embed(ids, wte, wpe, 0);
   const int64_t T = ids.dim(1), N = ids.numel();
-  const Tensor partial = vocab_parallel_embedding_forward(ids.reshape({N}), wte.value, vocab_);
+  Tensor partial = Tensor::empty({N, config_.hidden}, DType::F32);
+  ops::embedding_part_forward(ids.reshape({N}), wte.value, vocab_.begin, config_.vocab_size,
+                              partial);
   Tensor x = sequence_parallel() ? reduce_scatter_to_sequence_parallel_region(partial, *tp)
                                  : reduce_from_tensor_parallel_region(partial, *tp);
   if (wpe.value.defined()) {
@@ -308,7 +310,8 @@ void GPT::embed_backward(const Tensor& ids, const Tensor& dx) {
   const Tensor dwhole = sequence_parallel()
                             ? reduce_scatter_to_sequence_parallel_region_backward(dx, *tp)
                             : reduce_from_tensor_parallel_region_backward(dx, *tp);
-  vocab_parallel_embedding_backward(ids.reshape({N}), dwhole, wte.grad, vocab_);
+  ops::embedding_part_backward(ids.reshape({N}), dwhole, vocab_.begin, config_.vocab_size,
+                               wte.grad);
 }
 
 float GPT::output_loss(const Tensor& hidden, const Tensor& targets, DType dtype, float grad_scale,

@@ -4,6 +4,7 @@
 // itself, and the activation (FC2's input) is not kept: backward recomputes it from FC1's
 // output, which the activation's backward needs anyway (TransformerEngine keeps both).
 #include "modules/common.h"
+#include "octet/ops/elementwise.h"
 
 namespace octet {
 
@@ -197,7 +198,7 @@ Tensor LayerNormMLP::backward(const Tensor& dy, Context& ctx) {
                              options_.bias ? &dbias : nullptr);
     dnorm = fc1.backward(dh, ctx.fc1);
   }
-  if (options_.bias) modules_detail::add_into(dbias, fc1.bias.grad);
+  if (options_.bias) ops::add_scaled(dbias, 1.0f, fc1.bias.grad);
   Tensor dx = norm.backward(dnorm, ctx.norm);
   ctx = Context{};
   return dx;

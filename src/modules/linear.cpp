@@ -3,6 +3,7 @@
 // (the weight once per optimizer step and scale, see Fp8State::quantized_weight), and only
 // the FP8 codes the backward GEMMs need are kept.
 #include "modules/common.h"
+#include "octet/ops/elementwise.h"
 
 namespace octet {
 
@@ -43,7 +44,6 @@ void run_or_defer(std::function<void()> weight_gradient) {
 
 }  // namespace
 
-using modules_detail::add_column_sums;
 using modules_detail::kept_for_backward;
 using modules_detail::needs_columnwise;
 using modules_detail::requantizer_for;
@@ -221,7 +221,7 @@ Tensor Linear::local_backward(const Tensor& dy_in, Context& ctx) {
   if (dy.dtype() != ctx.dtype) dy = dy.to(ctx.dtype);
   // With return_bias the caller added the bias (fused into its own kernel) and owns its
   // gradient; otherwise the bias gradient is the column sum of dy.
-  if (options_.bias && !options_.return_bias) add_column_sums(dy, bias.grad);
+  if (options_.bias && !options_.return_bias) ops::add_column_sums(dy, bias.grad);
   Tensor dx = Tensor::empty({ctx.rows, options_.in_features}, ctx.dtype);
   if (ctx.fp8) {
     fp8_.begin_backward(fp8_.recipe());

@@ -292,26 +292,6 @@ Parameter constant_parameter(std::string name, Shape shape, float value) {
   return p;
 }
 
-void add_column_sums(const Tensor& x, Tensor& out) {
-  const int64_t rows = x.rows(), cols = x.cols();
-  float* o = out.data<float>();
-  std::vector<float> x32 = x.dtype() == DType::F32 ? std::vector<float>() : x.to_floats();
-  const float* xs = x.dtype() == DType::F32 ? x.data<float>() : x32.data();
-#pragma omp parallel for schedule(static)
-  for (int64_t c0 = 0; c0 < cols; c0 += 64) {
-    const int64_t c1 = std::min(cols, c0 + 64);
-    for (int64_t r = 0; r < rows; ++r) {
-      for (int64_t c = c0; c < c1; ++c) o[c] += xs[r * cols + c];
-    }
-  }
-}
-
-void add_into(const Tensor& source, Tensor& target) {
-  const float* s = source.data<float>();
-  float* t = target.data<float>();
-  for (int64_t i = 0; i < target.numel(); ++i) t[i] += s[i];
-}
-
 Float8Tensor columnwise_only(Float8Tensor x) {
   x.data = Tensor();
   x.scale_inv = Tensor();

@@ -1,5 +1,6 @@
 // Norm module: LayerNorm or RMSNorm over the last dimension (ops in src/ops/normalization).
 #include "modules/common.h"
+#include "octet/ops/elementwise.h"
 #include "octet/ops/normalization.h"
 
 namespace octet {
@@ -58,12 +59,12 @@ Tensor Norm::backward(const Tensor& dy, Context& ctx) {
     Tensor dbeta = Tensor::empty({options_.hidden}, DType::F32);
     ops::layernorm_backward(dy_shaped, ctx.input, ctx.mean, ctx.rstd, weight.value,
                             options_.zero_centered_gamma, dx, dgamma, &dbeta);
-    modules_detail::add_into(dbeta, bias.grad);
+    ops::add_scaled(dbeta, 1.0f, bias.grad);
   } else {
     ops::rmsnorm_backward(dy_shaped, ctx.input, ctx.rstd, weight.value,
                           options_.zero_centered_gamma, dx, dgamma);
   }
-  modules_detail::add_into(dgamma, weight.grad);
+  ops::add_scaled(dgamma, 1.0f, weight.grad);
   ctx = Context{};
   return dx;
 }

@@ -4,6 +4,7 @@
 #include <cstring>
 
 #include "modules/common.h"
+#include "octet/ops/elementwise.h"
 #include "octet/tensor_parallel.h"
 
 namespace octet {
@@ -12,33 +13,6 @@ namespace {
 
 Tensor as_rows(const Tensor& x) {
   return x.reshape({x.rows(), x.cols()});
-}
-
-// y [N, C] += bias [C] (F32) on every row.
-void add_bias(Tensor& y, const Tensor& bias) {
-  const int64_t rows = y.rows(), cols = y.cols();
-  const float* b = bias.data<float>();
-  if (y.dtype() == DType::F32) {
-    float* out = y.data<float>();
-    for (int64_t r = 0; r < rows; ++r) {
-      for (int64_t c = 0; c < cols; ++c) out[r * cols + c] += b[c];
-    }
-    return;
-  }
-  Tensor wide = y.to(DType::F32);
-  add_bias(wide, bias);
-  y.copy_from(wide.to(y.dtype()));
-}
-
-// grad [C] += column sums of dy [N, C] (the row layer's replicated bias).
-void add_row_sums_to(const Tensor& dy, Tensor& grad) {
-  const Tensor wide = dy.dtype() == DType::F32 ? dy : dy.to(DType::F32);
-  const int64_t rows = wide.rows(), cols = wide.cols();
-  const float* d = wide.data<float>();
-  float* g = grad.data<float>();
-  for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t c = 0; c < cols; ++c) g[c] += d[r * cols + c];
-  }
 }
 
 // The shard's options: the whole layer's with one dimension divided by TP (none without a
@@ -165,7 +139,7 @@ Tensor Linear::parallel_forward(const Tensor& x, Context& ctx) {
     Tensor y = whole_.sequence_parallel ? reduce_scatter_to_sequence_parallel_region(partial, *tp_)
                                         : reduce_from_tensor_parallel_region(partial, *tp_);
     // y is this module's own tensor (the GEMM output or a collective's result): add in place.
-    if (whole_.bias && !whole_.return_bias) add_bias(y, bias.value);
+    if (whole_.bias && !whole_.return_bias) ops::add_bias(y, bias.value);
     return y;
   }
   Tensor y;
@@ -197,7 +171,7 @@ Tensor Linear::parallel_backward(const Tensor& dy, Context& ctx) {
   if (whole_.parallel_mode == ParallelMode::Row) {
     // The bias was added to this rank's rows: under SP a partial gradient, summed over the
     // group by all_reduce_sequence_parallel_gradients.
-    if (whole_.bias && !whole_.return_bias) add_row_sums_to(dy, bias.grad);
+    if (whole_.bias && !whole_.return_bias) ops::add_column_sums(dy, bias.grad);
     const Tensor partial_dy = whole_.sequence_parallel
                                   ? reduce_scatter_to_sequence_parallel_region_backward(dy, *tp_)
                                   : reduce_from_tensor_parallel_region_backward(as_rows(dy), *tp_);

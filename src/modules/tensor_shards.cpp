@@ -2,8 +2,10 @@
 // for checkpoints (and gathered optimizer state), slicing back at any group size, and which
 // parameters a rank counts in a gradient norm.
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 
+#include "octet/ops/optimizer.h"
 #include "octet/tensor_parallel.h"
 
 namespace octet {
@@ -22,6 +24,16 @@ std::vector<Parameter*> counted_once(const std::vector<Parameter*>& candidates, 
     if (p->shard.kind != TensorShard::Kind::Replicated || tp.rank() == 0) out.push_back(p);
   }
   return out;
+}
+
+double grad_norm_over(const std::vector<Parameter*>& parameters, Communicator& group) {
+  double squares = 0;
+  for (Parameter* p : parameters) {
+    const Tensor grads[] = {p->grad};
+    const double norm = ops::global_grad_norm(grads);
+    squares += norm * norm;
+  }
+  return std::sqrt(group.all_reduce(squares, ReduceOp::Sum));
 }
 
 namespace {
@@ -109,6 +121,13 @@ Tensor shard_of(const Parameter& p, const Tensor& whole, Communicator& tp) {
   check_shape(whole, s.whole_shape, "whole tensor '" + p.name + "'");
   check_dtype(whole, DType::F32, "whole tensor '" + p.name + "'");
   const Segments ranges = segments(s, tp.size())[static_cast<size_t>(tp.rank())];
+  // p.value must be shaped as this rank's part: the whole shape with dimension 0 (rows) or 1
+  // (columns) cut to the ranges.
+  Shape expected = s.whole_shape;
+  int64_t count = 0;
+  for (const auto& [begin, n] : ranges) count += n;
+  expected[s.kind == TensorShard::Kind::Rows ? 0 : 1] = count;
+  check_shape(p.value, expected, "shard of '" + p.name + "'");
   Tensor local = Tensor::empty(p.value.shape(), DType::F32);
   if (s.kind == TensorShard::Kind::Rows) {
     int64_t row = 0;

@@ -7,6 +7,7 @@
 #include "modules/common.h"
 #include "modules/tensor_columns.h"
 #include "octet/ops/dropout.h"
+#include "octet/ops/elementwise.h"
 
 namespace octet {
 
@@ -304,7 +305,7 @@ Tensor TransformerLayer::backward(const Tensor& dy, Context& ctx, Tensor* d_enco
     Tensor dbias = bias ? Tensor::empty({dout.cols()}, DType::F32) : Tensor();
     ops::bias_dropout_add_backward(dout.reshape(flat), {o.hidden_dropout, o.seed, offset},
                                    dbranch_flat, bias ? &dbias : nullptr);
-    if (bias) modules_detail::add_into(dbias, bias->grad);
+    if (bias) ops::add_scaled(dbias, 1.0f, bias->grad);
     return dbranch;
   };
   auto bias_of = [&](MultiheadAttention& attention) {

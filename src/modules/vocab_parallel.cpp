@@ -1,5 +1,6 @@
-// Vocabulary parallelism (Megatron's VocabParallelEmbedding and vocab_parallel_cross_entropy):
-// the embedding table and the tied output layer's logits split by vocabulary rows.
+// Vocabulary parallelism (Megatron's vocab_parallel_cross_entropy): the tied output layer's
+// logits split by vocabulary rows, and the vocabulary ranges (the embedding's lookup of a
+// vocabulary part is ops::embedding_part_forward / backward).
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -14,47 +15,6 @@ VocabRange vocab_range(int64_t vocab, int rank, int size) {
               size, " over a vocabulary of ", vocab);
   const int64_t part = (vocab + size - 1) / size;
   return {std::min(vocab, rank * part), std::min(vocab, (rank + 1) * part)};
-}
-
-Tensor vocab_parallel_embedding_forward(const Tensor& ids, const Tensor& table, VocabRange range) {
-  check_dtype(ids, DType::I32, "vocab-parallel embedding: ids");
-  check_dtype(table, DType::F32, "vocab-parallel embedding: table");
-  OCTET_CHECK(table.ndim() == 2 && table.dim(0) == range.size(),
-              "vocab-parallel embedding: table expected [", range.size(), ", C], got ",
-              shape_str(table.shape()));
-  const int64_t N = ids.numel(), C = table.dim(1);
-  Tensor out = Tensor::zeros({N, C}, DType::F32);
-  const int32_t* id = ids.data<int32_t>();
-  const float* rows = table.data<float>();
-  float* o = out.data<float>();
-#pragma omp parallel for schedule(static)
-  for (int64_t n = 0; n < N; ++n) {
-    if (id[n] < range.begin || id[n] >= range.end) continue;
-    std::memcpy(o + n * C, rows + (id[n] - range.begin) * C, static_cast<size_t>(C) * 4);
-  }
-  return out;
-}
-
-void vocab_parallel_embedding_backward(const Tensor& ids, const Tensor& dx, Tensor& table_grad,
-                                       VocabRange range) {
-  check_dtype(dx, DType::F32, "vocab-parallel embedding: dx");
-  const int64_t N = ids.numel(), C = table_grad.dim(1);
-  check_shape(dx, {N, C}, "vocab-parallel embedding: dx", "N,C");
-  const int32_t* id = ids.data<int32_t>();
-  const float* d = dx.data<float>();
-  float* g = table_grad.data<float>();
-  // Threads split the columns; each element adds its tokens in token order, as the
-  // single-process embedding backward adds repeated ids.
-  constexpr int64_t kColumns = 16;
-#pragma omp parallel for schedule(static)
-  for (int64_t c0 = 0; c0 < C; c0 += kColumns) {
-    const int64_t c1 = std::min(C, c0 + kColumns);
-    for (int64_t n = 0; n < N; ++n) {
-      if (id[n] < range.begin || id[n] >= range.end) continue;
-      float* row = g + (id[n] - range.begin) * C;
-      for (int64_t c = c0; c < c1; ++c) row[c] += d[n * C + c];
-    }
-  }
 }
 
 void vocab_parallel_cross_entropy(Tensor& logits, const Tensor& targets, VocabRange range,

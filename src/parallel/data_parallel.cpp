@@ -7,6 +7,7 @@
 #include <unordered_map>
 
 #include "octet/error.h"
+#include "octet/ops/elementwise.h"
 #include "octet/ops/embedding.h"
 #include "octet/ops/optimizer.h"
 
@@ -258,9 +259,8 @@ double DistributedOptimizer::step(float lr) {
   std::vector<ops::AdamWTensor> tensors;
   for (size_t i = 0; i < buckets.size(); ++i) {
     if (options_.clip_grad > 0 && coefficient < 1.0) {
-      float* g = buckets[i].grad_shard.data<float>();
-      const float c = static_cast<float>(coefficient);
-      for (int64_t e = 0; e < buckets[i].grad_shard.numel(); ++e) g[e] *= c;
+      Tensor shard[] = {buckets[i].grad_shard};
+      ops::scale(shard, static_cast<float>(coefficient));
     }
     for (const Piece& piece : pieces_[i]) {
       ops::AdamWTensor t;

@@ -1,6 +1,5 @@
-// FP8 state of a GPT in training: the list of its Fp8States and their checkpoint indices at
-// any layout, the amax reduction across ranks, and FP8 health (the stats every Fp8State
-// measured in a step, the metrics line's "fp8" object, summarized over the run).
+// FP8 health over a run: the per-step stats (take_fp8_stats, in the modules) summarized per
+// tensor for the closing table and the metrics file.
 #include <algorithm>
 #include <cstdio>
 #include <cstring>
@@ -10,70 +9,6 @@
 #include "octet/train.h"
 
 namespace octet {
-
-std::vector<Fp8State*> fp8_states(TrainableModel& model) {
-  return model.fp8_states();
-}
-
-void reduce_fp8_amax(TrainableModel& model, Communicator& group) {
-  reduce_fp8_amax(fp8_states(model), group);
-}
-
-void reduce_fp8_amax(const std::vector<Fp8State*>& states, Communicator& group) {
-  if (group.size() == 1) return;
-  std::vector<FP8Meta*> metas;
-  for (Fp8State* state : states) {
-    for (FP8Meta* meta : {&state->mutable_forward_meta(), &state->mutable_backward_meta()}) {
-      if (meta->num_tensors() > 0 && meta->history_len() > 0) metas.push_back(meta);
-    }
-  }
-  std::vector<float> amax;
-  for (FP8Meta* meta : metas) {
-    for (int i = 0; i < meta->num_tensors(); ++i) amax.push_back(meta->amax_history(0, i));
-  }
-  if (amax.empty()) return;
-  Tensor buffer = Tensor::from_floats({static_cast<int64_t>(amax.size())}, amax);
-  group.all_reduce(buffer, ReduceOp::Max);  // NaN anywhere stays NaN everywhere
-  const float* reduced = buffer.data<float>();
-  for (FP8Meta* meta : metas) {
-    for (int i = 0; i < meta->num_tensors(); ++i) meta->record_amax(i, *reduced++);
-  }
-}
-
-nlohmann::json take_fp8_stats(TrainableModel& model) {
-  return take_fp8_stats(fp8_states(model));
-}
-
-nlohmann::json take_fp8_stats(const std::vector<Fp8State*>& states) {
-  nlohmann::json out = nlohmann::json::object();
-  for (Fp8State* state : states) {
-    for (const auto& [name, s] : state->stats()) {
-      out[name] = {{"amax", s.amax},
-                   {"scale", s.scale},
-                   {"underflow", s.underflow},
-                   {"saturated", s.saturated}};
-    }
-    state->clear_stats();
-  }
-  return out;
-}
-
-nlohmann::json gather_fp8_stats(const nlohmann::json& mine, Communicator& group) {
-  if (group.size() == 1) return mine;
-  // Each rank's JSON text in one row, padded with NULs to the longest.
-  const std::string text = mine.dump();
-  const auto longest =
-      static_cast<int64_t>(group.all_reduce(static_cast<double>(text.size()), ReduceOp::Max));
-  Tensor row = Tensor::zeros({1, longest}, DType::U8);
-  std::memcpy(row.raw(), text.data(), text.size());
-  const Tensor rows = group.all_gather(row);
-  nlohmann::json merged = nlohmann::json::object();
-  for (int r = 0; r < group.size(); ++r) {
-    const char* begin = static_cast<const char*>(rows.raw()) + r * longest;
-    merged.update(nlohmann::json::parse(std::string(begin, strnlen(begin, longest))));
-  }
-  return merged;
-}
 
 void Fp8StatsSummary::add(const nlohmann::json& step_stats) {
   for (const auto& [name, s] : step_stats.items()) {

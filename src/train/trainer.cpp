@@ -8,6 +8,7 @@
 #include <cstdio>
 
 #include "octet/gemm.h"
+#include "octet/ops/elementwise.h"
 #include "octet/ops/optimizer.h"
 #include "octet/tensor_parallel.h"
 #include "train/training_run.h"
@@ -40,10 +41,9 @@ std::string format_duration(double seconds) {
 void clip_gradients(double norm, float clip, const std::vector<Parameter*>& parameters) {
   const double coefficient = clip / (norm + 1e-6);
   if (clip <= 0 || !std::isfinite(norm) || coefficient >= 1.0) return;
-  for (Parameter* p : parameters) {
-    float* g = p->grad.data<float>();
-    for (int64_t i = 0; i < p->grad.numel(); ++i) g[i] *= static_cast<float>(coefficient);
-  }
+  std::vector<Tensor> grads;
+  for (Parameter* p : parameters) grads.push_back(p->grad);
+  ops::scale(grads, static_cast<float>(coefficient));
 }
 
 bool dump_this_step(const TrainOptions& o, int64_t step) {
@@ -58,9 +58,7 @@ TensorMap with_updates(TensorMap tensors, const TensorMap& after) {
     auto before = tensors.extract("before." + name);
     OCTET_CHECK(!before.empty(), "--dump-grads: no value of '", name, "' before the step");
     Tensor update = value.clone();
-    const float* old_value = before.mapped().data<float>();
-    float* delta = update.data<float>();
-    for (int64_t i = 0; i < update.numel(); ++i) delta[i] -= old_value[i];
+    ops::add_scaled(before.mapped(), -1.0f, update);
     tensors["update." + name] = update;
   }
   return tensors;
@@ -188,18 +186,6 @@ void TrainingRun::finish_gradients() {
   if (ddp_) ddp_->finish_grad_sync();
 }
 
-// sqrt of the sum of squared gradients over the model group (tensor x pipeline ranks), each
-// model parameter counted once: this rank's `owned` parameters the model counts.
-double TrainingRun::model_grad_norm(const std::vector<Parameter*>& owned) {
-  double squares = 0;
-  for (Parameter* p : model_->counted_in_norm(owned)) {
-    const Tensor grads[] = {p->grad};
-    const double norm = ops::global_grad_norm(grads);
-    squares += norm * norm;
-  }
-  return std::sqrt(parallel_->model().all_reduce(squares, ReduceOp::Sum));
-}
-
 // Clipping and the update; returns the gradient norm before clipping.
 double TrainingRun::optimizer_step(float lr) {
   double grad_norm = 0;
@@ -208,7 +194,10 @@ double TrainingRun::optimizer_step(float lr) {
   } else if (parallel_->model().size() == 1) {
     grad_norm = adamw_->step(lr);  // the whole model here: AdamW clips
   } else {
-    grad_norm = model_grad_norm(executor_ ? executor_->owned_parameters() : model_->parameters());
+    // Over the model group, each model parameter counted once.
+    grad_norm = grad_norm_over(
+        model_->counted_in_norm(executor_ ? executor_->owned_parameters() : model_->parameters()),
+        parallel_->model());
     clip_gradients(grad_norm, o_.clip_grad, model_->parameters());
     if (std::isfinite(grad_norm)) adamw_->step(lr);
   }

@@ -44,7 +44,6 @@ class TrainingRun {
   double run_micro_batches(int64_t iteration);
   void finish_gradients();
   double optimizer_step(float lr);
-  double model_grad_norm(const std::vector<Parameter*>& owned);
   float evaluate();
   void save(int64_t iteration);
   TensorMap whole_parameters();

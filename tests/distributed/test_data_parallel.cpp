@@ -163,7 +163,7 @@ TEST(DataParallelFp8, AmaxReductionKeepsEveryRanksScalesEqual) {
       fp8_autocast scope(true, recipe);
       model.train_step(ids, targets, DType::BF16, 1.0f);
     }
-    reduce_fp8_amax(model, *world);
+    reduce_fp8_amax(model.fp8_states(), *world);
   }
   Tensor ids, targets;
   batch(0, ids, targets);
@@ -172,7 +172,7 @@ TEST(DataParallelFp8, AmaxReductionKeepsEveryRanksScalesEqual) {
     model.train_step(ids, targets, DType::BF16, 1.0f);
   }
   std::vector<float> scales;
-  for (Fp8State* state : fp8_states(model)) {
+  for (Fp8State* state : model.fp8_states()) {
     for (float s : state->forward_meta().scales()) scales.push_back(s);
   }
   ASSERT_FALSE(scales.empty());

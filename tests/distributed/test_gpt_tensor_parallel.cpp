@@ -67,18 +67,6 @@ GPTLayout tensor_layout(bool sp, Communicator& tp) {
   return layout;
 }
 
-// sqrt of the sum of squared gradients over `counted`, each element once over `group`.
-double grad_norm(TrainableModel& model, Communicator& group,
-                 const std::vector<Parameter*>& counted) {
-  double squares = 0;
-  for (Parameter* p : model.counted_in_norm(counted)) {
-    const Tensor grads[] = {p->grad};
-    const double norm = ops::global_grad_norm(grads);
-    squares += norm * norm;
-  }
-  return std::sqrt(group.all_reduce(squares, ReduceOp::Sum));
-}
-
 void expect_close(const Tensor& actual, const Tensor& expected, const std::string& what) {
   const std::vector<float> a = actual.to_floats(), e = expected.to_floats();
   ASSERT_EQ(a.size(), e.size()) << what;
@@ -137,7 +125,8 @@ TEST_P(GPTTensorParallel, EqualsTheSingleProcessGPT) {
     expect_close(model.gather(*p, p->grad), reference_grads.at(p->name), p->name + " gradient");
   }
   const double norm = ops::global_grad_norm(grads);
-  EXPECT_NEAR(grad_norm(model, tp, model.parameters()), norm, kRelativeTolerance * norm);
+  EXPECT_NEAR(grad_norm_over(model.counted_in_norm(model.parameters()), tp), norm,
+              kRelativeTolerance * norm);
 
   EXPECT_NEAR(model.evaluate(ids, targets, DType::F32),
               reference.evaluate(ids, targets, DType::F32),
@@ -221,7 +210,7 @@ TEST_P(GPTTensorParallelFp8, DelayedScalingEqualsTheSingleProcessGPT) {
   }
   // Scales: equal on every tensor rank, and the single process's, entry for entry (the same
   // checkpoint names fp8.{i}.).
-  const std::vector<Fp8State*> ours = model.fp8_states(), theirs = fp8_states(reference);
+  const std::vector<Fp8State*> ours = model.fp8_states(), theirs = reference.fp8_states();
   ASSERT_EQ(ours.size(), theirs.size());
   std::vector<float> scales, expected_scales;
   for (size_t i = 0; i < ours.size(); ++i) {

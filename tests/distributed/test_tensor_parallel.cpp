@@ -452,6 +452,51 @@ TEST_F(TensorParallel, SelfAttentionEqualsTheUnshardedBlock) {
   }
 }
 
+// GroupedLinear split across the group, column- and row-parallel, against the whole module:
+// every group's output, input gradient and weight / bias gradients (the empty group too).
+TEST_F(TensorParallel, GroupedLinearEqualsTheUnshardedModule) {
+  const int64_t in = 4 * n, out = 6 * n;
+  const std::vector<int64_t> m_splits = {3, 0, 5};
+  const int64_t rows = 8;
+  for (ParallelMode mode : {ParallelMode::Column, ParallelMode::Row}) {
+    const bool column = mode == ParallelMode::Column;
+    const std::string what = column ? "grouped column" : "grouped row";
+    GroupedLinearOptions o;
+    o.num_gemms = 3;
+    o.in_features = in;
+    o.out_features = out;
+    o.init_std = 0.3f;
+    o.seed = 5;
+    GroupedLinear full(o);
+    for (int i = 0; i < o.num_gemms; ++i) randomize(full.biases[i], 50 + i, 0.5f);
+    o.parallel_mode = mode;
+    GroupedLinear grouped(o, tp);
+    load_shards(grouped, full, *tp);
+
+    const Tensor x = random_tensor({rows, in}, 55), dy = random_tensor({rows, out}, 56);
+    GroupedLinear::Context full_ctx, ctx;
+    const Tensor y = full.forward(x, m_splits, full_ctx);
+    const Tensor dx = full.backward(dy, full_ctx);
+    const int64_t local_in = in / n, local_out = out / n;
+    const Tensor y_tp =
+        grouped.forward(column ? x : columns(x, r * local_in, local_in), m_splits, ctx);
+    expect_close(y_tp, column ? columns(y, r * local_out, local_out) : y, what + " y");
+    const Tensor dx_tp =
+        grouped.backward(column ? columns(dy, r * local_out, local_out).clone() : dy, ctx);
+    expect_close(dx_tp, column ? dx : columns(dx, r * local_in, local_in), what + " dx");
+    for (int i = 0; i < o.num_gemms; ++i) {
+      const std::string gemm = what + " gemm " + std::to_string(i);
+      expect_close(grouped.weights[i].grad,
+                   column ? block_rows(full.weights[i].grad, {out}, r, n)
+                          : columns(full.weights[i].grad, r * local_in, local_in),
+                   gemm + " dW");
+      expect_close(grouped.biases[i].grad,
+                   column ? block_rows(full.biases[i].grad, {out}, r, n) : full.biases[i].grad,
+                   gemm + " db");
+    }
+  }
+}
+
 TEST_F(TensorParallel, ZWorstDifferenceWithinTolerance) {
   // Defined last, so it runs last: the largest difference any comparison above saw.
   RecordProperty("worst_relative_difference", std::to_string(g_worst_relative));

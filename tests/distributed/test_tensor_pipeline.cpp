@@ -149,13 +149,9 @@ TEST_P(TensorPipeline, EqualsTheSingleProcessGPT) {
     }
     // Owned parameters over tensor x pipeline count each model parameter exactly once.
     const double norm = ops::global_grad_norm(all_grads);
-    double squares = 0;
-    for (Parameter* p : model.counted_in_norm(executor.owned_parameters())) {
-      const Tensor grads[] = {p->grad};
-      squares += std::pow(ops::global_grad_norm(grads), 2);
-    }
-    EXPECT_NEAR(std::sqrt(parallel.model().all_reduce(squares, ReduceOp::Sum)), norm,
-                kRelativeTolerance * norm)
+    EXPECT_NEAR(
+        grad_norm_over(model.counted_in_norm(executor.owned_parameters()), parallel.model()), norm,
+        kRelativeTolerance * norm)
         << "step " << step;
     sgd(reference, 0.1f);
     sgd(model, 0.1f);

@@ -197,13 +197,13 @@ TEST(Fp8Stats, GptStepReportsEveryQuantizedTensor) {
       fp8_autocast scope(true, recipe::DelayedScaling{});
       model.train_step(ids, targets, DType::BF16, 1.0f);
     }
-    nlohmann::json taken = take_fp8_stats(model);
+    nlohmann::json taken = take_fp8_stats(model.fp8_states());
     // 2 layers x (qkv, proj, fc1, fc2) x (input, weight, grad_output).
     ASSERT_EQ(taken.size(), 24u);
     const auto& qkv = taken.at("transformer.h.0.self_attention.layernorm_qkv.input");
     EXPECT_GT(qkv.at("amax").get<double>(), 0.0);
     EXPECT_TRUE(taken.contains("transformer.h.1.layernorm_mlp.fc2.grad_output"));
-    EXPECT_TRUE(take_fp8_stats(model).empty());  // taking clears
+    EXPECT_TRUE(take_fp8_stats(model.fp8_states()).empty());  // taking clears
     summary.add(taken);
   }
   nlohmann::json s = summary.to_json();
@@ -224,7 +224,7 @@ TEST(Fp8Stats, StageStateIndicesNameTheWholeModelsGemms) {
                                            {"num_heads", 4}});
   GPT model(config, 1);
   GPT stage(config, 1, GPTLayout{/*stages=*/4, /*stage_of_chunk=*/{3, 1}});
-  const std::vector<Fp8State*> whole = fp8_states(model), part = fp8_states(stage);
+  const std::vector<Fp8State*> whole = model.fp8_states(), part = stage.fp8_states();
   ASSERT_EQ(whole.size(), 32u);
   ASSERT_EQ(part.size(), 16u);
   const std::vector<int64_t> index = fp8_state_indices(stage, part.size(), config.num_layers);

@@ -64,6 +64,12 @@ inline std::vector<Isa>& looped_isas() {
 }
 }  // namespace detail
 
+// Puts the active instruction set back when a test that loops over them ends.
+struct IsaGuard {
+  Isa saved = active_isa();
+  ~IsaGuard() { set_active_isa(saved); }
+};
+
 // Scalar, then AVX2 and AVX-512 where this processor has them.
 inline std::vector<Isa> available_isas() {
   std::vector<Isa> isas = {Isa::Scalar};

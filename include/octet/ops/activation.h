@@ -26,6 +26,16 @@ void activation_forward(ActivationKind kind, const Tensor& x, const Tensor* bias
 void activation_backward(ActivationKind kind, const Tensor& dy, const Tensor& x, const Tensor* bias,
                          Tensor& dx, Tensor* dbias, Fp8Store* fp8 = nullptr);
 
+// The CPU kernels: OpenMP over rows / heads, inner loops vectorized per instruction set and
+// chosen at run time (OCTET_ISA lowers the choice). The functions above check that every
+// tensor is on one device and dispatch there (the CPU today; a CUDA file adds ops::cuda).
+namespace cpu {
+void activation_forward(ActivationKind kind, const Tensor& x, const Tensor* bias, Tensor& y,
+                        Fp8Store* fp8 = nullptr);
+void activation_backward(ActivationKind kind, const Tensor& dy, const Tensor& x, const Tensor* bias,
+                         Tensor& dx, Tensor* dbias, Fp8Store* fp8 = nullptr);
+}  // namespace cpu
+
 namespace reference {
 void activation_forward(ActivationKind kind, const Tensor& x, const Tensor* bias, Tensor& y,
                         Fp8Store* fp8 = nullptr);

@@ -50,6 +50,17 @@ bool attention_dropout_keep(uint64_t seed, uint64_t offset, int64_t b, int64_t h
 // The whole mask for tests and peers: keep [B,H,T,S] U8, 1 = kept.
 void attention_dropout_mask(uint64_t seed, uint64_t offset, float p, Tensor& keep);
 
+// The CPU kernels: OpenMP over rows / heads, inner loops vectorized per instruction set and
+// chosen at run time (OCTET_ISA lowers the choice). The functions above check that every
+// tensor is on one device and dispatch there (the CPU today; a CUDA file adds ops::cuda).
+namespace cpu {
+void flash_attention_forward(const Tensor& q, const Tensor& k, const Tensor& v,
+                             const AttentionOptions& options, Tensor& out, Tensor& lse);
+void flash_attention_backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
+                              const Tensor& lse, const Tensor& dout,
+                              const AttentionOptions& options, Tensor& dq, Tensor& dk, Tensor& dv);
+}  // namespace cpu
+
 namespace reference {
 // The oracle: materializes each head's T x S scores, double accumulation.
 void flash_attention_forward(const Tensor& q, const Tensor& k, const Tensor& v,

@@ -25,6 +25,16 @@ void bias_dropout_add_forward(const Tensor& x, const Tensor* bias, const Tensor&
 void bias_dropout_add_backward(const Tensor& dout, const DropoutParams& dropout, Tensor& dx,
                                Tensor* dbias);
 
+// The CPU kernels: OpenMP over rows / heads, inner loops vectorized per instruction set and
+// chosen at run time (OCTET_ISA lowers the choice). The functions above check that every
+// tensor is on one device and dispatch there (the CPU today; a CUDA file adds ops::cuda).
+namespace cpu {
+void bias_dropout_add_forward(const Tensor& x, const Tensor* bias, const Tensor& residual,
+                              const DropoutParams& dropout, Tensor& out);
+void bias_dropout_add_backward(const Tensor& dout, const DropoutParams& dropout, Tensor& dx,
+                               Tensor* dbias);
+}  // namespace cpu
+
 namespace reference {
 void bias_dropout_add_forward(const Tensor& x, const Tensor* bias, const Tensor& residual,
                               const DropoutParams& dropout, Tensor& out);

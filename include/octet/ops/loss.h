@@ -32,6 +32,14 @@ float cross_entropy_forward_backward(const Tensor& logits, const Tensor& targets
 // Number of targets [N] I32|I64 not equal to ignore_index.
 int64_t count_valid_targets(const Tensor& targets, int64_t ignore_index = -100);
 
+// The CPU kernels: OpenMP over rows / heads, inner loops vectorized per instruction set and
+// chosen at run time (OCTET_ISA lowers the choice). The functions above check that every
+// tensor is on one device and dispatch there (the CPU today; a CUDA file adds ops::cuda).
+namespace cpu {
+float cross_entropy_forward_backward(const Tensor& logits, const Tensor& targets, Tensor& losses,
+                                     Tensor* dlogits, const CrossEntropyOptions& options = {});
+}  // namespace cpu
+
 namespace reference {
 float cross_entropy_forward_backward(const Tensor& logits, const Tensor& targets, Tensor& losses,
                                      Tensor* dlogits, const CrossEntropyOptions& options = {});

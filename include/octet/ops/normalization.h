@@ -28,6 +28,22 @@ void rmsnorm_forward(const Tensor& x, const Tensor& gamma, float eps, bool zero_
 void rmsnorm_backward(const Tensor& dy, const Tensor& x, const Tensor& rstd, const Tensor& gamma,
                       bool zero_centered_gamma, Tensor& dx, Tensor& dgamma);
 
+// The CPU kernels: OpenMP over rows / heads, inner loops vectorized per instruction set and
+// chosen at run time (OCTET_ISA lowers the choice). The functions above check that every
+// tensor is on one device and dispatch there (the CPU today; a CUDA file adds ops::cuda).
+namespace cpu {
+void layernorm_forward(const Tensor& x, const Tensor& gamma, const Tensor* beta, float eps,
+                       bool zero_centered_gamma, Tensor& y, Tensor& mean, Tensor& rstd,
+                       Fp8Store* fp8 = nullptr);
+void layernorm_backward(const Tensor& dy, const Tensor& x, const Tensor& mean, const Tensor& rstd,
+                        const Tensor& gamma, bool zero_centered_gamma, Tensor& dx, Tensor& dgamma,
+                        Tensor* dbeta);
+void rmsnorm_forward(const Tensor& x, const Tensor& gamma, float eps, bool zero_centered_gamma,
+                     Tensor& y, Tensor& rstd, Fp8Store* fp8 = nullptr);
+void rmsnorm_backward(const Tensor& dy, const Tensor& x, const Tensor& rstd, const Tensor& gamma,
+                      bool zero_centered_gamma, Tensor& dx, Tensor& dgamma);
+}  // namespace cpu
+
 namespace reference {
 void layernorm_forward(const Tensor& x, const Tensor& gamma, const Tensor* beta, float eps,
                        bool zero_centered_gamma, Tensor& y, Tensor& mean, Tensor& rstd,

@@ -60,6 +60,15 @@ double global_grad_norm(std::span<const Tensor> grads);
 // Returns the norm before clipping.
 double clip_grad_norm(std::span<Tensor> grads, double max_norm);
 
+// The CPU kernels: OpenMP over rows / heads, inner loops vectorized per instruction set and
+// chosen at run time (OCTET_ISA lowers the choice). The functions above check that every
+// tensor is on one device and dispatch there (the CPU today; a CUDA file adds ops::cuda).
+namespace cpu {
+void adamw_step(std::span<AdamWTensor> tensors, const AdamWHyper& hyper);
+double global_grad_norm(std::span<const Tensor> grads);
+double clip_grad_norm(std::span<Tensor> grads, double max_norm);
+}  // namespace cpu
+
 namespace reference {
 void adamw_step(std::span<AdamWTensor> tensors, const AdamWHyper& hyper);
 double global_grad_norm(std::span<const Tensor> grads);

@@ -30,6 +30,14 @@ void rope_forward(Tensor& x, const RopeOptions& options);
 // dx [B,T,H,D] F32|BF16 (in place): the gradient of a rotation is the rotation by -angle.
 void rope_backward(Tensor& dx, const RopeOptions& options);
 
+// The CPU kernels: OpenMP over rows / heads, inner loops vectorized per instruction set and
+// chosen at run time (OCTET_ISA lowers the choice). The functions above check that every
+// tensor is on one device and dispatch there (the CPU today; a CUDA file adds ops::cuda).
+namespace cpu {
+void rope_forward(Tensor& x, const RopeOptions& options);
+void rope_backward(Tensor& dx, const RopeOptions& options);
+}  // namespace cpu
+
 namespace reference {
 void rope_forward(Tensor& x, const RopeOptions& options);
 void rope_backward(Tensor& dx, const RopeOptions& options);

@@ -34,6 +34,15 @@ void scaled_masked_softmax_forward(const Tensor& x, float scale, const SoftmaxMa
 // masked entries have y = 0, so the mask is not needed again.
 void scaled_masked_softmax_backward(const Tensor& y, const Tensor& dy, float scale, Tensor& dx);
 
+// The CPU kernels: OpenMP over rows / heads, inner loops vectorized per instruction set and
+// chosen at run time (OCTET_ISA lowers the choice). The functions above check that every
+// tensor is on one device and dispatch there (the CPU today; a CUDA file adds ops::cuda).
+namespace cpu {
+void scaled_masked_softmax_forward(const Tensor& x, float scale, const SoftmaxMask& mask,
+                                   Tensor& y);
+void scaled_masked_softmax_backward(const Tensor& y, const Tensor& dy, float scale, Tensor& dx);
+}  // namespace cpu
+
 namespace reference {
 void scaled_masked_softmax_forward(const Tensor& x, float scale, const SoftmaxMask& mask,
                                    Tensor& y);

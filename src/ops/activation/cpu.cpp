@@ -9,7 +9,7 @@
 #include "ops/activation/checks.h"
 #include "ops/activation/math.h"
 
-namespace octet::ops {
+namespace octet::ops::cpu {
 namespace {
 
 struct RowParams {
@@ -302,4 +302,4 @@ void activation_backward(ActivationKind kind, const Tensor& dy, const Tensor& x,
   }
 }
 
-}  // namespace octet::ops
+}  // namespace octet::ops::cpu

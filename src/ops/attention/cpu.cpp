@@ -16,7 +16,7 @@
 #include "ops/attention/checks.h"
 #include "ops/attention/vec.h"
 
-namespace octet::ops {
+namespace octet::ops::cpu {
 namespace {
 
 using attention_detail::AttentionShape;
@@ -511,4 +511,4 @@ void flash_attention_backward(const Tensor& q, const Tensor& k, const Tensor& v,
   }
 }
 
-}  // namespace octet::ops
+}  // namespace octet::ops::cpu

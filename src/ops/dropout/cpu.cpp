@@ -8,7 +8,7 @@
 #include "ops/dropout/checks.h"
 #include "ops/simd.h"
 
-namespace octet::ops {
+namespace octet::ops::cpu {
 namespace {
 
 // factor[c] = 1/(1-p) if element (first + c) is kept, else 0.
@@ -185,4 +185,4 @@ void bias_dropout_add_backward(const Tensor& dout, const DropoutParams& d, Tenso
   }
 }
 
-}  // namespace octet::ops
+}  // namespace octet::ops::cpu

@@ -9,8 +9,9 @@ namespace octet::ops::embedding_detail {
 
 struct EmbeddingShape {
   int64_t tokens = 0;    // N
-  int64_t vocab = 0;     // V
+  int64_t vocab = 0;     // V: the table's rows
   int64_t channels = 0;  // C
+  int64_t first = 0;     // the id of the table's row 0 (vocabulary parts)
 };
 
 inline int64_t id_at(const Tensor& ids, int64_t index) {
@@ -18,23 +19,29 @@ inline int64_t id_at(const Tensor& ids, int64_t index) {
                                    : ids.data<int64_t>()[index];
 }
 
-// table_or_dtable [V,C]; rows [*ids.shape, C] (out or dout). Every id is checked up front.
+// table_or_dtable [V,C]; rows [*ids.shape, C] (out or dout). Every id is checked up front: in
+// [0, V), or for a vocabulary part (vocab > 0) in [0, vocab), the table holding rows
+// [first, first + V).
 inline EmbeddingShape check_embedding(const char* op, const Tensor& ids,
                                       const Tensor& table_or_dtable, const char* table_name,
-                                      const Tensor& rows, const char* rows_name) {
+                                      const Tensor& rows, const char* rows_name, int64_t first = 0,
+                                      int64_t vocab = 0) {
   const std::string name(op);
   check_dtype_in(ids, {DType::I32, DType::I64}, name + ": ids");
   OCTET_CHECK(table_or_dtable.ndim() == 2, op, ": ", table_name, " expected [V,C], got ",
               shape_str(table_or_dtable.shape()));
-  EmbeddingShape s{ids.numel(), table_or_dtable.dim(0), table_or_dtable.dim(1)};
+  EmbeddingShape s{ids.numel(), table_or_dtable.dim(0), table_or_dtable.dim(1), first};
+  const int64_t ids_end = vocab > 0 ? vocab : s.vocab;
+  OCTET_CHECK(vocab == 0 || (first >= 0 && first + s.vocab <= vocab), op, ": a part of rows [",
+              first, ", ", first + s.vocab, ") expected inside the vocabulary of ", vocab);
   Shape rows_shape = ids.shape();
   rows_shape.push_back(s.channels);
   check_shape(rows, rows_shape, name + ": " + rows_name);
   check_dtype_in(rows, {DType::F32, DType::BF16}, name + ": " + rows_name);
   for (int64_t n = 0; n < s.tokens; ++n) {
     const int64_t id = id_at(ids, n);
-    OCTET_CHECK(id >= 0 && id < s.vocab, op, ": id ", id, " at position ", n,
-                " is out of range [0,V) with V=", s.vocab);
+    OCTET_CHECK(id >= 0 && id < ids_end, op, ": id ", id, " at position ", n,
+                " is out of range [0,V) with V=", ids_end);
   }
   return s;
 }

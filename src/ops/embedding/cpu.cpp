@@ -10,7 +10,7 @@
 #include "ops/embedding/checks.h"
 #include "ops/simd.h"
 
-namespace octet::ops {
+namespace octet::ops::cpu {
 namespace {
 
 constexpr int64_t kParallelMinElements = int64_t{1} << 15;
@@ -65,7 +65,11 @@ void forward_rows(const Tensor& ids, const Tensor& table, Tensor& out,
   const int64_t c = s.channels;
 #pragma omp parallel for schedule(static) if (s.tokens * c >= kParallelMinElements)
   for (int64_t n = 0; n < s.tokens; ++n) {
-    const int64_t id = embedding_detail::id_at(ids, n);
+    const int64_t id = embedding_detail::id_at(ids, n) - s.first;
+    if (id < 0 || id >= s.vocab) {  // another part's id (vocabulary parallelism): zeros
+      std::memset(static_cast<void*>(dst + n * c), 0, sizeof(Out) * c);
+      continue;
+    }
     if constexpr (std::is_same_v<In, Out>) {
       std::memcpy(static_cast<void*>(dst + n * c), rows + id * c, sizeof(In) * c);
     } else {
@@ -83,26 +87,30 @@ void backward_rows(const Tensor& ids, const Tensor& dout, Tensor& dtable,
   auto add = isa == Isa::Avx512 ? add_row_avx512<In>
              : isa == Isa::Avx2 ? add_row_avx2<In>
                                 : add_row_scalar<In>;
-  // Token order sorted by id, n ascending within an id; [N] I64, counted like any tensor.
+  // The held tokens sorted by id, n ascending within an id; [N] I64, counted like any tensor.
   Tensor order_tensor = Tensor::empty({s.tokens}, DType::I64);
   int64_t* order = order_tensor.data<int64_t>();
-  for (int64_t n = 0; n < s.tokens; ++n) order[n] = n;
-  std::stable_sort(order, order + s.tokens, [&](int64_t a, int64_t b) {
+  int64_t held = 0;
+  for (int64_t n = 0; n < s.tokens; ++n) {
+    const int64_t id = embedding_detail::id_at(ids, n) - s.first;
+    if (id >= 0 && id < s.vocab) order[held++] = n;
+  }
+  std::stable_sort(order, order + held, [&](int64_t a, int64_t b) {
     return embedding_detail::id_at(ids, a) < embedding_detail::id_at(ids, b);
   });
-  std::vector<int64_t> group_begin;  // where each distinct id starts in `order`, then N
-  for (int64_t i = 0; i < s.tokens; ++i) {
+  std::vector<int64_t> group_begin;  // where each distinct id starts in `order`, then held
+  for (int64_t i = 0; i < held; ++i) {
     if (i == 0 ||
         embedding_detail::id_at(ids, order[i]) != embedding_detail::id_at(ids, order[i - 1])) {
       group_begin.push_back(i);
     }
   }
-  group_begin.push_back(s.tokens);
+  group_begin.push_back(held);
   const int64_t groups = static_cast<int64_t>(group_begin.size()) - 1;
   const int64_t c = s.channels;
 #pragma omp parallel for schedule(dynamic, 8) if (s.tokens * c >= kParallelMinElements)
   for (int64_t g = 0; g < groups; ++g) {
-    float* row = table_grad + embedding_detail::id_at(ids, order[group_begin[g]]) * c;
+    float* row = table_grad + (embedding_detail::id_at(ids, order[group_begin[g]]) - s.first) * c;
     for (int64_t i = group_begin[g]; i < group_begin[g + 1]; ++i) {
       add(grad_rows + order[i] * c, row, c);
     }
@@ -111,9 +119,10 @@ void backward_rows(const Tensor& ids, const Tensor& dout, Tensor& dtable,
 
 }  // namespace
 
-void embedding_forward(const Tensor& ids, const Tensor& table, Tensor& out) {
-  const auto s =
-      embedding_detail::check_embedding("embedding_forward", ids, table, "table", out, "out");
+namespace {
+
+void forward(const Tensor& ids, const Tensor& table, Tensor& out,
+             const embedding_detail::EmbeddingShape& s) {
   check_dtype_in(table, {DType::F32, DType::BF16}, "embedding_forward: table");
   const bool table_f32 = table.dtype() == DType::F32;
   if (out.dtype() == DType::F32) {
@@ -125,15 +134,41 @@ void embedding_forward(const Tensor& ids, const Tensor& table, Tensor& out) {
   }
 }
 
-void embedding_backward(const Tensor& ids, const Tensor& dout, Tensor& dtable) {
-  const auto s =
-      embedding_detail::check_embedding("embedding_backward", ids, dtable, "dtable", dout, "dout");
+void backward(const Tensor& ids, const Tensor& dout, Tensor& dtable,
+              const embedding_detail::EmbeddingShape& s) {
   check_dtype(dtable, DType::F32, "embedding_backward: dtable");
   if (dout.dtype() == DType::F32) {
     backward_rows<float>(ids, dout, dtable, s);
   } else {
     backward_rows<bfloat16>(ids, dout, dtable, s);
   }
+}
+
+}  // namespace
+
+void embedding_forward(const Tensor& ids, const Tensor& table, Tensor& out) {
+  forward(ids, table, out,
+          embedding_detail::check_embedding("embedding_forward", ids, table, "table", out, "out"));
+}
+
+void embedding_backward(const Tensor& ids, const Tensor& dout, Tensor& dtable) {
+  backward(
+      ids, dout, dtable,
+      embedding_detail::check_embedding("embedding_backward", ids, dtable, "dtable", dout, "dout"));
+}
+
+void embedding_part_forward(const Tensor& ids, const Tensor& table, int64_t first, int64_t vocab,
+                            Tensor& out) {
+  forward(ids, table, out,
+          embedding_detail::check_embedding("embedding_part_forward", ids, table, "table", out,
+                                            "out", first, vocab));
+}
+
+void embedding_part_backward(const Tensor& ids, const Tensor& dout, int64_t first, int64_t vocab,
+                             Tensor& dtable) {
+  backward(ids, dout, dtable,
+           embedding_detail::check_embedding("embedding_part_backward", ids, dtable, "dtable", dout,
+                                             "dout", first, vocab));
 }
 
 void position_embedding_forward(Tensor& x, const Tensor& table, int64_t seq_len, int64_t first_row,
@@ -169,4 +204,4 @@ void position_embedding_backward(const Tensor& dx, int64_t seq_len, Tensor& dtab
   }
 }
 
-}  // namespace octet::ops
+}  // namespace octet::ops::cpu

@@ -9,16 +9,14 @@ float read(const Tensor& t, int64_t index) {
                                  : bf16_to_float(t.data<bfloat16>()[index].bits);
 }
 
-}  // namespace
-
-void embedding_forward(const Tensor& ids, const Tensor& table, Tensor& out) {
-  const auto s =
-      embedding_detail::check_embedding("embedding_forward", ids, table, "table", out, "out");
+void forward(const Tensor& ids, const Tensor& table, Tensor& out,
+             const embedding_detail::EmbeddingShape& s) {
   check_dtype_in(table, {DType::F32, DType::BF16}, "embedding_forward: table");
   for (int64_t n = 0; n < s.tokens; ++n) {
-    const int64_t id = embedding_detail::id_at(ids, n);
+    const int64_t id = embedding_detail::id_at(ids, n) - s.first;
+    const bool held = id >= 0 && id < s.vocab;
     for (int64_t c = 0; c < s.channels; ++c) {
-      const float value = read(table, id * s.channels + c);
+      const float value = held ? read(table, id * s.channels + c) : 0.0f;
       if (out.dtype() == DType::F32) {
         out.data<float>()[n * s.channels + c] = value;
       } else {
@@ -28,17 +26,44 @@ void embedding_forward(const Tensor& ids, const Tensor& table, Tensor& out) {
   }
 }
 
-void embedding_backward(const Tensor& ids, const Tensor& dout, Tensor& dtable) {
-  const auto s =
-      embedding_detail::check_embedding("embedding_backward", ids, dtable, "dtable", dout, "dout");
+void backward(const Tensor& ids, const Tensor& dout, Tensor& dtable,
+              const embedding_detail::EmbeddingShape& s) {
   check_dtype(dtable, DType::F32, "embedding_backward: dtable");
   float* grad = dtable.data<float>();
   for (int64_t n = 0; n < s.tokens; ++n) {
-    const int64_t id = embedding_detail::id_at(ids, n);
+    const int64_t id = embedding_detail::id_at(ids, n) - s.first;
+    if (id < 0 || id >= s.vocab) continue;
     for (int64_t c = 0; c < s.channels; ++c) {
       grad[id * s.channels + c] += read(dout, n * s.channels + c);
     }
   }
+}
+
+}  // namespace
+
+void embedding_forward(const Tensor& ids, const Tensor& table, Tensor& out) {
+  forward(ids, table, out,
+          embedding_detail::check_embedding("embedding_forward", ids, table, "table", out, "out"));
+}
+
+void embedding_backward(const Tensor& ids, const Tensor& dout, Tensor& dtable) {
+  backward(
+      ids, dout, dtable,
+      embedding_detail::check_embedding("embedding_backward", ids, dtable, "dtable", dout, "dout"));
+}
+
+void embedding_part_forward(const Tensor& ids, const Tensor& table, int64_t first, int64_t vocab,
+                            Tensor& out) {
+  forward(ids, table, out,
+          embedding_detail::check_embedding("embedding_part_forward", ids, table, "table", out,
+                                            "out", first, vocab));
+}
+
+void embedding_part_backward(const Tensor& ids, const Tensor& dout, int64_t first, int64_t vocab,
+                             Tensor& dtable) {
+  backward(ids, dout, dtable,
+           embedding_detail::check_embedding("embedding_part_backward", ids, dtable, "dtable", dout,
+                                             "dout", first, vocab));
 }
 
 void position_embedding_forward(Tensor& x, const Tensor& table, int64_t seq_len, int64_t first_row,

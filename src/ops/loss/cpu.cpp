@@ -17,7 +17,7 @@
 #include "ops/loss/checks.h"
 #include "ops/simd.h"
 
-namespace octet::ops {
+namespace octet::ops::cpu {
 namespace {
 
 constexpr int64_t kVocabChunk = 2048;  // 8 KiB of F32: the chunk stays in L1 between its passes
@@ -186,4 +186,4 @@ float cross_entropy_forward_backward(const Tensor& logits, const Tensor& targets
   return run_rows<bfloat16>(logits, targets, losses, dlogits, options, s);
 }
 
-}  // namespace octet::ops
+}  // namespace octet::ops::cpu

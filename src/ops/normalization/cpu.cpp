@@ -10,7 +10,7 @@
 #include "ops/normalization/checks.h"
 #include "ops/simd.h"
 
-namespace octet::ops {
+namespace octet::ops::cpu {
 namespace {
 
 struct RowParams {
@@ -296,4 +296,4 @@ void rmsnorm_backward(const Tensor& dy, const Tensor& x, const Tensor& rstd, con
   norm_backward(true, dy, x, nullptr, rstd, gamma, zero_centered_gamma, dx, dgamma, nullptr);
 }
 
-}  // namespace octet::ops
+}  // namespace octet::ops::cpu

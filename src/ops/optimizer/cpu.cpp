@@ -14,7 +14,7 @@
 #include "ops/optimizer/checks.h"
 #include "ops/simd.h"
 
-namespace octet::ops {
+namespace octet::ops::cpu {
 namespace {
 
 constexpr int64_t kChunkElements = int64_t{1} << 14;
@@ -249,4 +249,4 @@ double clip_grad_norm(std::span<Tensor> grads, double max_norm) {
   return norm;
 }
 
-}  // namespace octet::ops
+}  // namespace octet::ops::cpu

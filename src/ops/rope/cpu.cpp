@@ -3,7 +3,7 @@
 #include "ops/rope/checks.h"
 #include "ops/simd.h"
 
-namespace octet::ops {
+namespace octet::ops::cpu {
 namespace {
 
 // Rotates the heads of one position; sin already carries the sign (backward negates it).
@@ -91,4 +91,4 @@ void rope_backward(Tensor& dx, const RopeOptions& options) {
   rotate(dx, options, -1.0f, "rope_backward");
 }
 
-}  // namespace octet::ops
+}  // namespace octet::ops::cpu

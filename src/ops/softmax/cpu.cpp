@@ -9,7 +9,7 @@
 #include "ops/attention/vec.h"
 #include "ops/softmax/checks.h"
 
-namespace octet::ops {
+namespace octet::ops::cpu {
 namespace {
 
 using softmax_detail::SoftmaxShape;
@@ -170,4 +170,4 @@ void scaled_masked_softmax_backward(const Tensor& y, const Tensor& dy, float sca
   });
 }
 
-}  // namespace octet::ops
+}  // namespace octet::ops::cpu
