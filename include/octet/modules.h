@@ -187,7 +187,7 @@ struct LinearOptions {
 //           with gather_output); weight [out/TP, in], bias [out/TP].
 //   row:    x [N, in/TP] (input_is_parallel) -> y [N, out] summed over the group (or this
 //           rank's token shard [N/TP, out] under SP); weight [out, in/TP], bias [out]
-//           replicated (a partial gradient under SP: sequence_parallel_parameters()).
+//           replicated (a partial gradient under SP: marked in its TensorShard).
 // options() are this rank's shard's sizes; whole_options() the layer's.
 class Linear : public Module {
  public:

@@ -1,7 +1,6 @@
 // Linear's tensor-parallel half (Megatron's ColumnParallelLinear / RowParallelLinear): the
 // shard's options and weights cut from the whole layer, and the paired region mappings around
 // the shard's own forward and backward; plus the sequence-parallel gradient sum.
-#include <cstring>
 
 #include "modules/common.h"
 #include "octet/ops/elementwise.h"
@@ -87,7 +86,6 @@ Linear::Linear(const LinearOptions& options, Communicator* tp)
     bias = Parameter{whole_.name + ".bias", full.bias.value.clone(),
                      Tensor::zeros({whole_.out_features}, DType::F32)};
   }
-  load_full(full.weight.value, whole_.bias ? &full.bias.value : nullptr);
   const Shape whole_weight = {whole_.out_features, whole_.in_features};
   if (whole_.parallel_mode == ParallelMode::Column) {
     weight.shard = TensorShard::rows(whole_weight, whole_.output_blocks);
@@ -97,6 +95,7 @@ Linear::Linear(const LinearOptions& options, Communicator* tp)
     // Added to this rank's token rows under SP: a partial gradient there.
     if (whole_.bias) bias.shard.sequence_parallel = whole_.sequence_parallel;
   }
+  load_full(full.weight.value, whole_.bias ? &full.bias.value : nullptr);
 }
 
 void Linear::load_full(const Tensor& full_weight, const Tensor* full_bias) {
@@ -104,30 +103,10 @@ void Linear::load_full(const Tensor& full_weight, const Tensor* full_bias) {
   check_shape(full_weight, {l.out_features, l.in_features}, l.name + ": full weight", "out,in");
   OCTET_CHECK((full_bias != nullptr) == l.bias, l.name, ": full bias expected ",
               l.bias ? "present" : "absent");
-  if (!tp_) {
-    weight.value.copy_from(full_weight);
-    if (full_bias != nullptr) bias.value.copy_from(*full_bias);
-  } else if (whole_.parallel_mode == ParallelMode::Column) {
-    const std::vector<int64_t> blocks =
-        l.output_blocks.empty() ? std::vector<int64_t>{l.out_features} : l.output_blocks;
-    const int64_t size = tp_->size(), rank = tp_->rank();
-    int64_t block_begin = 0, local_row = 0;
-    for (int64_t width : blocks) {
-      const int64_t rows = width / size, begin = block_begin + rank * rows;
-      weight.value.slice_rows(local_row, local_row + rows)
-          .copy_from(full_weight.slice_rows(begin, begin + rows));
-      if (full_bias != nullptr) {
-        std::memcpy(bias.value.data<float>() + local_row, full_bias->data<float>() + begin,
-                    static_cast<size_t>(rows) * sizeof(float));
-      }
-      block_begin += width;
-      local_row += rows;
-    }
-  } else {
-    const int64_t width = l.in_features / tp_->size();
-    copy_columns(full_weight, tp_->rank() * width, width, weight.value, 0);
-    if (full_bias != nullptr) bias.value.copy_from(*full_bias);
-  }
+  // This rank's slices, as each parameter's TensorShard describes them.
+  weight.value.copy_from(tp_ ? shard_of(weight, full_weight, *tp_) : full_weight);
+  if (full_bias != nullptr)
+    bias.value.copy_from(tp_ ? shard_of(bias, *full_bias, *tp_) : *full_bias);
   on_parameters_updated();
 }
 
