@@ -8,6 +8,7 @@ packages=(
   libdnnl-dev               # oneDNN: GEMM (matmul primitive, AMX/AVX-512 BF16 kernels)
   ocl-icd-opencl-dev opencl-c-headers  # only because Debian's dnnl-config.cmake asks for OpenCL
   nlohmann-json3-dev        # JSON for --json output, configs, checkpoint headers
+  libssl-dev                # OpenSSL: SHA-256 of checkpoint files (verified on load)
   libcli11-dev              # the octet command line
   libgtest-dev              # unit tests
   python3-torch python3-numpy  # PyTorch 1.13: reference numerics and the benchmark peer

@@ -307,9 +307,11 @@ void register_bench_gemm(CLI::App& bench) {
   auto options = std::make_shared<Options>();
   gemm_command->add_option("--shapes", options->shapes, "MxNxK[,MxNxK...]")->capture_default_str();
   gemm_command->add_option("--repeats", options->repeats, "timed runs per case (median)")
-      ->capture_default_str();
+      ->capture_default_str()
+      ->check(at_least(1));
   gemm_command->add_option("--warmup", options->warmup, "untimed runs first")
-      ->capture_default_str();
+      ->capture_default_str()
+      ->check(at_least(0));
   gemm_command->add_flag("--json", options->json, "one JSON object per line");
   gemm_command->add_flag("--no-torch", options->no_torch, "skip the PyTorch peer");
   gemm_command->callback([options] { run_bench(*options); });

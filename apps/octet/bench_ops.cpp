@@ -1225,14 +1225,19 @@ void register_bench_ops(CLI::App& bench) {
   command
       ->add_option("--repeats", options->repeats,
                    "timed runs per case (median; fewer for big cases)")
-      ->capture_default_str();
-  command->add_option("--warmup", options->warmup, "untimed runs first")->capture_default_str();
+      ->capture_default_str()
+      ->check(at_least(1));
+  command->add_option("--warmup", options->warmup, "untimed runs first")
+      ->capture_default_str()
+      ->check(at_least(0));
   command
       ->add_option("--min-ms", options->min_ms,
                    "more timed runs (up to 50) until they add up to this many ms")
-      ->capture_default_str();
+      ->capture_default_str()
+      ->check(at_least(0));
   command->add_option("--ce-rows", options->ce_rows, "cross_entropy rows (vocab 50257)")
-      ->capture_default_str();
+      ->capture_default_str()
+      ->check(at_least(1));
   command->add_flag("--json", options->json, "one JSON object per line per op and shape");
   command->add_flag("--no-torch", options->no_torch, "skip the PyTorch peer");
   command->callback([options] { run_bench(*options); });

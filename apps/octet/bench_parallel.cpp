@@ -643,25 +643,33 @@ void register_bench_parallel(CLI::App& bench) {
                            "Parallel layouts of one GPT training run: tokens/s, communication "
                            "hidden, pipeline bubbles measured vs simulated");
   cmd->add_option("--config", o->config, "Config name in configs/ or a JSON path");
-  cmd->add_option("--ranks", o->ranks, "Processes (and cores) per layout");
-  cmd->add_option("--micro-batch-size", o->micro_batch_size, "Sequences per micro-batch");
-  cmd->add_option("--seq-length", o->seq_length, "Tokens per sequence");
-  cmd->add_option("--iters", o->iters, "Training steps per layout");
-  cmd->add_option("--warmup", o->warmup, "Steps left out of the figures");
+  cmd->add_option("--ranks", o->ranks, "Processes (and cores) per layout")->check(at_least(1));
+  cmd->add_option("--micro-batch-size", o->micro_batch_size, "Sequences per micro-batch")
+      ->check(at_least(1));
+  cmd->add_option("--seq-length", o->seq_length, "Tokens per sequence")->check(at_least(1));
+  cmd->add_option("--iters", o->iters, "Training steps per layout")->check(at_least(1));
+  cmd->add_option("--warmup", o->warmup, "Steps left out of the figures")->check(at_least(0));
   cmd->add_option("--precision", o->precision, "fp32 | bf16 | fp8");
   cmd->add_option("--pipeline-model-parallel-size", o->pipeline_ranks,
-                  "Ranks of the simulated pipeline schedule table");
-  cmd->add_option("--num-microbatches", o->micro_batches, "Micro-batches of that table");
+                  "Ranks of the simulated pipeline schedule table")
+      ->check(at_least(1));
+  cmd->add_option("--num-microbatches", o->micro_batches, "Micro-batches of that table")
+      ->check(at_least(1));
   cmd->add_option("--pipeline-schedules", o->pipeline_schedules,
                   "Measured pipeline layouts (PP = --ranks), comma-separated");
   cmd->add_option("--virtual-pipeline-model-parallel-size", o->virtual_stages,
-                  "Chunks per rank of the interleaved layout");
+                  "Chunks per rank of the interleaved layout")
+      ->check(at_least(1));
   cmd->add_option("--pipeline-layers", o->pipeline_layers,
-                  "Layers of the pipelined model (a multiple of its stages)");
+                  "Layers of the pipelined model (a multiple of its stages)")
+      ->check(at_least(1));
   cmd->add_option("--pipeline-vocab", o->pipeline_vocab,
-                  "Vocabulary of the pipelined model (small: balanced stages)");
-  cmd->add_option("--pipeline-iters", o->pipeline_iters, "Steps per pipeline layout");
-  cmd->add_option("--pipeline-warmup", o->pipeline_warmup, "Pipeline steps left out");
+                  "Vocabulary of the pipelined model (small: balanced stages)")
+      ->check(at_least(1));
+  cmd->add_option("--pipeline-iters", o->pipeline_iters, "Steps per pipeline layout")
+      ->check(at_least(1));
+  cmd->add_option("--pipeline-warmup", o->pipeline_warmup, "Pipeline steps left out")
+      ->check(at_least(0));
   cmd->add_flag("--pipeline-only", o->pipeline_only, "Skip the data-parallel layouts");
   cmd->add_flag("--no-torch", o->no_torch, "Skip the PyTorch peer (bench/peers/torch_ddp.py)");
   cmd->add_flag("--json", o->json, "One JSON object per layout");

@@ -471,16 +471,27 @@ void register_bench_train(CLI::App& bench) {
       ->capture_default_str();
   cmd->add_option("--precision", o->precision, "fp32 | bf16 | fp8, comma-separated")
       ->capture_default_str();
-  cmd->add_option("--steps", o->steps, "Timed steps (median)")->capture_default_str();
-  cmd->add_option("--warmup", o->warmup, "Untimed steps first")->capture_default_str();
-  cmd->add_option("--torch-steps", o->torch_steps, "Timed PyTorch steps")->capture_default_str();
+  cmd->add_option("--steps", o->steps, "Timed steps (median)")
+      ->capture_default_str()
+      ->check(at_least(1));
+  cmd->add_option("--warmup", o->warmup, "Untimed steps first")
+      ->capture_default_str()
+      ->check(at_least(0));
+  cmd->add_option("--torch-steps", o->torch_steps, "Timed PyTorch steps")
+      ->capture_default_str()
+      ->check(at_least(0));
   cmd->add_option("--torch-fp32-micro-batch-size", o->torch_fp32_micro_batch_size,
                   "Sequences per torch fp32 step (its generic-BLAS GEMMs are slow)")
-      ->capture_default_str();
+      ->capture_default_str()
+      ->check(at_least(1));
   cmd->add_option("--micro-batch-size", o->micro_batch_size, "Sequences per step")
-      ->capture_default_str();
-  cmd->add_option("--seq-length", o->seq_length, "Tokens per sequence")->capture_default_str();
-  cmd->add_option("--peak-gflops", o->peak_gflops, "BF16 GEMM peak for MFU (0: measure)");
+      ->capture_default_str()
+      ->check(at_least(1));
+  cmd->add_option("--seq-length", o->seq_length, "Tokens per sequence")
+      ->capture_default_str()
+      ->check(at_least(1));
+  cmd->add_option("--peak-gflops", o->peak_gflops, "BF16 GEMM peak for MFU (0: measure)")
+      ->check(at_least(0));
   cmd->add_option("--seed", o->seed, "Seed for the weights and mock tokens")->capture_default_str();
   cmd->add_flag("--json", o->json, "One JSON object per line");
   cmd->add_flag("--no-torch", o->no_torch, "Skip the PyTorch peer");

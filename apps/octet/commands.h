@@ -25,4 +25,13 @@ std::filesystem::path resolve_config(const std::string& config);
 // For --config options: replaces a name by its path, or fails with resolve_config's message.
 CLI::Validator model_config_validator();
 
+// Numeric flags: a finite number in [min, max] (an open end excludes the bound), so "nan",
+// "inf" and out-of-range values fail while parsing, naming the flag and the range.
+CLI::Validator number_in(double min, double max, bool min_open = false, bool max_open = false);
+CLI::Validator at_least(double min);
+// Output paths: writable before any work (octet/files.h: the directory is created if
+// missing, a probe file written and removed).
+CLI::Validator output_file();
+CLI::Validator output_directory();
+
 }  // namespace octet::cli

@@ -53,12 +53,17 @@ void run_generate(const GenerateOptions& o) {
 void register_generate(CLI::App& app) {
   CLI::App* cmd = app.add_subcommand("generate", "Continue a prompt with a trained checkpoint");
   auto o = std::make_shared<GenerateOptions>();
-  cmd->add_option("--ckpt", o->checkpoint, "Checkpoint directory (octet train --save)")->required();
+  cmd->add_option("--ckpt", o->checkpoint, "Checkpoint directory (octet train --save)")
+      ->required()
+      ->check(CLI::ExistingDirectory);
   cmd->add_option("--prompt", o->prompt, "Text to continue");
-  cmd->add_option("--max-new-tokens", o->max_new_tokens, "Tokens to generate");
-  cmd->add_option("--temperature", o->sampling.temperature, "0 = greedy (deterministic)");
-  cmd->add_option("--top-k", o->sampling.top_k, "Sample among the k most likely (0 = all)");
-  cmd->add_option("--top-p", o->sampling.top_p, "Nucleus sampling mass");
+  cmd->add_option("--max-new-tokens", o->max_new_tokens, "Tokens to generate")->check(at_least(1));
+  cmd->add_option("--temperature", o->sampling.temperature, "0 = greedy (deterministic)")
+      ->check(at_least(0));
+  cmd->add_option("--top-k", o->sampling.top_k, "Sample among the k most likely (0 = all)")
+      ->check(at_least(0));
+  cmd->add_option("--top-p", o->sampling.top_p, "Nucleus sampling mass")
+      ->check(number_in(0, 1, true, false));
   cmd->add_option("--seed", o->sampling.seed, "Sampling seed");
   cmd->add_option("--precision", o->precision, "fp32 | bf16")
       ->check(CLI::IsMember({"fp32", "bf16"}));

@@ -140,21 +140,31 @@ void register_schedule(CLI::App& app) {
   CLI::App* cmd = app.add_subcommand(
       "schedule", "Simulate the pipeline schedules side by side: makespan, bubble, memory");
   auto o = std::make_shared<ScheduleOptions>();
-  cmd->add_option("--pipeline-model-parallel-size", o->ranks, "Pipeline ranks (PP)")->required();
-  cmd->add_option("--num-microbatches", o->micro_batches, "Micro-batches per step")->required();
+  cmd->add_option("--pipeline-model-parallel-size", o->ranks, "Pipeline ranks (PP)")
+      ->required()
+      ->check(at_least(1));
+  cmd->add_option("--num-microbatches", o->micro_batches, "Micro-batches per step")
+      ->required()
+      ->check(at_least(1));
   cmd->add_option("--virtual-stages", o->virtual_stages, "Chunks per rank for interleaved 1F1B")
-      ->capture_default_str();
+      ->capture_default_str()
+      ->check(at_least(1));
   cmd->add_option("--cost-f", o->costs.forward, "F: forward of one rank's 1F1B share")
-      ->capture_default_str();
+      ->capture_default_str()
+      ->check(at_least(0));
   cmd->add_option("--cost-b", o->costs.backward, "B: full backward (input + weight)")
-      ->capture_default_str();
+      ->capture_default_str()
+      ->check(at_least(0));
   cmd->add_option("--cost-w", o->costs.backward_weight, "W: weight-gradient part of B")
-      ->capture_default_str();
+      ->capture_default_str()
+      ->check(at_least(0));
   cmd->add_option("--cost-fb", o->costs.forward_backward,
-                  "F&B: an overlapped forward + backward pair (default F + B)");
+                  "F&B: an overlapped forward + backward pair (default F + B)")
+      ->check(at_least(0));
   cmd->add_option("--latency", o->costs.latency, "Point-to-point message latency")
-      ->capture_default_str();
-  cmd->add_option("--svg", o->svg, "Write the timelines to FILE (SVG)");
+      ->capture_default_str()
+      ->check(at_least(0));
+  cmd->add_option("--svg", o->svg, "Write the timelines to FILE (SVG)")->check(output_file());
   cmd->add_flag("--json", o->json, "One JSON object instead of the table");
   cmd->callback([o] { run_schedules(*o); });
 }

@@ -97,8 +97,10 @@ void register_tokenize(CLI::App& app) {
   tokenize->add_option("files", options->files, "UTF-8 text files, encoded in order")
       ->required()
       ->check(CLI::ExistingFile);
-  tokenize->add_option("-o,--output", options->output,
-                       "Write a token shard here and print a summary, instead of the ids");
+  tokenize
+      ->add_option("-o,--output", options->output,
+                   "Write a token shard here and print a summary, instead of the ids")
+      ->check(output_file());
   tokenize->add_flag("--eot", options->eot, "Put <|endoftext|> before each file's tokens");
   tokenize->callback([options] { run_tokenize(*options); });
 }

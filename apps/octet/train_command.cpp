@@ -10,68 +10,93 @@ void register_train(CLI::App& app) {
   o->config_path = "gpt-mini";
   cmd->add_option("--config", o->config_path, "Model config JSON, or a name (gpt-mini)")
       ->check(model_config_validator());
-  cmd->add_option("--train-data", o->train_data, "Training token shard (octet tokenize -o)");
-  cmd->add_option("--valid-data", o->valid_data, "Validation token shard");
+  cmd->add_option("--train-data", o->train_data, "Training token shard (octet tokenize -o)")
+      ->check(CLI::ExistingFile);
+  cmd->add_option("--valid-data", o->valid_data, "Validation token shard")
+      ->check(CLI::ExistingFile);
   cmd->add_flag("--mock-data", o->mock_data, "Random tokens instead of a corpus");
-  cmd->add_option("--seq-length", o->seq_length, "Tokens per sequence (default: the config's)");
-  cmd->add_option("--micro-batch-size", o->micro_batch_size, "Sequences per forward/backward");
+  cmd->add_option("--seq-length", o->seq_length, "Tokens per sequence (default: the config's)")
+      ->check(at_least(0));
+  cmd->add_option("--micro-batch-size", o->micro_batch_size, "Sequences per forward/backward")
+      ->check(at_least(1));
   cmd->add_option("--global-batch-size", o->global_batch_size,
-                  "Sequences per optimizer step (gradient accumulation)");
-  cmd->add_option("--train-iters", o->train_iters, "Optimizer steps");
-  cmd->add_option("--lr", o->lr, "Peak learning rate");
-  cmd->add_option("--min-lr", o->min_lr, "Learning rate at the end of the cosine decay");
-  cmd->add_option("--lr-warmup-iters", o->lr_warmup_iters, "Linear warmup steps");
-  cmd->add_option("--clip-grad", o->clip_grad, "Global gradient-norm clip (0: off)");
-  cmd->add_option("--weight-decay", o->weight_decay, "AdamW weight decay (matrices only)");
-  cmd->add_option("--adam-beta1", o->adam_beta1, "AdamW beta1");
-  cmd->add_option("--adam-beta2", o->adam_beta2, "AdamW beta2");
+                  "Sequences per optimizer step (gradient accumulation)")
+      ->check(at_least(0));
+  cmd->add_option("--train-iters", o->train_iters, "Optimizer steps")->check(at_least(1));
+  cmd->add_option("--lr", o->lr, "Peak learning rate")->check(at_least(0));
+  cmd->add_option("--min-lr", o->min_lr, "Learning rate at the end of the cosine decay")
+      ->check(at_least(0));
+  cmd->add_option("--lr-warmup-iters", o->lr_warmup_iters, "Linear warmup steps")
+      ->check(at_least(0));
+  cmd->add_option("--clip-grad", o->clip_grad, "Global gradient-norm clip (0: off)")
+      ->check(at_least(0));
+  cmd->add_option("--weight-decay", o->weight_decay, "AdamW weight decay (matrices only)")
+      ->check(at_least(0));
+  cmd->add_option("--adam-beta1", o->adam_beta1, "AdamW beta1")
+      ->check(number_in(0, 1, false, true));
+  cmd->add_option("--adam-beta2", o->adam_beta2, "AdamW beta2")
+      ->check(number_in(0, 1, false, true));
   cmd->add_option("--precision", o->precision, "fp32 | bf16 | fp8")
       ->check(CLI::IsMember({"fp32", "bf16", "fp8"}));
   cmd->add_option("--fp8-recipe", o->fp8_recipe, "delayed | current | mxfp8 | block")
       ->check(CLI::IsMember({"delayed", "current", "mxfp8", "block"}));
   cmd->add_option("--fp8-format", o->fp8_format, "hybrid | e4m3")
       ->check(CLI::IsMember({"hybrid", "e4m3"}));
-  cmd->add_option("--fp8-amax-history-len", o->fp8_amax_history_len, "Delayed-scaling window");
+  cmd->add_option("--fp8-amax-history-len", o->fp8_amax_history_len, "Delayed-scaling window")
+      ->check(at_least(1));
   cmd->add_flag("--fp8-stats", o->fp8_stats,
                 "Per FP8 tensor: amax, scale, underflow and saturation in each metrics line, "
                 "a summary table at the end");
   cmd->add_flag("--recompute-activations", o->recompute_activations,
                 "Keep only layer inputs; recompute in backward");
-  cmd->add_option("--eval-interval", o->eval_interval, "Validate every N steps");
-  cmd->add_option("--eval-iters", o->eval_iters, "Validation micro-batches");
-  cmd->add_option("--log-interval", o->log_interval, "Print progress every N steps");
-  cmd->add_option("--save", o->save, "Checkpoint directory to write");
-  cmd->add_option("--load", o->load, "Checkpoint directory to resume from");
-  cmd->add_option("--save-interval", o->save_interval, "Checkpoint every N steps (0: at the end)");
+  cmd->add_option("--eval-interval", o->eval_interval, "Validate every N steps")
+      ->check(at_least(0));
+  cmd->add_option("--eval-iters", o->eval_iters, "Validation micro-batches")->check(at_least(0));
+  cmd->add_option("--log-interval", o->log_interval, "Print progress every N steps")
+      ->check(at_least(0));
+  cmd->add_option("--save", o->save, "Checkpoint directory to write")->check(output_directory());
+  cmd->add_option("--load", o->load, "Checkpoint directory to resume from")
+      ->check(CLI::ExistingDirectory);
+  cmd->add_option("--save-interval", o->save_interval, "Checkpoint every N steps (0: at the end)")
+      ->check(at_least(0));
   cmd->add_option("--dump-grads", o->dump_grads,
                   "After each step write DIR/step-N: the step's gradients (whole-model names, "
-                  "gathered from every shard and stage), the updated parameters, FP8 states");
+                  "gathered from every shard and stage), the updated parameters, FP8 states")
+      ->check(output_directory());
   cmd->add_option("--dump-steps", o->dump_steps, "Steps --dump-grads writes (default: every one)")
-      ->delimiter(',');
-  cmd->add_option("--metrics", o->metrics, "Write metrics as JSON lines to FILE");
-  cmd->add_option("--plot", o->plot, "Write the loss curve as an SVG to FILE");
+      ->delimiter(',')
+      ->check(at_least(1));
+  cmd->add_option("--metrics", o->metrics, "Write metrics as JSON lines to FILE")
+      ->check(output_file());
+  cmd->add_option("--plot", o->plot, "Write the loss curve as an SVG to FILE")
+      ->check(output_file());
   cmd->add_option("--seed", o->seed, "Seed for initialization and data order");
   cmd->add_option("--peak-gflops", o->peak_gflops,
-                  "BF16 GEMM peak for MFU (default: measured at start-up)");
+                  "BF16 GEMM peak for MFU (default: measured at start-up)")
+      ->check(at_least(0));
   // Parallelism: run under `mpirun -np N`; data-parallel size = N / (TP x PP).
   cmd->add_option("--tensor-model-parallel-size", o->tensor_model_parallel_size,
-                  "Tensor-parallel ranks (consecutive ranks)");
+                  "Tensor-parallel ranks (consecutive ranks)")
+      ->check(at_least(1));
   cmd->add_flag("--sequence-parallel", o->sequence_parallel,
                 "With tensor parallelism: norms, residuals and dropout-free adds on token shards");
   cmd->add_flag(
       "--tp-comm-overlap", o->tp_comm_overlap,
       "With --sequence-parallel: overlap each all-gather with the GEMM of the local rows");
   cmd->add_option("--pipeline-model-parallel-size", o->pipeline_model_parallel_size,
-                  "Pipeline stages");
+                  "Pipeline stages")
+      ->check(at_least(1));
   cmd->add_option("--pipeline-schedule", o->pipeline_schedule,
                   "1f1b | interleaved | zb1p | dualpipe | dualpipev");
   cmd->add_option("--virtual-pipeline-model-parallel-size", o->virtual_stages,
-                  "Chunks per rank of the interleaved schedule");
+                  "Chunks per rank of the interleaved schedule")
+      ->check(at_least(1));
   cmd->add_flag("--use-distributed-optimizer", o->use_distributed_optimizer,
                 "ZeRO-1: shard AdamW state and master weights across data-parallel ranks");
   cmd->add_flag("--overlap-grad-reduce,!--no-overlap-grad-reduce", o->overlap_grad_reduce,
                 "Reduce each gradient bucket as soon as backward finalizes it (default on)");
-  cmd->add_option("--ddp-bucket-size", o->ddp_bucket_size, "Elements per gradient bucket");
+  cmd->add_option("--ddp-bucket-size", o->ddp_bucket_size, "Elements per gradient bucket")
+      ->check(at_least(1));
   cmd->callback([o] {
     TrainOptions options = *o;
     options.config_path = resolve_config(o->config_path).string();

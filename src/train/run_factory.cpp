@@ -3,9 +3,11 @@
 // the model's own layout), the pipeline executor when there are stages, data parallelism and
 // the optimizer, and restores a checkpoint. The only code that knows the layout.
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <variant>
 
+#include "octet/files.h"
 #include "octet/tensor_parallel.h"
 #include "train/training_run.h"
 
@@ -98,6 +100,36 @@ TrainingRun::TrainingRun(const TrainOptions& options) : o_(options) {
 }
 
 void TrainingRun::check_options() {
+  // Numbers finite and in range, output paths writable: before any work (the command line
+  // checks the same while parsing; this holds for callers of train_gpt too).
+  const struct {
+    const char* flag;
+    double value, min;
+  } numbers[] = {{"--lr", o_.lr, 0},
+                 {"--min-lr", o_.min_lr, 0},
+                 {"--clip-grad", o_.clip_grad, 0},
+                 {"--weight-decay", o_.weight_decay, 0},
+                 {"--adam-beta1", o_.adam_beta1, 0},
+                 {"--adam-beta2", o_.adam_beta2, 0},
+                 {"--peak-gflops", o_.peak_gflops, 0},
+                 {"--lr-warmup-iters", static_cast<double>(o_.lr_warmup_iters), 0},
+                 {"--fp8-amax-history-len", static_cast<double>(o_.fp8_amax_history_len), 1},
+                 {"--eval-interval", static_cast<double>(o_.eval_interval), 0},
+                 {"--eval-iters", static_cast<double>(o_.eval_iters), 0},
+                 {"--log-interval", static_cast<double>(o_.log_interval), 0},
+                 {"--save-interval", static_cast<double>(o_.save_interval), 0},
+                 {"--ddp-bucket-size", static_cast<double>(o_.ddp_bucket_size), 1}};
+  for (const auto& number : numbers) {
+    OCTET_CHECK(std::isfinite(number.value) && number.value >= number.min, number.flag,
+                " expected a finite number >= ", number.min, ", got ", number.value);
+  }
+  OCTET_CHECK(o_.adam_beta1 < 1 && o_.adam_beta2 < 1,
+              "--adam-beta1 and --adam-beta2 expected in [0, 1), got ", o_.adam_beta1, " and ",
+              o_.adam_beta2);
+  if (!o_.save.empty()) check_writable_directory(o_.save, "--save");
+  if (!o_.dump_grads.empty()) check_writable_directory(o_.dump_grads, "--dump-grads");
+  if (!o_.metrics.empty()) check_writable_file(o_.metrics, "--metrics");
+  if (!o_.plot.empty()) check_writable_file(o_.plot, "--plot");
   seq_len_ = o_.seq_length ? o_.seq_length : config_.max_seq_len;
   OCTET_CHECK(seq_len_ > 0 && seq_len_ <= config_.max_seq_len, "--seq-length ", seq_len_,
               " expected in [1, ", config_.max_seq_len, "]");

@@ -1,0 +1,74 @@
+// Validators shared by the sub-commands: numbers finite and in range, output paths writable,
+// all checked while the command line is parsed, before any work.
+#include <cmath>
+#include <cstdlib>
+#include <limits>
+
+#include "commands.h"
+#include "octet/error.h"
+#include "octet/files.h"
+
+namespace octet::cli {
+
+namespace {
+
+std::string bound(double value) {
+  if (std::isinf(value)) return value > 0 ? "inf" : "-inf";
+  return detail::concat(value);
+}
+
+}  // namespace
+
+CLI::Validator number_in(double min, double max, bool min_open, bool max_open) {
+  std::string range;
+  if (std::isinf(max)) {
+    range = detail::concat(min_open ? "> " : ">= ", bound(min));
+  } else {
+    range = detail::concat("in ", min_open ? "(" : "[", bound(min), ", ", bound(max),
+                           max_open ? ")" : "]");
+  }
+  const std::string expected = "a finite number " + range;
+  return CLI::Validator(
+      [=](std::string& text) -> std::string {
+        char* end = nullptr;
+        const double value = std::strtod(text.c_str(), &end);
+        if (end == text.c_str()) return "expected " + expected + ", got '" + text + "'";
+        // Anything after the number is left to CLI11's conversion to report.
+        const bool ok = std::isfinite(value) && (min_open ? value > min : value >= min) &&
+                        (max_open ? value < max : value <= max);
+        return ok ? std::string() : "expected " + expected + ", got " + text;
+      },
+      "NUMBER " + range);
+}
+
+CLI::Validator at_least(double min) {
+  return number_in(min, std::numeric_limits<double>::infinity(), false, false);
+}
+
+CLI::Validator output_file() {
+  return CLI::Validator(
+      [](std::string& path) -> std::string {
+        try {
+          check_writable_file(path, "output file");
+        } catch (const Error& error) {
+          return error.what();
+        }
+        return {};
+      },
+      "FILE (writable)");
+}
+
+CLI::Validator output_directory() {
+  return CLI::Validator(
+      [](std::string& path) -> std::string {
+        try {
+          check_writable_directory(path, "output directory");
+        } catch (const Error& error) {
+          return error.what();
+        }
+        return {};
+      },
+      "DIR (writable)");
+}
+
+}  // namespace octet::cli

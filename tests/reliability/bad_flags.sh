@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# Bad flags and unwritable outputs are refused while the command line is parsed, before any
+# work: each case must exit non-zero within seconds and name the flag and what was expected.
+# Runs as root too (CI), so unwritable paths are made so by structure (a file where a
+# directory must be, /proc), not by permissions.
+# Usage: bad_flags.sh OCTET_BINARY
+set -euo pipefail
+octet="$1"
+dir="$(mktemp -d)"
+trap 'rm -rf "$dir"' EXIT
+touch "$dir/file"
+mkdir "$dir/dir"
+train=(train --config gpt-tiny --mock-data --train-iters 1 --peak-gflops 100)
+failures=0
+# expect_error "message fragment" octet-args...
+expect_error() {
+  local fragment="$1"
+  shift
+  local output status=0
+  output="$(timeout 60 "$octet" "$@" 2>&1)" || status=$?
+  if [ "$status" -eq 0 ] || [ "$status" -eq 124 ] || ! grep -qF -- "$fragment" <<<"$output"; then
+    echo "FAIL: octet $* -> status $status, expected an error with '$fragment', got:"
+    echo "$output" | head -n 5
+    failures=$((failures + 1))
+  else
+    echo "ok: octet $* -> $(head -n 1 <<<"$output")"
+  fi
+}
+expect_error "--lr: expected a finite number >= 0, got nan" "${train[@]}" --lr nan
+expect_error "--lr: expected a finite number >= 0, got inf" "${train[@]}" --lr inf
+expect_error "--lr: expected a finite number >= 0, got -1" "${train[@]}" --lr -1
+expect_error "--clip-grad: expected a finite number >= 0" "${train[@]}" --clip-grad -0.5
+expect_error "--adam-beta2: expected a finite number in [0, 1), got 1" "${train[@]}" --adam-beta2 1
+expect_error "--micro-batch-size: expected a finite number >= 1, got 0" "${train[@]}" --micro-batch-size 0
+expect_error "--train-iters: expected a finite number >= 1, got -3" "${train[@]}" --train-iters -3
+expect_error "--tensor-model-parallel-size: expected a finite number >= 1" "${train[@]}" --tensor-model-parallel-size 0
+expect_error "--save: output directory '$dir/file/ckpt': cannot create the directory" "${train[@]}" --save "$dir/file/ckpt"
+expect_error "--save: output directory '$dir/file': exists and is not a directory" "${train[@]}" --save "$dir/file"
+expect_error "--metrics: output file '/proc/octet-metrics.jsonl': cannot create files in '/proc'" "${train[@]}" --metrics /proc/octet-metrics.jsonl
+expect_error "--plot: output file '$dir/dir': exists and is not a regular file" "${train[@]}" --plot "$dir/dir"
+expect_error "--dump-grads: output directory '$dir/file/x'" "${train[@]}" --dump-grads "$dir/file/x"
+expect_error "--load: Directory does not exist" "${train[@]}" --load "$dir/missing"
+expect_error "--train-data: File does not exist" train --config gpt-tiny --train-data "$dir/missing.bin"
+expect_error "--max-new-tokens: expected a finite number >= 1, got -5" generate --ckpt "$dir/dir" --max-new-tokens -5
+expect_error "--temperature: expected a finite number >= 0, got nan" generate --ckpt "$dir/dir" --temperature nan
+expect_error "--top-p: expected a finite number in (0, 1], got 0" generate --ckpt "$dir/dir" --top-p 0
+expect_error "--output: output file '$dir/file/shard.bin'" tokenize "$dir/file" -o "$dir/file/shard.bin"
+expect_error "--svg: output file '$dir/dir'" schedule --pipeline-model-parallel-size 2 --num-microbatches 4 --svg "$dir/dir"
+expect_error "--cost-f: expected a finite number >= 0, got -1" schedule --pipeline-model-parallel-size 2 --num-microbatches 4 --cost-f -1
+expect_error "--steps: expected a finite number >= 1, got 0" bench train --steps 0
+# A writable --save in a directory that does not exist yet is accepted (and created).
+"$octet" "${train[@]}" --eval-iters 0 --save "$dir/new/ckpt" >/dev/null
+[ -f "$dir/new/ckpt/trainer.json" ] || { echo "FAIL: --save into a new directory wrote nothing"; failures=$((failures + 1)); }
+[ -z "$(ls -A "$dir/new" | grep -v '^ckpt$')" ] || { echo "FAIL: the probe left files: $(ls -A "$dir/new")"; failures=$((failures + 1)); }
+if [ "$failures" -ne 0 ]; then
+  echo "$failures case(s) failed"
+  exit 1
+fi
+echo "all bad flags refused before any work"
