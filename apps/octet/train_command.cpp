@@ -66,6 +66,9 @@ void register_train(CLI::App& app) {
   cmd->add_option("--dump-steps", o->dump_steps, "Steps --dump-grads writes (default: every one)")
       ->delimiter(',')
       ->check(at_least(1));
+  cmd->add_flag("--skip-nonfinite-steps", o->skip_nonfinite_steps,
+                "A step with a NaN/Inf loss or gradient norm is skipped (counted) instead of "
+                "stopping the run; the update never happens either way");
   cmd->add_option("--metrics", o->metrics, "Write metrics as JSON lines to FILE")
       ->check(output_file());
   cmd->add_option("--plot", o->plot, "Write the loss curve as an SVG to FILE")

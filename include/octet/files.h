@@ -16,6 +16,10 @@ void check_writable_file(const std::string& path, const std::string& what);
 // a directory or absent, and its parent can hold PATH.tmp. Same errors as above.
 void check_writable_directory(const std::string& path, const std::string& what);
 
+// fsync of a file or a directory (its entries), so what was written survives a power loss
+// before a rename publishes it. Throws octet::Error naming the path.
+void sync_to_disk(const std::string& path);
+
 // Lower-case hex SHA-256 of a file's bytes (as `sha256sum` prints it). Throws octet::Error
 // when the file cannot be read.
 std::string sha256_file(const std::string& path);

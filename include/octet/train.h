@@ -4,6 +4,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -53,6 +54,11 @@ struct Checkpoint {
   nlohmann::json trainer;  // config, step, rng state, data position ...
 };
 void save_checkpoint(const std::string& dir, const Checkpoint& checkpoint);
+// Whether a floating-point tensor (F32, BF16, F16) holds a NaN or an infinity.
+bool has_nonfinite(const Tensor& tensor);
+// The name of the first floating-point tensor (in name order) holding a NaN or an infinity,
+// or "" when all are finite.
+std::string first_nonfinite(const TensorMap& tensors);
 // Optimizer state (NAME.exp_avg and NAME.exp_avg_sq per parameter) between whole-model
 // tensors and a model part's slices of them (TrainableModel::shard / gather; identities where
 // nothing is split). Sharding replaces the entries of the part's parameters, keeps the others
@@ -174,6 +180,15 @@ struct TrainOptions {
   bool use_distributed_optimizer = false;      // ZeRO-1: shard AdamW state and master weights
   bool overlap_grad_reduce = true;             // reduce gradient buckets while backward runs
   int64_t ddp_bucket_size = int64_t{1} << 22;  // elements per gradient bucket
+  // A step whose loss or gradient norm is NaN or infinite never updates the parameters. By
+  // default the run then stops with the step and the first non-finite gradient named
+  // (Megatron's check_for_nan_in_loss_and_grad); with this set it skips the step, counts it
+  // (TrainResult::skipped_steps, "skipped_steps" in the metrics) and goes on.
+  bool skip_nonfinite_steps = false;
+  // For tests and tools: called on every rank once per step (1-based) with this rank's
+  // parameters after the step's gradients are final (reduced over the data ranks), before
+  // the non-finite check, clipping and the update. E.g. to inject a NaN into a gradient.
+  std::function<void(int64_t step, const std::vector<Parameter*>& parameters)> after_gradients;
 };
 
 struct TrainResult {
@@ -184,6 +199,7 @@ struct TrainResult {
   double tokens_per_second = 0;
   double mfu = 0;
   int world_size = 1;
+  int64_t skipped_steps = 0;  // non-finite steps skipped (--skip-nonfinite-steps)
   // Data-parallel gradient reduction over the run: wall time in flight, and the part the
   // step waited for (the rest was hidden behind backward); plus ZeRO's parameter gathers.
   double grad_comm_seconds = 0, grad_exposed_seconds = 0;

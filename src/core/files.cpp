@@ -1,6 +1,7 @@
 // Output-path preflight and file digests (OpenSSL's SHA-256).
 #include "octet/files.h"
 
+#include <fcntl.h>
 #include <openssl/evp.h>
 #include <unistd.h>
 
@@ -76,6 +77,15 @@ void check_writable_directory(const std::string& path, const std::string& what) 
   OCTET_CHECK(!fs::exists(target, error) || fs::is_directory(target, error), what, " '", path,
               "': exists and is not a directory");
   probe(make_parent(target, what), target, what);
+}
+
+void sync_to_disk(const std::string& path) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  OCTET_CHECK(fd >= 0, "sync: cannot open '", path, "' (", std::strerror(errno), ")");
+  const int result = ::fsync(fd);
+  const int code = errno;
+  ::close(fd);
+  OCTET_CHECK(result == 0, "sync: fsync of '", path, "' failed (", std::strerror(code), ")");
 }
 
 std::string sha256_hex(const void* data, size_t bytes) {

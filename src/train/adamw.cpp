@@ -2,6 +2,7 @@
 // the update runs as one fused multi-tensor pass (src/ops/optimizer).
 #include <cmath>
 
+#include "octet/ops/elementwise.h"
 #include "octet/ops/optimizer.h"
 #include "octet/train.h"
 
@@ -18,9 +19,14 @@ AdamW::AdamW(std::vector<Parameter*> parameters, const AdamWOptions& options)
 double AdamW::step(float lr) {
   std::vector<Tensor> grads;
   for (Parameter* p : parameters_) grads.push_back(p->grad);
-  double norm = options_.clip_grad > 0 ? ops::clip_grad_norm(grads, options_.clip_grad)
-                                       : ops::global_grad_norm(grads);
+  // The norm first: a non-finite one skips the step with the gradients as they are (so the
+  // caller can find the offending one; torch's clipping would scale them all by NaN).
+  const double norm = ops::global_grad_norm(grads);
   if (!std::isfinite(norm)) return norm;  // skip: one bad batch must not poison the weights
+  const double coefficient = options_.clip_grad / (norm + 1e-6);
+  if (options_.clip_grad > 0 && coefficient < 1.0) {
+    ops::scale(grads, static_cast<float>(coefficient));  // clip_grad_norm's scaling, as torch
+  }
   ++steps_;
   std::vector<ops::AdamWTensor> tensors;
   for (size_t i = 0; i < parameters_.size(); ++i) {

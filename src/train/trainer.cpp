@@ -99,8 +99,11 @@ TrainResult TrainingRun::run() {
     }
     double loss = run_micro_batches(iteration);
     finish_gradients();
+    // Equal on every rank (summed over the data ranks, each pipeline rank holds the sum over
+    // stages), so every rank takes the same branch below.
     loss = parallel_->data().all_reduce(loss, ReduceOp::Sum) /
            static_cast<double>(accumulation_ * dp_);
+    if (o_.after_gradients) o_.after_gradients(iteration + 1, model_->parameters());
     const bool dumping = dump_this_step(o_, iteration + 1);
     TensorMap dumped_gradients;
     if (dumping) dumped_gradients = whole_gradients();  // before clipping and the update
@@ -108,13 +111,16 @@ TrainResult TrainingRun::run() {
     // (rank 0 writes the metrics); under PP every stage's, gathered over the pipeline ranks.
     nlohmann::json fp8_stats = o_.fp8_stats ? take_fp8_stats(fp8_part_) : nlohmann::json();
     if (o_.fp8_stats && executor_) fp8_stats = gather_fp8_stats(fp8_stats, parallel_->pipeline());
-    const double grad_norm = optimizer_step(lr);
+    // A non-finite loss skips the update at once; a non-finite gradient norm makes the
+    // optimizer skip it (the norm is reduced over the model group: equal on every rank).
+    const double grad_norm = std::isfinite(loss) ? optimizer_step(lr) : NAN;
+    const bool finite = std::isfinite(loss) && std::isfinite(grad_norm);
+    if (!finite) skip_nonfinite_step(iteration + 1, loss, grad_norm);  // or stop the run
     if (dumping) dump(iteration + 1, std::move(dumped_gradients));
     const double step_seconds = seconds_since(step_start);
     busy_seconds += step_seconds;
-    OCTET_CHECK(std::isfinite(loss), "training diverged: loss is ", loss, " at iteration ",
-                iteration + 1, " (try --precision bf16, a lower --lr, or --clip-grad)");
     nlohmann::json record = record_step(iteration, loss, lr, grad_norm, step_seconds);
+    if (o_.skip_nonfinite_steps) record["skipped_steps"] = result_.skipped_steps;
     if (o_.fp8_stats) {
       record["fp8"] = fp8_stats;
       fp8_summary_.add(fp8_stats);
@@ -186,6 +192,36 @@ void TrainingRun::finish_gradients() {
   if (ddp_) ddp_->finish_grad_sync();
 }
 
+// The name of this rank's first parameter whose gradient holds a NaN or an infinity.
+std::string TrainingRun::first_nonfinite_gradient() const {
+  for (Parameter* p : model_->parameters()) {
+    if (has_nonfinite(p->grad)) return p->name;
+  }
+  return "";
+}
+
+void TrainingRun::skip_nonfinite_step(int64_t step, double loss, double grad_norm) {
+  const std::string bad = first_nonfinite_gradient();
+  const std::string what = detail::concat(
+      "step ", step, ": ",
+      std::isfinite(loss) ? detail::concat("gradient norm ", grad_norm)
+                          : detail::concat("loss ", loss),
+      bad.empty()
+          ? std::string(", every gradient on rank ") + std::to_string(parallel_->rank()) + " finite"
+          : detail::concat(", first non-finite gradient '", bad, "' (rank ", parallel_->rank(),
+                           ")"));
+  if (!o_.skip_nonfinite_steps) {
+    fail("non-finite " + what +
+         ". Stopped before the update: the parameters and the last checkpoint are intact "
+         "(--skip-nonfinite-steps skips such steps; or try a lower --lr, --clip-grad, "
+         "--precision bf16)");
+  }
+  ++result_.skipped_steps;
+  if (!quiet_)
+    std::printf("skipped %s: no update (%lld skipped so far)\n", what.c_str(),
+                (long long)result_.skipped_steps);
+}
+
 // Clipping and the update; returns the gradient norm before clipping.
 double TrainingRun::optimizer_step(float lr) {
   double grad_norm = 0;
@@ -250,6 +286,14 @@ void TrainingRun::save(int64_t iteration) {
     fp8_part_[i]->save_state(checkpoint.optimizer, "fp8." + std::to_string(fp8_index_[i]) + ".");
   }
   checkpoint.trainer = trainer_state(iteration);
+  // Never a non-finite model over a good checkpoint: every rank checks its part and all
+  // agree before anything is written.
+  std::string bad = first_nonfinite(checkpoint.model);
+  if (bad.empty()) bad = first_nonfinite(checkpoint.optimizer);
+  const double any_bad = parallel_->world().all_reduce(bad.empty() ? 0.0 : 1.0, ReduceOp::Max);
+  OCTET_CHECK(any_bad == 0, "not saving the checkpoint of iteration ", iteration, " to '", o_.save,
+              "': ", bad.empty() ? std::string("another rank's tensors") : "'" + bad + "'",
+              " hold NaN or infinite values; the previous checkpoint there is kept");
   if (pipelined_) {
     save_checkpoint_sharded(o_.save, checkpoint, *parallel_);
   } else if (chief_) {
@@ -298,7 +342,7 @@ nlohmann::json TrainingRun::record_step(int64_t iteration, double loss, float lr
       flops_per_token_ * tokens_per_second / (peak_gflops_ * 1e9 * parallel_->world_size());
   result_.losses.push_back(static_cast<float>(loss));
   result_.last_loss = static_cast<float>(loss);
-  train_curve_.push_back({static_cast<double>(iteration + 1), loss});
+  if (std::isfinite(loss)) train_curve_.push_back({static_cast<double>(iteration + 1), loss});
   nlohmann::json record = {{"step", iteration + 1},
                            {"loss", loss},
                            {"lr", lr},

@@ -44,6 +44,8 @@ class TrainingRun {
   double run_micro_batches(int64_t iteration);
   void finish_gradients();
   double optimizer_step(float lr);
+  std::string first_nonfinite_gradient() const;
+  void skip_nonfinite_step(int64_t step, double loss, double grad_norm);
   float evaluate();
   void save(int64_t iteration);
   TensorMap whole_parameters();

@@ -5,8 +5,11 @@
 // uninterrupted one bit for bit; clear errors for bad checkpoints, data and flags.
 #include <gtest/gtest.h>
 
+#include <sys/resource.h>
+
 #include <array>
 #include <cmath>
+#include <csignal>
 #include <filesystem>
 #include <fstream>
 #include <functional>
@@ -14,6 +17,7 @@
 #include <random>
 
 #include "octet/data.h"
+#include "octet/files.h"
 #include "octet/model.h"
 #include "octet/train.h"
 #include "test_util.h"  // also reports the instruction-set paths run
@@ -527,13 +531,50 @@ TEST(GPT, BadCheckpointsDataAndFlagsAreClearErrors) {
       const fs::path file = dir / "model.safetensors";
       fs::resize_file(file, fs::file_size(file) / 2);
     });
-    expect_error([&] { train_gpt(o); }, "truncated file?");
+    expect_error([&] { train_gpt(o); },
+                 "model.safetensors is 86020 bytes, trainer.json records 172040 (truncated or "
+                 "replaced: corrupt)");
   }
   {
     SCOPED_TRACE("header cut");
     TrainOptions o = damaged(
         "cut", [](const fs::path& dir) { fs::resize_file(dir / "optimizer.safetensors", 20); });
-    expect_error([&] { train_gpt(o); }, "(corrupt or truncated)");
+    expect_error([&] { train_gpt(o); }, "optimizer.safetensors is 20 bytes");
+  }
+  // Without trainer.json's record of sizes and digests (checkpoints older than it), the
+  // reader's own checks still name the damage.
+  auto unrecorded = [](const fs::path& dir) {
+    std::ifstream in(dir / "trainer.json");
+    nlohmann::json trainer = nlohmann::json::parse(in);
+    in.close();
+    trainer.erase("files");
+    std::ofstream(dir / "trainer.json") << trainer.dump();
+  };
+  {
+    SCOPED_TRACE("truncated, unrecorded");
+    TrainOptions o = damaged("truncated-unrecorded", [&](const fs::path& dir) {
+      unrecorded(dir);
+      const fs::path file = dir / "model.safetensors";
+      fs::resize_file(file, fs::file_size(file) / 2);
+    });
+    expect_error([&] { train_gpt(o); }, "truncated file?");
+  }
+  {
+    // One bit of one weight: a valid file with another model in it, found only by the digest.
+    SCOPED_TRACE("flipped bit");
+    TrainOptions o = damaged("flipped", [](const fs::path& dir) {
+      const fs::path file = dir / "model.safetensors";
+      std::fstream io(file, std::ios::in | std::ios::out | std::ios::binary);
+      const std::streamoff at = static_cast<std::streamoff>(fs::file_size(file)) - 1000;
+      io.seekg(at);
+      char byte = 0;
+      io.read(&byte, 1);
+      byte = static_cast<char>(byte ^ 0x10);
+      io.seekp(at);
+      io.write(&byte, 1);
+    });
+    expect_error([&] { train_gpt(o); }, "model.safetensors fails its checksum (SHA-256 ");
+    expect_error([&] { train_gpt(o); }, "the file is corrupt");
   }
   {
     SCOPED_TRACE("garbage trainer.json");
@@ -610,4 +651,156 @@ TEST(GPT, BadCheckpointsDataAndFlagsAreClearErrors) {
 }
 
 }  // namespace
+// ---------------------------------------------------------------------------------------------
+// Non-finite steps: never an update, never a checkpoint; stop naming the step and parameter,
+// or skip and count (--skip-nonfinite-steps).
+
+std::string error_of(const std::function<void()>& run) {
+  try {
+    run();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "(no error)";
+}
+
+nlohmann::json trainer_json(const std::string& dir) {
+  std::ifstream in(dir + "/trainer.json");
+  return nlohmann::json::parse(in);
+}
+
+TEST(GPT, NonFiniteGradientStopsTheRunBeforeTheUpdateNamingStepAndParameter) {
+  TrainFixture fixture;
+  TrainOptions o = fixture.options("fp32");
+  o.train_iters = 4;
+  o.save = fixture.path("ckpt");
+  o.save_interval = 1;
+  std::string victim;
+  o.after_gradients = [&](int64_t step, const std::vector<Parameter*>& parameters) {
+    if (step != 3) return;
+    Parameter* p = parameters[parameters.size() / 2];
+    victim = p->name;
+    p->grad.data<float>()[p->grad.numel() / 2] = NAN;
+  };
+  const std::string message = error_of([&] { train_gpt(o); });
+  ASSERT_FALSE(victim.empty());
+  EXPECT_NE(message.find("non-finite step 3: gradient norm nan, first non-finite gradient '" +
+                         victim + "' (rank 0). Stopped before the update"),
+            std::string::npos)
+      << message;
+  // The checkpoint of step 2 is the last one written, and it is finite.
+  EXPECT_EQ(trainer_json(o.save)["iteration"], 2);
+  EXPECT_EQ(first_nonfinite(load_checkpoint(o.save).model), "");
+}
+
+TEST(GPT, SkipNonfiniteStepsLeavesTheParametersAndCountsTheStep) {
+  TrainFixture fixture;
+  TrainOptions o = fixture.options("fp32");
+  o.train_iters = 4;
+  o.skip_nonfinite_steps = true;
+  o.save = fixture.path("ckpt");
+  o.metrics = fixture.path("metrics.jsonl");
+  std::vector<Tensor> at_step3, at_step4;
+  o.after_gradients = [&](int64_t step, const std::vector<Parameter*>& parameters) {
+    if (step == 3) {
+      for (Parameter* p : parameters) at_step3.push_back(p->value.clone());
+      parameters.front()->grad.data<float>()[0] = INFINITY;
+    }
+    if (step == 4) {
+      for (Parameter* p : parameters) at_step4.push_back(p->value.clone());
+    }
+  };
+  const TrainResult result = train_gpt(o);
+  EXPECT_EQ(result.skipped_steps, 1);
+  ASSERT_EQ(result.losses.size(), 4u);
+  for (float loss : result.losses) EXPECT_TRUE(std::isfinite(loss));
+  // Step 3 changed nothing: step 4 starts from the parameters step 3 started from.
+  ASSERT_EQ(at_step3.size(), at_step4.size());
+  for (size_t i = 0; i < at_step3.size(); ++i) {
+    EXPECT_EQ(at_step3[i].to_floats(), at_step4[i].to_floats()) << "parameter " << i;
+  }
+  // AdamW counted 3 updates in 4 iterations; the metrics count the skipped step.
+  EXPECT_EQ(trainer_json(o.save)["optimizer_steps"], 3);
+  EXPECT_EQ(trainer_json(o.save)["iteration"], 4);
+  std::ifstream metrics(o.metrics);
+  std::string line, last;
+  while (std::getline(metrics, line)) last = line;
+  EXPECT_EQ(nlohmann::json::parse(last)["skipped_steps"], 1);
+}
+
+// A NaN in a weight (not a gradient): the next save refuses to write it over the good
+// checkpoint, and without a save the next step's loss stops the run.
+TEST(GPT, NonFiniteWeightsAreNeverSavedAndANonFiniteLossStops) {
+  TrainFixture fixture;
+  auto poison = [](int64_t at) {
+    return [at](int64_t step, const std::vector<Parameter*>& parameters) {
+      if (step == at) parameters.back()->value.data<float>()[0] = NAN;
+    };
+  };
+  TrainOptions o = fixture.options("fp32");
+  o.train_iters = 4;
+  o.save = fixture.path("ckpt");
+  o.save_interval = 1;
+  o.after_gradients = poison(2);
+  std::string message = error_of([&] { train_gpt(o); });
+  EXPECT_NE(message.find("not saving the checkpoint of iteration 2"), std::string::npos) << message;
+  EXPECT_NE(message.find("previous checkpoint there is kept"), std::string::npos) << message;
+  EXPECT_EQ(trainer_json(o.save)["iteration"], 1);
+  EXPECT_EQ(first_nonfinite(load_checkpoint(o.save).model), "");
+
+  o.save.clear();
+  message = error_of([&] { train_gpt(o); });
+  EXPECT_NE(message.find("non-finite step 3: loss nan"), std::string::npos) << message;
+}
+
+// Writes past RLIMIT_FSIZE fail with EFBIG, as on a full disk (SIGXFSZ ignored meanwhile).
+class FileSizeLimit {
+ public:
+  explicit FileSizeLimit(rlim_t bytes) {
+    getrlimit(RLIMIT_FSIZE, &saved_);
+    rlimit limit = saved_;
+    limit.rlim_cur = bytes;
+    setrlimit(RLIMIT_FSIZE, &limit);
+    saved_handler_ = std::signal(SIGXFSZ, SIG_IGN);
+  }
+  ~FileSizeLimit() {
+    setrlimit(RLIMIT_FSIZE, &saved_);
+    std::signal(SIGXFSZ, saved_handler_);
+  }
+
+ private:
+  rlimit saved_{};
+  void (*saved_handler_)(int) = nullptr;
+};
+
+// A save that runs out of space leaves the previous checkpoint intact and loadable, and
+// nothing half-written behind.
+TEST(GPT, AFullDiskDuringASaveLeavesThePreviousCheckpoint) {
+  TrainFixture fixture;
+  TrainOptions o = fixture.options("fp32");
+  o.train_iters = 2;
+  o.save = fixture.path("ckpt");
+  train_gpt(o);
+  const std::string digest = sha256_file(o.save + "/model.safetensors");
+  {
+    FileSizeLimit limit(100 << 10);  // model.safetensors takes 172040 bytes
+    TrainOptions more = o;
+    more.train_iters = 3;
+    more.load = o.save;
+    expect_error([&] { train_gpt(more); }, "checkpoint '" + o.save + "' not saved: ");
+    expect_error([&] { train_gpt(more); },
+                 "(disk full?); the previous checkpoint there (if any) is intact");
+  }
+  EXPECT_EQ(trainer_json(o.save)["iteration"], 2);
+  EXPECT_EQ(sha256_file(o.save + "/model.safetensors"), digest);
+  EXPECT_FALSE(fs::exists(o.save + ".tmp"));
+  EXPECT_NO_THROW(load_checkpoint(o.save));  // sizes and digests verified
+  // And with room again the same save succeeds.
+  TrainOptions more = o;
+  more.train_iters = 3;
+  more.load = o.save;
+  train_gpt(more);
+  EXPECT_EQ(trainer_json(o.save)["iteration"], 3);
+}
+
 }  // namespace octet
