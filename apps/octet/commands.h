@@ -8,6 +8,9 @@
 
 namespace octet::cli {
 
+// `octet train`'s exit status after a graceful stop on SIGTERM/SIGINT (EX_TEMPFAIL).
+inline constexpr int kExitStoppedBySignal = 75;
+
 void register_info(CLI::App& app);
 void register_demo(CLI::App& app);
 void register_train(CLI::App& app);

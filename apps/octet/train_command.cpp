@@ -103,7 +103,10 @@ void register_train(CLI::App& app) {
   cmd->callback([o] {
     TrainOptions options = *o;
     options.config_path = resolve_config(o->config_path).string();
-    train_gpt(options);
+    const TrainResult result = train_gpt(options);
+    // Stopped by SIGTERM/SIGINT after a step (and saved, with --save): EX_TEMPFAIL of
+    // sysexits.h, "try again later", so a job script can tell a preemption from a failure.
+    if (result.stop_signal != 0) throw CLI::RuntimeError(kExitStoppedBySignal);
   });
 }
 

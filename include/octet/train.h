@@ -185,6 +185,11 @@ struct TrainOptions {
   // (Megatron's check_for_nan_in_loss_and_grad); with this set it skips the step, counts it
   // (TrainResult::skipped_steps, "skipped_steps" in the metrics) and goes on.
   bool skip_nonfinite_steps = false;
+  // Megatron's --exit-signal-handler: during the run the first SIGTERM or SIGINT (on any rank)
+  // finishes the current step, all ranks agree to stop after it, a checkpoint is saved when
+  // `save` is set, and train_gpt returns with TrainResult::stop_signal set; a second signal
+  // ends the process at once. Off: the signals keep their previous handling.
+  bool exit_signal_handler = true;
   // For tests and tools: called on every rank once per step (1-based) with this rank's
   // parameters after the step's gradients are final (reduced over the data ranks), before
   // the non-finite check, clipping and the update. E.g. to inject a NaN into a gradient.
@@ -200,6 +205,7 @@ struct TrainResult {
   double mfu = 0;
   int world_size = 1;
   int64_t skipped_steps = 0;  // non-finite steps skipped (--skip-nonfinite-steps)
+  int stop_signal = 0;        // SIGTERM / SIGINT that stopped the run early, else 0
   // Data-parallel gradient reduction over the run: wall time in flight, and the part the
   // step waited for (the rest was hidden behind backward); plus ZeRO's parameter gathers.
   double grad_comm_seconds = 0, grad_exposed_seconds = 0;

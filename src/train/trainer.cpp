@@ -5,12 +5,15 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <csignal>
 #include <cstdio>
+#include <optional>
 
 #include "octet/gemm.h"
 #include "octet/ops/elementwise.h"
 #include "octet/ops/optimizer.h"
 #include "octet/tensor_parallel.h"
+#include "train/stop_signals.h"
 #include "train/training_run.h"
 
 namespace octet {
@@ -89,7 +92,16 @@ namespace train_detail {
 TrainResult TrainingRun::run() {
   const auto run_start = Clock::now();
   double busy_seconds = 0;
+  std::optional<StopSignals> signals;
+  if (o_.exit_signal_handler) signals.emplace();
   for (int64_t iteration = start_iteration_; iteration < o_.train_iters; ++iteration) {
+    // Between steps: a signal on any rank stops every rank after the same step.
+    if (signals && iteration > start_iteration_) {
+      if (const int signal = agreed_stop_signal(signals->received())) {
+        stop_early(iteration, signal);
+        break;
+      }
+    }
     const auto step_start = Clock::now();
     const float lr = LrSchedule{o_.lr, o_.min_lr, o_.lr_warmup_iters, o_.train_iters}.at(iteration);
     if (ddp_) {
@@ -276,6 +288,30 @@ nlohmann::json TrainingRun::trainer_state(int64_t iteration) const {
           {"precision", o_.precision}};
 }
 
+int TrainingRun::agreed_stop_signal(int received) {
+  if (parallel_->world_size() == 1) return received;
+  return static_cast<int>(
+      parallel_->world().all_reduce(static_cast<double>(received), ReduceOp::Max));
+}
+
+// After `steps` steps: a checkpoint of them (unless the last save was of them), then the loop
+// ends and the summary follows.
+void TrainingRun::stop_early(int64_t steps, int signal) {
+  result_.stop_signal = signal;
+  const char* name = signal == SIGINT ? "SIGINT" : signal == SIGTERM ? "SIGTERM" : "a signal";
+  if (!o_.save.empty() && saved_iteration_ != steps) save(steps);
+  if (quiet_) return;
+  if (o_.save.empty()) {
+    std::printf("%s: stopped after step %lld of %lld (no --save: nothing kept)\n", name,
+                (long long)steps, (long long)o_.train_iters);
+  } else {
+    std::printf("%s: stopped after step %lld of %lld; checkpoint in %s (resume with --load %s)\n",
+                name, (long long)steps, (long long)o_.train_iters, o_.save.c_str(),
+                o_.save.c_str());
+  }
+  std::fflush(stdout);
+}
+
 void TrainingRun::save(int64_t iteration) {
   // Whole-model tensors under the checkpoint's names (tensor shards and ZeRO's shards
   // gathered: collective), so it loads at any layout. Each pipeline stage writes its own part.
@@ -299,6 +335,7 @@ void TrainingRun::save(int64_t iteration) {
   } else if (chief_) {
     save_checkpoint(o_.save, checkpoint);
   }
+  saved_iteration_ = iteration;
 }
 
 // --dump-grads: whole-model tensors under their names whatever the layout, so two layouts'

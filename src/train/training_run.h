@@ -48,6 +48,8 @@ class TrainingRun {
   void skip_nonfinite_step(int64_t step, double loss, double grad_norm);
   float evaluate();
   void save(int64_t iteration);
+  int agreed_stop_signal(int received);
+  void stop_early(int64_t iteration, int signal);
   TensorMap whole_parameters();
   TensorMap whole_gradients();
   void dump(int64_t step, TensorMap tensors);
@@ -89,6 +91,7 @@ class TrainingRun {
 
   TensorMap loaded_model_, loaded_optimizer_;
   int64_t loaded_steps_ = 0, start_iteration_ = 0;
+  int64_t saved_iteration_ = -1;  // of the last checkpoint this run wrote
 
   std::vector<Fp8State*> fp8_part_;
   std::vector<int64_t> fp8_index_;
