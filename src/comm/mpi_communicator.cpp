@@ -160,8 +160,9 @@ class MpiCommunicator final : public Communicator {
                   total, " rows");
       return std::pair(counts, offsets);
     };
-    auto [send_counts, send_offsets] = layout(send_rows, rows_of(input), "send");
-    auto [recv_counts, recv_offsets] = layout(recv_rows, rows_of(output), "receive");
+    std::vector<int> send_counts, send_offsets, recv_counts, recv_offsets;
+    std::tie(send_counts, send_offsets) = layout(send_rows, rows_of(input), "send");
+    std::tie(recv_counts, recv_offsets) = layout(recv_rows, rows_of(output), "receive");
     const void* send = input.raw();
     void* receive = output.raw();
     MPI_Datatype type = element_type(input.dtype());

@@ -96,7 +96,24 @@ TokenShard TokenShard::open(const std::string& path, bool check_ids) {
   TokenShard shard;
   shard.map_ = map;
   shard.map_bytes_ = file_bytes;  // from here on the destructor unmaps, also when a check throws
-  const auto* header = static_cast<const unsigned char*>(map);
+  shard.bytes_ = static_cast<const unsigned char*>(map);
+  shard.validate(path, file_bytes, check_ids);
+  return shard;
+}
+
+TokenShard TokenShard::view(std::span<const uint8_t> bytes, const std::string& source_name,
+                            bool check_ids) {
+  OCTET_CHECK(bytes.size() >= kTokenShardHeaderBytes, "token shard ", source_name,
+              ": truncated: expected a ", kTokenShardHeaderBytes, "-byte header, got a ",
+              bytes.size(), "-byte file");
+  TokenShard shard;
+  shard.bytes_ = bytes.data();
+  shard.validate(source_name, bytes.size(), check_ids);
+  return shard;
+}
+
+void TokenShard::validate(const std::string& path, size_t file_bytes, bool check_ids) {
+  const unsigned char* header = bytes_;
   OCTET_CHECK(std::memcmp(header, kTokenShardMagic, sizeof kTokenShardMagic) == 0, "token shard ",
               path, ": expected magic \"OCTETTOK\", got \"",
               std::string(reinterpret_cast<const char*>(header), 8), "\" (not a token shard?)");
@@ -112,26 +129,28 @@ TokenShard TokenShard::open(const std::string& path, bool check_ids) {
               "token shard ", path, ": expected a vocab size in [1, ",
               id_bytes == 2 ? 65536u : 0x7FFFFFFFu, "] for ", id_bytes, "-byte ids, got ",
               vocab_size);
+  // Divided, not multiplied: a huge declared count must not wrap around to the file's size.
   const uint64_t body_bytes = file_bytes - kTokenShardHeaderBytes;
-  OCTET_CHECK(token_count <= body_bytes / id_bytes && token_count * id_bytes == body_bytes,
-              "token shard ", path, ": expected ", kTokenShardHeaderBytes, " + ", token_count,
-              " x ", id_bytes, " bytes, got ", file_bytes, " bytes (",
-              body_bytes < token_count * id_bytes ? "truncated" : "trailing bytes", ")");
-  shard.token_count_ = static_cast<int64_t>(token_count);
-  shard.id_bytes_ = static_cast<int>(id_bytes);
-  shard.vocab_size_ = static_cast<int32_t>(vocab_size);
+  const bool truncated = token_count > body_bytes / id_bytes;
+  OCTET_CHECK(!truncated && token_count * id_bytes == body_bytes, "token shard ", path,
+              ": expected ", kTokenShardHeaderBytes, " + ", token_count, " x ", id_bytes,
+              " bytes, got ", file_bytes, " bytes (", truncated ? "truncated" : "trailing bytes",
+              ")");
+  token_count_ = static_cast<int64_t>(token_count);
+  id_bytes_ = static_cast<int>(id_bytes);
+  vocab_size_ = static_cast<int32_t>(vocab_size);
   if (check_ids) {
-    for (int64_t i = 0; i < shard.token_count_; ++i) {
-      const int32_t id = shard[i];
-      OCTET_CHECK(id >= 0 && id < shard.vocab_size_, "token shard ", path, ": id ", i,
-                  " expected in [0, ", shard.vocab_size_, "), got ", id);
+    for (int64_t i = 0; i < token_count_; ++i) {
+      const int32_t id = (*this)[i];
+      OCTET_CHECK(id >= 0 && id < vocab_size_, "token shard ", path, ": id ", i,
+                  " expected in [0, ", vocab_size_, "), got ", id);
     }
   }
-  return shard;
 }
 
 TokenShard::TokenShard(TokenShard&& other) noexcept
-    : map_(std::exchange(other.map_, nullptr)),
+    : bytes_(std::exchange(other.bytes_, nullptr)),
+      map_(std::exchange(other.map_, nullptr)),
       map_bytes_(std::exchange(other.map_bytes_, 0)),
       token_count_(std::exchange(other.token_count_, 0)),
       id_bytes_(std::exchange(other.id_bytes_, 0)),
@@ -140,6 +159,7 @@ TokenShard::TokenShard(TokenShard&& other) noexcept
 TokenShard& TokenShard::operator=(TokenShard&& other) noexcept {
   if (this != &other) {
     if (map_ != nullptr) ::munmap(map_, map_bytes_);
+    bytes_ = std::exchange(other.bytes_, nullptr);
     map_ = std::exchange(other.map_, nullptr);
     map_bytes_ = std::exchange(other.map_bytes_, 0);
     token_count_ = std::exchange(other.token_count_, 0);

@@ -1,6 +1,9 @@
 // GPTConfig: JSON in and out, validation, parameter and FLOP counts.
+#include <cmath>
 #include <fstream>
+#include <limits>
 #include <set>
+#include <type_traits>
 
 #include "octet/model.h"
 #include "octet/ops/activation.h"
@@ -30,14 +33,33 @@ GPTConfig GPTConfig::from_json(const nlohmann::json& json) {
     OCTET_CHECK(known.count(key), "model config: unknown key '", key, "'");
   }
   GPTConfig c;
+  // Each field takes only its own JSON type: nlohmann's conversions would truncate 1e300 into
+  // an int64 or a float (undefined behaviour) and wrap 2^64-1 to -1.
   auto get = [&](const char* key, auto& field) {
     if (!json.contains(key)) return;
-    try {
-      json.at(key).get_to(field);
-    } catch (const nlohmann::json::exception&) {
-      fail(detail::concat("model config: '", key, "' has the wrong type (", json.at(key).dump(),
-                          ")"));
+    const nlohmann::json& value = json.at(key);
+    using Field = std::decay_t<decltype(field)>;
+    bool fits = false;
+    const char* expected = "";
+    if constexpr (std::is_same_v<Field, bool>) {
+      fits = value.is_boolean();
+      expected = "true or false";
+    } else if constexpr (std::is_same_v<Field, std::string>) {
+      fits = value.is_string();
+      expected = "a string";
+    } else if constexpr (std::is_same_v<Field, int64_t>) {
+      fits = value.is_number_integer() &&
+             !(value.is_number_unsigned() && value.get<uint64_t>() > uint64_t{INT64_MAX});
+      expected = "an integer";
+    } else {
+      static_assert(std::is_same_v<Field, float>);
+      fits = value.is_number() && std::isfinite(value.get<double>()) &&
+             std::fabs(value.get<double>()) <= std::numeric_limits<float>::max();
+      expected = "a finite number";
     }
+    OCTET_CHECK(fits, "model config: '", key, "' expected ", expected, ", got ",
+                value.is_primitive() ? value.dump().substr(0, 64) : value.type_name());
+    field = value.get<Field>();
   };
   get("name", c.name);
   get("vocab_size", c.vocab_size);
@@ -60,6 +82,19 @@ GPTConfig GPTConfig::from_json(const nlohmann::json& json) {
       c.vocab_size > 0 && c.max_seq_len > 0 && c.num_layers > 0 && c.hidden > 0 && c.num_heads > 0,
       "model config: vocab_size, max_seq_len, num_layers, hidden, num_heads must be "
       "positive");
+  // Upper bounds far above any real model, so that parameter and FLOP counts cannot overflow.
+  auto check_at_most = [](const char* key, int64_t value, int64_t limit) {
+    OCTET_CHECK(value <= limit, "model config: ", key, " expected at most ", limit, ", got ",
+                value);
+  };
+  check_at_most("vocab_size", c.vocab_size, std::numeric_limits<int32_t>::max());  // int32 ids
+  check_at_most("max_seq_len", c.max_seq_len, int64_t{1} << 24);
+  check_at_most("num_layers", c.num_layers, int64_t{1} << 12);
+  check_at_most("hidden", c.hidden, int64_t{1} << 20);
+  check_at_most("ffn_hidden", c.ffn_hidden, int64_t{1} << 22);
+  OCTET_CHECK(c.num_gqa_groups >= 0 && c.ffn_hidden >= 0, "model config: num_gqa_groups (",
+              c.num_gqa_groups, ") and ffn_hidden (", c.ffn_hidden,
+              ") expected >= 0 (0: the default)");
   OCTET_CHECK(c.hidden % c.num_heads == 0, "model config: hidden (", c.hidden,
               ") must be a multiple of num_heads (", c.num_heads, ")");
   int64_t kv = c.num_gqa_groups ? c.num_gqa_groups : c.num_heads;

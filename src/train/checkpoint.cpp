@@ -55,7 +55,9 @@ void verify_digests(const std::string& dir, const nlohmann::json& trainer,
               "': trainer.json 'files' expected an object, got ", digests.dump());
   for (const std::string& file : files) {
     const fs::path path = fs::path(dir) / file;
-    OCTET_CHECK(fs::exists(path), "checkpoint '", dir, "' is incomplete: missing ", file);
+    std::error_code error;
+    OCTET_CHECK(fs::is_regular_file(path, error), "checkpoint '", dir, "' is incomplete: missing ",
+                file);
     OCTET_CHECK(digests.contains(file) && digests[file].is_object() &&
                     digests[file].contains("bytes") &&
                     digests[file]["bytes"].is_number_unsigned() &&
@@ -214,9 +216,12 @@ Checkpoint load_checkpoint(const std::string& dir) {
                   "' list, got ", shards.dump());
       std::vector<std::string> out;
       for (const auto& name : shards[key]) {
-        OCTET_CHECK(name.is_string() && name.get<std::string>().find('/') == std::string::npos,
-                    "checkpoint '", dir, "': shard names expected plain file names, got ",
-                    name.dump());
+        // A plain name: not "", "." or ".." (directories) and within NAME_MAX, so that the
+        // filesystem calls below cannot throw std::filesystem_error.
+        OCTET_CHECK(
+            name.is_string() && name.get<std::string>().find('/') == std::string::npos &&
+                name != "" && name != "." && name != ".." && name.get<std::string>().size() <= 255,
+            "checkpoint '", dir, "': shard names expected plain file names, got ", name.dump());
         out.push_back(name.get<std::string>());
       }
       return out;
@@ -228,7 +233,9 @@ Checkpoint load_checkpoint(const std::string& dir) {
   // embedding on the first and last stage), which are equal: the first is kept.
   auto merge = [&](const std::vector<std::string>& files, TensorMap& into) {
     for (const std::string& file : files) {
-      OCTET_CHECK(fs::exists(root / file), "checkpoint '", dir, "' is incomplete: missing ", file);
+      std::error_code error;
+      OCTET_CHECK(fs::is_regular_file(root / file, error), "checkpoint '", dir,
+                  "' is incomplete: missing ", file);
       for (auto& [name, tensor] : load_safetensors((root / file).string())) {
         into.emplace(name, tensor);
       }

@@ -11,7 +11,9 @@
 namespace octet {
 
 void Fp8StatsSummary::add(const nlohmann::json& step_stats) {
-  for (const auto& [name, s] : step_stats.items()) {
+  for (const auto& item : step_stats.items()) {
+    const std::string& name = item.key();
+    const nlohmann::json& s = item.value();
     auto it = std::find_if(entries_.begin(), entries_.end(),
                            [&](const Entry& e) { return e.name == name; });
     const double amax = s.at("amax"), scale = s.at("scale");

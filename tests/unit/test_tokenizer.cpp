@@ -392,8 +392,35 @@ TEST(TokenShard, OpenRejectsCorruptFiles) {
                "(truncated)");
   expect_error("vocab.bin", patched(24, std::string("\x10\0\0\0", 4)),
                "id 0 expected in [0, 16), got 50256");
+  // 2^63 + 100 ids of 2 bytes wrap around to the 200 bytes present: still truncated.
+  expect_error("wrapping_count.bin", patched(16, std::string("\x64\0\0\0\0\0\0\x80", 8)),
+               "(truncated)");
   EXPECT_THROW(TokenShard::open(scratch_path("does_not_exist.bin")), Error);
   EXPECT_NO_THROW(TokenShard::open(scratch_path("vocab.bin"), /*check_ids=*/false));
+}
+
+TEST(TokenShard, ViewOfBytesInMemoryChecksAsOpenDoes) {
+  const std::string path = scratch_path("view.bin");
+  const std::vector<int32_t> ids = some_ids(50, 50257);
+  write_token_shard(path, ids, 50257);
+  std::ifstream in(path, std::ios::binary);
+  const std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  auto span_of = [](const std::string& text) {
+    return std::span<const uint8_t>(reinterpret_cast<const uint8_t*>(text.data()), text.size());
+  };
+  TokenShard shard = TokenShard::view(span_of(bytes), "memory shard");
+  EXPECT_EQ(shard.to_vector(), ids);
+  TokenShard moved = std::move(shard);  // a view moves like a mapping, and unmaps nothing
+  EXPECT_EQ(moved.size(), 50);
+  const std::string truncated = bytes.substr(0, 20);
+  try {
+    TokenShard::view(span_of(truncated), "memory shard");
+    ADD_FAILURE() << "a 20-byte shard was accepted";
+  } catch (const Error& error) {
+    EXPECT_NE(std::string(error.what()).find("token shard memory shard: truncated"),
+              std::string::npos)
+        << error.what();
+  }
 }
 
 }  // namespace
