@@ -45,30 +45,31 @@ CLI::Validator at_least(double min) {
   return number_in(min, std::numeric_limits<double>::infinity(), false, false);
 }
 
-CLI::Validator output_file() {
+namespace {
+
+// A validator running one of octet/files.h's checks; its octet::Error becomes the message.
+CLI::Validator path_check(void (*check)(const std::string&, const std::string&), const char* what,
+                          const char* description) {
   return CLI::Validator(
-      [](std::string& path) -> std::string {
+      [=](std::string& path) -> std::string {
         try {
-          check_writable_file(path, "output file");
+          check(path, what);
         } catch (const Error& error) {
           return error.what();
         }
         return {};
       },
-      "FILE (writable)");
+      description);
+}
+
+}  // namespace
+
+CLI::Validator output_file() {
+  return path_check(check_writable_file, "output file", "FILE (writable)");
 }
 
 CLI::Validator output_directory() {
-  return CLI::Validator(
-      [](std::string& path) -> std::string {
-        try {
-          check_writable_directory(path, "output directory");
-        } catch (const Error& error) {
-          return error.what();
-        }
-        return {};
-      },
-      "DIR (writable)");
+  return path_check(check_writable_directory, "output directory", "DIR (writable)");
 }
 
 }  // namespace octet::cli
