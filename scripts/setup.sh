@@ -18,6 +18,7 @@ packages=(
   # scripts/fuzz.sh: libFuzzer is clang's (gcc has none); clang needs its sanitizer runtimes
   # and LLVM's OpenMP runtime, which --no-install-recommends would leave out.
   clang libfuzzer-14-dev libclang-rt-14-dev libomp-dev
+  iproute2 util-linux       # tests/reliability/multi_host.sh: network namespaces as two hosts
 )
 
 missing=()

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The tests: install what is missing, build with warnings as errors, run every suite, then
-# build again with AddressSanitizer + UndefinedBehaviorSanitizer and run the unit tests.
+# build again with AddressSanitizer + UndefinedBehaviorSanitizer and run them again, and fuzz
+# each reader briefly.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -19,9 +20,16 @@ isa_paths build
 bash scripts/build.sh build-sanitize -DOCTET_SANITIZE=ON -DCMAKE_BUILD_TYPE=RelWithDebInfo
 # oneDNN's JIT and libgomp keep allocations alive for the process lifetime: leaks are not
 # findings here; every other ASan/UBSan report fails the run.
+# The three longest runs (the layouts' end-to-end training, the precision curves) are the
+# Release pass's: their code paths run here in the shorter suites, and their ~12 minutes under
+# the sanitizers keep CI under its hour.
 (cd build-sanitize && ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 \
   UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
-  ctest --output-on-failure -j 2)
+  ctest --output-on-failure -j 2 \
+  -E '^(train_layouts|GPT.MixedPrecisionCurvesFollowFp32|GPT.Mxfp8CurveFollowsFp32)$')
 isa_paths build-sanitize
+
 # libFuzzer under ASan + UBSan: each reader a short budget; kept crash inputs replayed first.
-bash scripts/fuzz.sh 10
+# A fixed seed: CI explores the same inputs each run (long, random runs are scripts/fuzz.sh's
+# own use, e.g. FUZZ_FLAGS=-runs=10000000 bash scripts/fuzz.sh 3600).
+FUZZ_FLAGS=-seed=1 bash scripts/fuzz.sh 10

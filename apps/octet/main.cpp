@@ -1,9 +1,25 @@
 // The octet command: a thin layer over liboctet. Each sub-command lives in its own file.
 #include <cstdio>
+#include <cstdlib>
 #include <exception>
+#include <string>
 
 #include "commands.h"
+#include "octet/comm.h"
 #include "octet/error.h"
+
+namespace {
+
+// " on rank 3" under a launcher, else nothing.
+std::string where() {
+  if (octet::launcher_world_size() <= 1) return {};
+  for (const char* variable : {"OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK"}) {
+    if (const char* rank = std::getenv(variable)) return std::string(" on rank ") + rank;
+  }
+  return {};
+}
+
+}  // namespace
 
 int main(int argc, char** argv) {
   CLI::App app{"octet: train and serve Transformer models fast, with FP8 numerics"};
@@ -21,16 +37,23 @@ int main(int argc, char** argv) {
   octet::cli::register_bench_ops(*bench);
   octet::cli::register_bench_train(*bench);
   octet::cli::register_bench_parallel(*bench);
+  int status = 0;
+  std::string message;
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& error) {
     return app.exit(error);
   } catch (const octet::Error& error) {
-    std::fprintf(stderr, "octet: error: %s\n", error.what());
-    return 1;
+    status = 1;
+    message = std::string("error") + where() + ": " + error.what();
   } catch (const std::exception& error) {
-    std::fprintf(stderr, "octet: unexpected error: %s\n", error.what());
-    return 2;
+    status = 2;
+    message = std::string("unexpected error") + where() + ": " + error.what();
   }
-  return 0;
+  if (status == 0) return 0;
+  std::fprintf(stderr, "octet: %s\n", message.c_str());
+  // Under a launcher the other ranks may be waiting for this one in a collective: end them
+  // all now rather than leave them to their timeouts.
+  octet::abort_job(status);
+  return status;
 }

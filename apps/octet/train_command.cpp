@@ -1,5 +1,8 @@
 // `octet train`: trains a GPT (Megatron's flag names), see src/train/trainer.cpp.
+#include <memory>
+
 #include "commands.h"
+#include "octet/comm.h"
 #include "octet/train.h"
 
 namespace octet::cli {
@@ -100,7 +103,15 @@ void register_train(CLI::App& app) {
                 "Reduce each gradient bucket as soon as backward finalizes it (default on)");
   cmd->add_option("--ddp-bucket-size", o->ddp_bucket_size, "Elements per gradient bucket")
       ->check(at_least(1));
-  cmd->callback([o] {
+  auto comm_timeout = std::make_shared<double>(kDefaultCommunicationTimeout);
+  CLI::Option* comm_timeout_flag =
+      cmd->add_option("--comm-timeout", *comm_timeout,
+                      "Seconds a collective or pipeline transfer may wait before the run stops "
+                      "naming it and the ranks that do not answer (a stopped or lost rank); 0: "
+                      "forever (default: OCTET_COMM_TIMEOUT, else 60)")
+          ->check(number_in(0, 1e9));
+  cmd->callback([o, comm_timeout, comm_timeout_flag] {
+    if (comm_timeout_flag->count() > 0) set_communication_timeout(*comm_timeout);
     TrainOptions options = *o;
     options.config_path = resolve_config(o->config_path).string();
     const TrainResult result = train_gpt(options);

@@ -30,10 +30,12 @@ class Work {
  public:
   Work() = default;  // an operation that is already complete
   explicit Work(std::shared_ptr<detail::WorkState> state) : state_(std::move(state)) {}
-  // Blocks until the operation completes; rethrows its error (octet::Error). With a
-  // timeout (seconds, > 0) an operation still pending then is reported as an error naming
-  // it (e.g. a receive whose sender never sent): never a silent hang.
-  void wait(double timeout_seconds = 0);
+  // Blocks until the operation completes; rethrows its error (octet::Error). An operation
+  // still pending after communication_timeout() seconds is an error naming it and the peers
+  // that do not answer a roll call (a stopped or hung rank): never a silent hang.
+  void wait();
+  // The same with this timeout in seconds; 0 waits forever.
+  void wait(double timeout_seconds);
   bool done() const;
   // Seconds from submission to completion (0 for a completed-at-once Work; valid after wait).
   double transfer_seconds() const;
@@ -90,6 +92,18 @@ class Communicator {
   // Scalars, for losses and norms.
   double all_reduce(double value, ReduceOp op = ReduceOp::Sum);
 };
+
+// How long a wait on a pending operation may block before it is an error (NCCL's and
+// Megatron's collective timeout; octet train --comm-timeout). Default 60 s, or the
+// environment's OCTET_COMM_TIMEOUT; 0 waits forever. Process-wide.
+inline constexpr double kDefaultCommunicationTimeout = 60;
+void set_communication_timeout(double seconds);
+double communication_timeout();
+
+// Ends every process of the job with `status` (MPI_Abort): after an error on one rank the
+// others may wait in a collective for a peer that will never come. Returns only in a world of
+// one. The CLI calls it for an error under a launcher.
+void abort_job(int status);
 
 // A world of one without MPI: every collective is the identity, point-to-point is an error.
 std::shared_ptr<Communicator> self_communicator();

@@ -168,7 +168,9 @@ void check_schedule(const Schedule& schedule);
 // overlap of the two).
 struct ExecutorOptions {
   DType dtype = DType::F32;              // compute dtype: F32 or BF16
-  double receive_timeout_seconds = 300;  // a receive pending this long is an error
+  // A receive or send pending this long is an error naming it and the peer's state (0: the
+  // process's communication_timeout(), --comm-timeout).
+  double receive_timeout_seconds = 0;
   bool check = true;                     // check_schedule before the first step
   // Called after each forward and each backward of a chunk (e.g. the FP8 amax reduction over
   // the stage's tensor x data ranks, which run the same action list): may be empty.

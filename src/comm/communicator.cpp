@@ -1,5 +1,8 @@
 // Work handles, the blocking forms of the collectives, argument checks, and the
 // communicator of a world of one.
+#include <atomic>
+#include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <thread>
 
@@ -20,6 +23,37 @@ const char* reduce_op_name(ReduceOp op) {
   return "?";
 }
 
+namespace {
+
+std::atomic<double> g_communication_timeout{-1};  // < 0: not set, read the environment
+
+}  // namespace
+
+void set_communication_timeout(double seconds) {
+  OCTET_CHECK(std::isfinite(seconds) && seconds >= 0,
+              "communication timeout expected a finite number of seconds >= 0 (0: wait forever), "
+              "got ",
+              seconds);
+  g_communication_timeout = seconds;
+}
+
+double communication_timeout() {
+  const double set = g_communication_timeout.load();
+  if (set >= 0) return set;
+  if (const char* text = std::getenv("OCTET_COMM_TIMEOUT")) {
+    char* end = nullptr;
+    const double seconds = std::strtod(text, &end);
+    OCTET_CHECK(end != text && *end == 0 && std::isfinite(seconds) && seconds >= 0,
+                "OCTET_COMM_TIMEOUT expected seconds >= 0 (0: wait forever), got '", text, "'");
+    return seconds;
+  }
+  return kDefaultCommunicationTimeout;
+}
+
+void Work::wait() {
+  wait(communication_timeout());
+}
+
 void Work::wait(double timeout_seconds) {
   if (!state_) return;
   const auto start = detail::WorkState::Clock::now();
@@ -27,9 +61,13 @@ void Work::wait(double timeout_seconds) {
   if (timeout_seconds > 0) {
     const auto limit = std::chrono::duration<double>(timeout_seconds);
     if (!state_->finished.wait_for(lock, limit, [&] { return state_->done; })) {
-      fail(detail::concat(state_->description, ": still pending after ", timeout_seconds,
-                          " s (a peer that never sent, never received or took another "
-                          "collective path?)"));
+      lock.unlock();
+      std::string peers = state_->diagnose ? state_->diagnose() : std::string();
+      if (peers.empty()) {
+        peers = "a peer that never sent, never received or took another collective path?";
+      }
+      fail(detail::concat(state_->description, ": still pending after ", timeout_seconds, " s (",
+                          peers, ")"));
     }
   } else {
     state_->finished.wait(lock, [&] { return state_->done; });

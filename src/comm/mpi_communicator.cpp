@@ -1,7 +1,9 @@
 // Communicator over an MPI communicator. Every call is handed to the MPI thread as a
 // non-blocking MPI operation; groups of one never reach MPI.
 #include <climits>
+#include <cstdio>
 #include <cstdlib>
+#include <optional>
 
 #include "comm/mpi_engine.h"
 #include "comm/self_communicator.h"
@@ -45,7 +47,20 @@ class MpiCommunicator final : public Communicator {
       MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN);
       MPI_Comm_rank(comm_, &rank_);
       MPI_Comm_size(comm_, &size_);
+      // World ranks of the members, to name a peer and roll-call the group.
+      MPI_Group group = MPI_GROUP_NULL, world = MPI_GROUP_NULL;
+      MPI_Comm_group(comm_, &group);
+      MPI_Comm_group(MPI_COMM_WORLD, &world);
+      std::vector<int> ranks(static_cast<size_t>(size_));
+      for (int r = 0; r < size_; ++r) ranks[static_cast<size_t>(r)] = r;
+      world_ranks_.resize(ranks.size());
+      MPI_Group_translate_ranks(group, size_, ranks.data(), world, world_ranks_.data());
+      MPI_Group_free(&group);
+      MPI_Group_free(&world);
     });
+    for (int r = 0; r < size_; ++r) {
+      if (r != rank_) others_.push_back(world_ranks_[static_cast<size_t>(r)]);
+    }
   }
   // Communicators are never freed: they live as long as the job (a handful per process),
   // and one destroyed during exit would call MPI after MPI_Finalize.
@@ -191,21 +206,25 @@ class MpiCommunicator final : public Communicator {
   }
 
   Work isend(const Tensor& tensor, int peer, int tag) override {
-    const std::string what = detail::concat(name_, ": send to rank ", peer, " tag ", tag);
+    const std::string what = detail::concat(name_, ": send to ", peer_name(peer), " tag ", tag);
     check_peer(peer, tag, what);
     check_contiguous_cpu(tensor, what);
     const int count = checked_count(tensor.numel(), what);
     const void* data = tensor.raw();
     MPI_Datatype type = element_type(tensor.dtype());
-    return submit(describe(what, tensor), [=, this] {
-      std::vector<MPI_Request> requests(1);
-      check_mpi(MPI_Isend(data, count, type, peer, tag, comm_, &requests[0]), "MPI_Isend");
-      return requests;
-    });
+    return submit(
+        describe(what, tensor),
+        [=, this] {
+          std::vector<MPI_Request> requests(1);
+          check_mpi(MPI_Isend(data, count, type, peer, tag, comm_, &requests[0]), "MPI_Isend");
+          return requests;
+        },
+        {}, std::vector<int>{world_ranks_[static_cast<size_t>(peer)]});
   }
 
   Work irecv(Tensor& tensor, int peer, int tag) override {
-    const std::string what = detail::concat(name_, ": receive from rank ", peer, " tag ", tag);
+    const std::string what =
+        detail::concat(name_, ": receive from ", peer_name(peer), " tag ", tag);
     check_peer(peer, tag, what);
     check_contiguous_cpu(tensor, what);
     const int count = checked_count(tensor.numel(), what);
@@ -225,7 +244,8 @@ class MpiCommunicator final : public Communicator {
           MPI_Get_count(&statuses[0], type, &received);
           OCTET_CHECK(received == expected, "mismatched message: expected ", expected,
                       " elements, the sender sent ", received);
-        });
+        },
+        std::vector<int>{world_ranks_[static_cast<size_t>(peer)]});
   }
 
   Work ibarrier() override {
@@ -238,12 +258,18 @@ class MpiCommunicator final : public Communicator {
   }
 
   double all_reduce_scalar(double value, ReduceOp op) override {
-    double result = value;
+    if (size_ == 1) return value;
+    // Non-blocking on the MPI thread, so that a wait for a stopped peer times out like any other.
+    auto result = std::make_shared<double>(value);
     MPI_Op mpi_op = op == ReduceOp::Sum ? MPI_SUM : op == ReduceOp::Max ? MPI_MAX : MPI_MIN;
-    MpiEngine::instance().run([&] {
-      check_mpi(MPI_Allreduce(&value, &result, 1, MPI_DOUBLE, mpi_op, comm_), "MPI_Allreduce");
-    });
-    return result;
+    submit(detail::concat(name_, ": all_reduce (", reduce_op_name(op), " of a scalar)"), [=, this] {
+      std::vector<MPI_Request> requests(1);
+      check_mpi(
+          MPI_Iallreduce(MPI_IN_PLACE, result.get(), 1, MPI_DOUBLE, mpi_op, comm_, &requests[0]),
+          "MPI_Iallreduce");
+      return requests;
+    }).wait();
+    return *result;
   }
 
   std::shared_ptr<Communicator> split(int color, int key, const std::string& name) override {
@@ -254,10 +280,12 @@ class MpiCommunicator final : public Communicator {
   }
 
  private:
+  // Collectives roll-call the other members on a timeout; point-to-point passes its peer.
   Work submit(std::string description, std::function<std::vector<MPI_Request>()> start,
-              std::function<void(std::span<MPI_Status>)> finish = {}) {
-    return MpiEngine::instance().submit(std::move(description), std::move(start),
-                                        std::move(finish));
+              std::function<void(std::span<MPI_Status>)> finish = {},
+              std::optional<std::vector<int>> peers = std::nullopt) {
+    return MpiEngine::instance().submit(std::move(description), std::move(start), std::move(finish),
+                                        peers ? *peers : others_);
   }
 
   MPI_Op reduction(DType dtype, ReduceOp op) const {
@@ -269,6 +297,15 @@ class MpiCommunicator final : public Communicator {
 
   static std::string describe(const std::string& what, const Tensor& tensor) {
     return detail::concat(what, " (", dtype_name(tensor.dtype()), " ", shape_str(tensor.shape()),
+                          ")");
+  }
+
+  // "rank 1", or in a group other than the world "rank 1 (world rank 2)".
+  std::string peer_name(int peer) const {
+    if (peer < 0 || peer >= size_ || world_ranks_[static_cast<size_t>(peer)] == peer) {
+      return detail::concat("rank ", peer);
+    }
+    return detail::concat("rank ", peer, " (world rank ", world_ranks_[static_cast<size_t>(peer)],
                           ")");
   }
 
@@ -292,6 +329,8 @@ class MpiCommunicator final : public Communicator {
   MPI_Comm comm_;
   std::string name_;
   int rank_ = 0, size_ = 1;
+  std::vector<int> world_ranks_;  // of each member
+  std::vector<int> others_;       // world ranks of the members but this one
 };
 
 }  // namespace
@@ -301,6 +340,14 @@ int launcher_world_size() {
     if (const char* value = std::getenv(variable)) return std::max(1, std::atoi(value));
   }
   return 1;
+}
+
+void abort_job(int status) {
+  // Before MPI started no peer can be waiting on this process in a collective: the launcher
+  // ends the job when it sees the non-zero exit.
+  if (launcher_world_size() <= 1 || !MpiEngine::started()) return;
+  std::fflush(nullptr);
+  MpiEngine::instance().abort(status);
 }
 
 std::shared_ptr<Communicator> world_communicator() {

@@ -4,6 +4,7 @@
 
 #include <chrono>
 #include <condition_variable>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -34,6 +35,9 @@ struct WorkState {
   bool done = false;
   std::string error;
   double waited_seconds = 0;
+  // Called (without the mutex) when a wait times out: what is known about the peers, e.g.
+  // which of them do not answer a roll call. Empty: nothing to add.
+  std::function<std::string()> diagnose;
 };
 
 }  // namespace octet::detail

@@ -34,8 +34,14 @@ std::string shape_str(const Shape& shape) {
 }
 
 int64_t shape_numel(const Shape& shape) {
+  // A zero extent anywhere gives zero elements, whatever the others are (a shape read from a
+  // file such as [2^32, 2^32, 0] must not overflow on the way to that zero).
+  for (int64_t extent : shape)
+    if (extent == 0) return 0;
   int64_t count = 1;
-  for (int64_t extent : shape) count *= extent;
+  for (int64_t extent : shape)
+    OCTET_CHECK(!__builtin_mul_overflow(count, extent, &count), "shape ", shape_str(shape),
+                " has more elements than int64 can count");
   return count;
 }
 

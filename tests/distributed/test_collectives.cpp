@@ -3,6 +3,7 @@
 // so sums are exact in any reduction order and in BF16.
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <cmath>
 #include <thread>
 
@@ -316,12 +317,51 @@ TEST_F(Collectives, MismatchedAndMissingMessagesAreReportedNotHung) {
           << e.what();
       EXPECT_NE(std::string(e.what()).find("receive from rank 0 tag 8"), std::string::npos)
           << e.what();
+      // Rank 0 is alive (in the barrier): its MPI thread answers the roll call.
+      EXPECT_NE(std::string(e.what()).find("every peer answered a roll call (rank 0 (pid "),
+                std::string::npos)
+          << e.what();
     }
     world->barrier();
     pending.wait(60);
   } else {
     world->barrier();
   }
+}
+
+// A rank that reaches a collective late: the others' waits time out naming the collective and
+// saying every peer is alive (the roll call, answered by each MPI thread while its caller is
+// busy); the operation itself is intact and completes once the late rank comes.
+TEST_F(Collectives, AWaitThatTimesOutNamesTheCollectiveAndTheRollCall) {
+  Tensor values = Tensor::from_floats({4}, {1, 1, 1, 1});
+  if (r == n - 1) std::this_thread::sleep_for(std::chrono::milliseconds(1500));
+  Work work = world->iall_reduce(values, ReduceOp::Sum);
+  if (r != n - 1 && n > 1) {
+    try {
+      work.wait(0.3);
+      FAIL() << "an all-reduce completed before its last rank joined";
+    } catch (const Error& e) {
+      const std::string what = e.what();
+      EXPECT_NE(what.find("world: all_reduce (f32 [4]): still pending after 0.3 s"),
+                std::string::npos)
+          << what;
+      EXPECT_NE(what.find("every peer answered a roll call"), std::string::npos) << what;
+      EXPECT_NE(what.find(detail::concat("rank ", n - 1, " (pid ")), std::string::npos) << what;
+    }
+  }
+  work.wait();
+  EXPECT_EQ(values.to_floats(), std::vector<float>(4, static_cast<float>(n)));
+}
+
+TEST_F(Collectives, TheCommunicationTimeoutIsCheckedAndSettable) {
+  const double before = communication_timeout();
+  EXPECT_GT(before, 0);
+  EXPECT_THROW(set_communication_timeout(-1), Error);
+  EXPECT_THROW(set_communication_timeout(std::nan("")), Error);
+  set_communication_timeout(0);  // forever
+  EXPECT_EQ(communication_timeout(), 0);
+  set_communication_timeout(before);
+  EXPECT_EQ(communication_timeout(), before);
 }
 
 TEST_F(Collectives, ParallelStateGroupsFollowMegatronsOrder) {

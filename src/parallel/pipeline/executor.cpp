@@ -35,6 +35,11 @@ double seconds_since(Clock::time_point start) {
   return std::chrono::duration<double>(Clock::now() - start).count();
 }
 
+double receive_timeout(const ExecutorOptions& options) {
+  return options.receive_timeout_seconds > 0 ? options.receive_timeout_seconds
+                                             : communication_timeout();
+}
+
 // Takes the tensor stored under key, or throws naming what is missing.
 Tensor take(std::map<Key, Tensor>& tensors, const Key& key, const char* what) {
   auto it = tensors.find(key);
@@ -209,7 +214,7 @@ struct PipelineExecutor::State {
     Work work = parallel.pipeline().irecv(buffer, action.peer,
                                           tag(action.micro_batch, backward ? s : s - 1, backward));
     try {
-      work.wait(options.receive_timeout_seconds);
+      work.wait(receive_timeout(options));
     } catch (...) {
       abandoned.push_back(buffer);  // MPI may still write into it
       timing.wait_seconds += seconds_since(start);
@@ -368,7 +373,7 @@ float PipelineExecutor::train_step(const std::vector<MicroBatch>& batches, float
     }
   }
   const Clock::time_point sends_start = Clock::now();
-  for (auto& [work, tensor] : s.sends) work.wait(s.options.receive_timeout_seconds);
+  for (auto& [work, tensor] : s.sends) work.wait(receive_timeout(s.options));
   s.sends.clear();
   s.timing.wait_seconds += seconds_since(sends_start);
   s.timing.schedule_seconds = seconds_since(step_start);
@@ -402,7 +407,7 @@ double PipelineExecutor::evaluate(const std::vector<MicroBatch>& batches) {
       const int tag = s.tag(0, std::max(stage - 1, 0), false);
       if (here.rank != s.rank) {
         if (from == s.rank) {
-          pipeline.isend(activation, here.rank, tag).wait(s.options.receive_timeout_seconds);
+          pipeline.isend(activation, here.rank, tag).wait(receive_timeout(s.options));
         }
         activation = Tensor();
         continue;
@@ -411,7 +416,7 @@ double PipelineExecutor::evaluate(const std::vector<MicroBatch>& batches) {
         activation = Tensor::empty(s.model.activation_shape(batches[m]), s.options.dtype);
         Work work = pipeline.irecv(activation, from, tag);
         try {
-          work.wait(s.options.receive_timeout_seconds);
+          work.wait(receive_timeout(s.options));
         } catch (...) {
           s.abandoned.push_back(activation);  // MPI may still write into it
           throw;
