@@ -40,14 +40,16 @@ void set_communication_timeout(double seconds) {
 double communication_timeout() {
   const double set = g_communication_timeout.load();
   if (set >= 0) return set;
+  // First use: the environment's value or the default, kept (every wait asks).
+  double seconds = kDefaultCommunicationTimeout;
   if (const char* text = std::getenv("OCTET_COMM_TIMEOUT")) {
     char* end = nullptr;
-    const double seconds = std::strtod(text, &end);
+    seconds = std::strtod(text, &end);
     OCTET_CHECK(end != text && *end == 0 && std::isfinite(seconds) && seconds >= 0,
                 "OCTET_COMM_TIMEOUT expected seconds >= 0 (0: wait forever), got '", text, "'");
-    return seconds;
   }
-  return kDefaultCommunicationTimeout;
+  g_communication_timeout = seconds;
+  return seconds;
 }
 
 void Work::wait() {

@@ -2,7 +2,6 @@
 // for the second signal, signal() and raise()).
 #include "train/stop_signals.h"
 
-#include <cerrno>
 #include <csignal>
 #include <ctime>
 

@@ -15,29 +15,9 @@ export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMP_NUM_THREADS
 train=(train --config gpt-tiny --mock-data --train-iters 100000 --log-interval 1 --eval-iters 0
   --peak-gflops 100 --micro-batch-size 2 --seq-length 32 --global-batch-size 4)
 timeout_s=5
-fail() { echo "FAIL: $*"; exit 1; }
-lines() { if [ -f "$1" ]; then wc -l <"$1"; else echo 0; fi; }
-wait_lines() {  # FILE COUNT PID: until the metrics file has COUNT steps (120 s at most)
-  for _ in $(seq 1200); do
-    [ "$(lines "$1")" -ge "$2" ] && return 0
-    kill -0 "$3" 2>/dev/null || fail "process $3 ended before $2 steps in $1"
-    sleep 0.1
-  done
-  fail "no $2 steps in $1 after 120 s"
-}
-rank_pid() {  # TAG RANK: the pid of that world rank of the run whose metrics file is TAG
-  local pid
-  for pid in $(pgrep -f -- "--metrics $1"); do
-    if tr '\0' '\n' <"/proc/$pid/environ" 2>/dev/null | grep -qx "OMPI_COMM_WORLD_RANK=$2"; then
-      echo "$pid"
-      return 0
-    fi
-  done
-  fail "no process of rank $2 for $1"
-}
-# LAUNCHER LIMIT: waits for mpirun to end (LIMIT seconds at most); sets status and elapsed.
+source "$(dirname "$0")/common.sh"
+# LAUNCHER LIMIT: waits for mpirun to end (LIMIT seconds at most); sets status.
 wait_job() {
-  local start=$SECONDS
   for _ in $(seq $(($2 * 10))); do
     kill -0 "$1" 2>/dev/null || break
     sleep 0.1
@@ -45,7 +25,6 @@ wait_job() {
   kill -0 "$1" 2>/dev/null && fail "the job still runs $2 s after the signal (hung)"
   status=0
   wait "$1" || status=$?
-  elapsed=$((SECONDS - start))
 }
 now_ms() { date +%s%3N; }
 
@@ -65,34 +44,36 @@ grep -q "process rank 1 with PID [0-9]* on node .* exited on signal 9 (Killed)" 
 echo "ok: SIGKILL to rank 1 (pid $victim): the job ended in $ms ms (exit status $status); the launcher names rank 1$(
   grep -m1 -o "octet: error on rank 0: .*" "$dir/kill.log" | cut -c1-160 | sed 's/^/; /')"
 
-# 2. SIGSTOP to rank 1 of two data-parallel ranks.
-mpirun -np 2 --oversubscribe "$octet" "${train[@]}" --comm-timeout "$timeout_s" \
-  --metrics "$dir/stop.jsonl" >"$dir/stop.log" 2>&1 &
-launcher=$!
-wait_lines "$dir/stop.jsonl" 3 "$launcher"
-victim="$(rank_pid "$dir/stop.jsonl" 1)"
-t0=$(now_ms)
-kill -STOP "$victim"
-wait_job "$launcher" $((timeout_s + 60))
-ms=$(($(now_ms) - t0))
-[ "$status" -ne 0 ] || fail "mpirun exited 0 after a rank was stopped"
-grep -q "octet: error on rank 0: .*: still pending after $timeout_s s (no answer to a roll call within [0-9.]* s from rank 1 (pid $victim on .*): stopped, hung or unreachable)" \
-  "$dir/stop.log" || { cat "$dir/stop.log"; fail "rank 0 does not name the stopped rank 1 (pid $victim)"; }
-echo "ok: SIGSTOP to rank 1 (pid $victim): the job ended in $ms ms with --comm-timeout $timeout_s:"
-grep -m1 "octet: error on rank 0: " "$dir/stop.log" | sed 's/^/    /' 
+# NAME WHAT EXPECTED [FLAGS...]: a two-rank run with FLAGS; SIGSTOP to rank 1 after 3 steps;
+# rank 0's error must match EXPECTED (a grep pattern, after "octet: error on rank 0: ").
+stop_rank_1() {
+  local name="$1" what="$2" expected="$3" launcher victim t0 ms
+  shift 3
+  mpirun -np 2 --oversubscribe "$octet" "${train[@]}" "$@" --comm-timeout "$timeout_s" \
+    --metrics "$dir/$name.jsonl" >"$dir/$name.log" 2>&1 &
+  launcher=$!
+  wait_lines "$dir/$name.jsonl" 3 "$launcher"
+  victim="$(rank_pid "$dir/$name.jsonl" 1)"
+  t0=$(now_ms)
+  kill -STOP "$victim"
+  wait_job "$launcher" $((timeout_s + 60))
+  ms=$(($(now_ms) - t0))
+  [ "$status" -ne 0 ] || fail "mpirun exited 0 after $what was stopped"
+  grep -q "octet: error on rank 0: $expected still pending after $timeout_s s (no answer to a roll call within [0-9.]* s from rank 1 (pid $victim on .*): stopped, hung or unreachable)" \
+    "$dir/$name.log" || { cat "$dir/$name.log"; fail "rank 0 does not name $what (rank 1, pid $victim)"; }
+  echo "ok: SIGSTOP to $what (rank 1, pid $victim): the job ended in $ms ms with --comm-timeout $timeout_s:"
+  grep -m1 "octet: error on rank 0: " "$dir/$name.log" | sed 's/^/    /'
+}
 
-# 3. SIGSTOP to the last of two pipeline stages.
-mpirun -np 2 --oversubscribe "$octet" "${train[@]}" --pipeline-model-parallel-size 2 \
-  --comm-timeout "$timeout_s" --metrics "$dir/pipe.jsonl" >"$dir/pipe.log" 2>&1 &
-launcher=$!
-wait_lines "$dir/pipe.jsonl" 3 "$launcher"
-victim="$(rank_pid "$dir/pipe.jsonl" 1)"
-t0=$(now_ms)
-kill -STOP "$victim"
-wait_job "$launcher" $((timeout_s + 60))
-ms=$(($(now_ms) - t0))
-[ "$status" -ne 0 ] || fail "mpirun exited 0 after a pipeline stage was stopped"
-grep -q "octet: error on rank 0: .*still pending after $timeout_s s (no answer to a roll call within [0-9.]* s from rank 1 (pid $victim on " \
-  "$dir/pipe.log" || { cat "$dir/pipe.log"; fail "stage 0 does not name the stopped stage (rank 1, pid $victim)"; }
-echo "ok: SIGSTOP to pipeline stage 1 (pid $victim): the job ended in $ms ms with --comm-timeout $timeout_s:"
-grep -m1 "octet: error on rank 0: " "$dir/pipe.log" | sed 's/^/    /' 
+# Where rank 0 waits depends on when the signal lands: in the step's transfers, or in one of
+# the all-reduces around them (the loss average, the gradient norm, tied embeddings' gradients,
+# the agreement on a stop signal between steps).
+all_reduce='[a-z_]*: all_reduce ([^)]*):'
+
+# 2. SIGSTOP to rank 1 of two data-parallel ranks: the gradient all-reduce (or another all-reduce).
+stop_rank_1 stop "a data-parallel rank" "$all_reduce"
+
+# 3. SIGSTOP to the last of two pipeline stages: a receive from it (or an all-reduce).
+stop_rank_1 pipe "the last pipeline stage" \
+  "\(pipeline executor .*: pipeline: receive from rank 1 tag [0-9]* ([a-z0-9]* \[[0-9,]*\]):\|$all_reduce\)" \
+  --pipeline-model-parallel-size 2

@@ -12,6 +12,7 @@
 # Usage: multi_host.sh OCTET_BINARY
 set -euo pipefail
 octet="$1"
+source "$(dirname "$0")/common.sh"
 if [ "$(id -u)" -ne 0 ] || ! command -v ip >/dev/null || ! command -v unshare >/dev/null; then
   echo "skipped: needs root, ip (iproute2) and unshare"
   exit 77
@@ -63,7 +64,6 @@ launch=(ip netns exec "$a" unshare --uts /bin/sh -c 'hostname octet-host-a; exec
   -x OMP_NUM_THREADS)
 common=(train --config gpt-tiny --mock-data --precision fp32 --micro-batch-size 2
   --global-batch-size 8 --log-interval 1 --eval-iters 0 --peak-gflops 100 --clip-grad 0.5)
-fail() { echo "FAIL: $*"; exit 1; }
 losses() { grep -oE '(loss|grad norm) [0-9.]+' | head -n 8 | tr '\n' ' '; }
 
 # Where each rank runs, as its host name says.
@@ -91,11 +91,7 @@ done
 "${launch[@]}" "$octet" "${common[@]}" --train-iters 100000 --pipeline-model-parallel-size 2 \
   --comm-timeout 5 --metrics "$dir/down.jsonl" >"$dir/down.log" 2>&1 &
 launcher=$!
-for _ in $(seq 1200); do
-  [ -f "$dir/down.jsonl" ] && [ "$(wc -l <"$dir/down.jsonl")" -ge 3 ] && break
-  kill -0 "$launcher" 2>/dev/null || { cat "$dir/down.log"; fail "the run ended before 3 steps"; }
-  sleep 0.1
-done
+wait_lines "$dir/down.jsonl" 3 "$launcher"
 start=$(date +%s%3N)
 ip -n "$b" link set "o$$b" down
 for _ in $(seq 600); do

@@ -10,16 +10,7 @@ dir="$(mktemp -d)"
 trap 'pkill -KILL -f -- "$dir" 2>/dev/null || true; rm -rf "$dir"' EXIT
 train=(train --config gpt-tiny --mock-data --train-iters 100000 --log-interval 1 --eval-iters 0
   --peak-gflops 100 --micro-batch-size 2 --seq-length 32)
-fail() { echo "FAIL: $*"; exit 1; }
-lines() { if [ -f "$1" ]; then wc -l <"$1"; else echo 0; fi; }
-wait_lines() {  # FILE COUNT PID: until the metrics file has COUNT steps (60 s at most)
-  for _ in $(seq 600); do
-    [ "$(lines "$1")" -ge "$2" ] && return 0
-    kill -0 "$3" 2>/dev/null || fail "process $3 ended before $2 steps in $1"
-    sleep 0.1
-  done
-  fail "no $2 steps in $1 after 60 s"
-}
+source "$(dirname "$0")/common.sh"
 iteration() { /usr/bin/python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["iteration"])' "$1/trainer.json"; }
 
 # 1. One process: SIGTERM after 3 steps.
@@ -59,9 +50,7 @@ mpirun -np 2 --oversubscribe "$octet" "${train[@]}" --global-batch-size 4 --save
   --metrics "$dir/mpi.jsonl" >"$dir/mpi.log" 2>&1 &
 launcher=$!
 wait_lines "$dir/mpi.jsonl" 3 "$launcher"
-ranks=($(pgrep -f -- "--metrics $dir/mpi.jsonl" | grep -vx "$launcher" | sort -n))
-[ "${#ranks[@]}" -eq 2 ] || fail "expected 2 rank processes, found ${#ranks[@]}: ${ranks[*]}"
-kill -TERM "${ranks[1]}"
+kill -TERM "$(rank_pid "$dir/mpi.jsonl" 1)"
 status=0
 wait "$launcher" || status=$?
 [ "$status" -eq 75 ] || { cat "$dir/mpi.log"; fail "mpirun exit status $status, expected 75"; }
