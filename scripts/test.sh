@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The tests: install what is missing, build with warnings as errors, run every suite, then
-# build again with AddressSanitizer + UndefinedBehaviorSanitizer and run them again, and fuzz
-# each reader briefly.
+# build again with AddressSanitizer + UndefinedBehaviorSanitizer and run them again, run the
+# communication suites under ThreadSanitizer, and fuzz each reader briefly.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -28,6 +28,15 @@ bash scripts/build.sh build-sanitize -DOCTET_SANITIZE=ON -DCMAKE_BUILD_TYPE=RelW
   ctest --output-on-failure -j 2 \
   -E '^(train_layouts|GPT.MixedPrecisionCurvesFollowFp32|GPT.Mxfp8CurveFollowsFp32)$')
 isa_paths build-sanitize
+
+# ThreadSanitizer over the communicator, its MPI (progress) thread and roll calls, and the
+# data-parallel and pipeline suites built on them (one OpenMP thread per rank: libgomp is not
+# instrumented). tests/tsan.supp holds the one report inside Open MPI itself.
+TARGET="test_collectives test_data_parallel test_pipeline" bash scripts/build.sh build-tsan \
+  -DOCTET_TSAN=ON -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O1 -g"
+(cd build-tsan && OMP_NUM_THREADS=1 \
+  TSAN_OPTIONS="halt_on_error=1:second_deadlock_stack=1:suppressions=$PWD/../tests/tsan.supp" \
+  ctest --output-on-failure -j 2 -R '^(test_collectives|test_data_parallel|test_pipeline)_np')
 
 # libFuzzer under ASan + UBSan: each reader a short budget; kept crash inputs replayed first.
 # A fixed seed: CI explores the same inputs each run (long, random runs are scripts/fuzz.sh's

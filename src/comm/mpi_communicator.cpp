@@ -3,7 +3,6 @@
 #include <climits>
 #include <cstdio>
 #include <cstdlib>
-#include <optional>
 
 #include "comm/mpi_engine.h"
 #include "comm/self_communicator.h"
@@ -212,7 +211,7 @@ class MpiCommunicator final : public Communicator {
     const int count = checked_count(tensor.numel(), what);
     const void* data = tensor.raw();
     MPI_Datatype type = element_type(tensor.dtype());
-    return submit(
+    return submit_to(
         describe(what, tensor),
         [=, this] {
           std::vector<MPI_Request> requests(1);
@@ -232,7 +231,7 @@ class MpiCommunicator final : public Communicator {
     MPI_Datatype type = element_type(tensor.dtype());
     const int64_t expected = tensor.numel();
     // A message of another size is a mismatched pair of calls, reported as such.
-    return submit(
+    return submit_to(
         describe(what, tensor),
         [=, this] {
           std::vector<MPI_Request> requests(1);
@@ -280,12 +279,16 @@ class MpiCommunicator final : public Communicator {
   }
 
  private:
-  // Collectives roll-call the other members on a timeout; point-to-point passes its peer.
+  // Collectives roll-call the other members on a timeout; point-to-point passes its peer to
+  // submit_to.
   Work submit(std::string description, std::function<std::vector<MPI_Request>()> start,
-              std::function<void(std::span<MPI_Status>)> finish = {},
-              std::optional<std::vector<int>> peers = std::nullopt) {
+              std::function<void(std::span<MPI_Status>)> finish = {}) {
+    return submit_to(std::move(description), std::move(start), std::move(finish), others_);
+  }
+  Work submit_to(std::string description, std::function<std::vector<MPI_Request>()> start,
+                 std::function<void(std::span<MPI_Status>)> finish, std::vector<int> peers) {
     return MpiEngine::instance().submit(std::move(description), std::move(start), std::move(finish),
-                                        peers ? *peers : others_);
+                                        std::move(peers));
   }
 
   MPI_Op reduction(DType dtype, ReduceOp op) const {

@@ -18,6 +18,7 @@ namespace octet {
 namespace {
 
 using octet::testing::available_isas;
+using octet::testing::IsaGuard;
 using ops::AttentionOptions;
 
 Tensor random_tensor(const Shape& shape, DType dtype, uint32_t seed) {
@@ -290,6 +291,46 @@ TEST(Attention, FiniteDifferencesMatchBackward) {
       x = saved;
       const double numeric = (up - down) / (2.0 * eps);
       EXPECT_NEAR(grad->data<float>()[n], numeric, 2e-3) << name << "[" << n << "]";
+    }
+  }
+}
+
+// Scores shifted by a constant c (the probabilities do not change) keep the forward's F32
+// accuracy at any magnitude on every ISA path: the online softmax subtracts the running maximum
+// from the unscaled scores before scaling them. q = (1, s_i, 0...) and k_j = (c, r_j, 0...),
+// with s_i a power of two and r_j a multiple of 1/32, make every score c + s_i r_j exact in F32,
+// so the float64 reference sees the same scores. (Scaling q by scale * log2 e first rounds each
+// score to ~2^-8 at c = 1e5: ~3e-3 relative error in the probabilities.)
+TEST(Attention, ShiftedScoresKeepForwardAccuracyAtAnyMagnitude) {
+  const int64_t B = 1, T = 70, S = 130, H = 2, Hkv = 1, D = 16;
+  std::mt19937 gen(21);
+  Tensor q = Tensor::zeros({B, T, H, D}, DType::F32);
+  for (int64_t i = 0; i < T * H; ++i) {
+    q.data<float>()[i * D] = 1.0f;
+    q.data<float>()[i * D + 1] = std::ldexp(1.0f, static_cast<int>(gen() % 3) - 1);
+  }
+  Tensor v = random_tensor({B, S, Hkv, D}, DType::F32, 22);
+  Tensor dout = random_tensor({B, T, H, D}, DType::F32, 23);
+  IsaGuard guard;
+  for (const bool causal : {false, true}) {
+    for (const float c : {0.0f, 1e3f, -1e4f, 1e5f, -1e5f}) {
+      Tensor k = Tensor::zeros({B, S, Hkv, D}, DType::F32);
+      for (int64_t j = 0; j < S; ++j) {
+        k.data<float>()[j * D] = c;
+        k.data<float>()[j * D + 1] = static_cast<float>(static_cast<int>(gen() % 129) - 64) / 32;
+      }
+      AttentionOptions o;
+      o.causal = causal;
+      o.softmax_scale = 0.9f;
+      const Grads expected = run_reference(q, k, v, dout, o);
+      for (Isa isa : available_isas()) {
+        set_active_isa(isa);
+        const Grads g = run_fast(q, k, v, dout, o);
+        const std::string what = std::string(causal ? "causal" : "full") + ", shift " +
+                                 std::to_string(c) + ", " + isa_name(isa);
+        expect_close(g.out, expected.out, 1e-5, what + " out");
+        expect_close(g.lse, expected.lse, 1e-6, what + " lse");
+      }
     }
   }
 }

@@ -124,6 +124,32 @@ TEST(CrossEntropy, FastMatchesReferenceOnEveryIsa) {
   }
 }
 
+// Logits shifted by a constant c (the loss and gradient do not change) keep F32 accuracy at any
+// magnitude on every ISA path: the gradient exponentiates (x - max) - log(sum), not x - lse
+// with lse rounded to F32 (which is off by |x| * 2^-24: ~4e-3 relative at c = 1e5).
+TEST(CrossEntropy, ShiftedLogitsKeepF32AccuracyAtAnyMagnitude) {
+  const int64_t rows = 3, vocab = 3000;  // two chunks
+  const Tensor targets = make_targets(rows, vocab, DType::I64, 12, {}, -100);
+  IsaGuard guard;
+  for (const float c : {0.0f, 1e3f, -1e4f, 1e5f, -1e5f}) {
+    SCOPED_TRACE(::testing::Message() << "shift " << c);
+    Tensor logits = random_logits(rows, vocab, DType::F32, 13);
+    for (int64_t n = 0; n < logits.numel(); ++n) logits.data<float>()[n] += c;
+    Tensor ref_losses = Tensor::empty({rows}, DType::F32);
+    Tensor ref_grad = Tensor::empty({rows, vocab}, DType::F32);
+    ops::reference::cross_entropy_forward_backward(logits, targets, ref_losses, &ref_grad, {});
+    for (Isa isa : available_isas()) {
+      set_active_isa(isa);
+      SCOPED_TRACE(isa_name(active_isa()));
+      Tensor losses = Tensor::empty({rows}, DType::F32);
+      Tensor grad = Tensor::empty({rows, vocab}, DType::F32);
+      ops::cross_entropy_forward_backward(logits, targets, losses, &grad, {});
+      expect_close(losses.to_floats(), ref_losses.to_floats(), kLossRtol, 1.0, "losses");
+      expect_close(grad.to_floats(), ref_grad.to_floats(), kGradRtolF32, 1e-30, "dlogits");
+    }
+  }
+}
+
 TEST(CrossEntropy, InPlaceAndForwardOnlyAgreeWithSeparateOutput) {
   for (DType dtype : {DType::F32, DType::BF16}) {
     const Tensor logits = random_logits(9, 4099, dtype, 21);

@@ -154,10 +154,10 @@ OCTET_ALWAYS_INLINE void forward_tile(const ForwardArgs<T>& a, int64_t b, int64_
   const AttentionShape& s = p.s;
   const int64_t D = s.head_dim, dp = p.dp, hk = h / s.group;
   const int64_t i0 = qt * kBlockQ, rows = std::min(kBlockQ, s.queries - i0);
-  float* qs = ws;                     // [rows, dp] scaled queries
+  float* qs = ws;                     // [rows, dp] queries
   float* acc = qs + kBlockQ * dp;     // [rows, dp] unnormalized output
   float* sc = acc + kBlockQ * dp;     // [rows, kBlockK] scores, then probabilities
-  float* m = sc + kBlockQ * kBlockK;  // running row max (log2 domain)
+  float* m = sc + kBlockQ * kBlockK;  // running row max of the unscaled scores
   float* l = m + kBlockQ;             // running row sum
   KeyRange ranges[kBlockQ];
   const KeyRange all = tile_ranges(p, b, i0, rows, ranges);
@@ -167,7 +167,9 @@ OCTET_ALWAYS_INLINE void forward_tile(const ForwardArgs<T>& a, int64_t b, int64_
     for (int64_t r = 0; r < rows; ++r) {
       const T* in = a.q + ((b * s.queries + i0 + r) * s.heads + h) * D;
       float* row = qs + r * dp;
-      for (int64_t d = 0; d < D; ++d) row[d] = simd::load(in[d]) * p.scale_log2;
+      // Unscaled: the scores' maximum is subtracted before they are scaled, so x - max is exact
+      // near the maximum and the probabilities keep F32 accuracy at any score magnitude.
+      for (int64_t d = 0; d < D; ++d) row[d] = simd::load(in[d]);
       for (int64_t d = D; d < dp; ++d) row[d] = 0.0f;
       for (int64_t d = 0; d < dp; ++d) acc[r * dp + d] = 0.0f;
       m[r] = -kInf;
@@ -194,10 +196,11 @@ OCTET_ALWAYS_INLINE void forward_tile(const ForwardArgs<T>& a, int64_t b, int64_
           max_v = x > max_v ? x : max_v;
         }
         const float m_new = std::max(m[r], vec::reduce_max<W>(max_v));
-        const float alpha = std::exp2(m[r] - m_new);
+        const float alpha = std::exp2((m[r] - m_new) * p.scale_log2);
         vec::F<W> sum_v{};
+        const vec::F<W> m_v = vec::splat<W>(m_new), scale_v = vec::splat<W>(p.scale_log2);
         for (int64_t c = 0; c < kBlockK; c += W) {
-          const vec::F<W> e = vec::exp2<W>(vec::load<W>(row + c) - m_new);
+          const vec::F<W> e = vec::exp2<W>((vec::load<W>(row + c) - m_v) * scale_v);
           vec::store<W>(row + c, e);
           sum_v += e;
         }
@@ -222,7 +225,7 @@ OCTET_ALWAYS_INLINE void forward_tile(const ForwardArgs<T>& a, int64_t b, int64_
     if (l[r] > 0.0f) {
       const float inv = 1.0f / l[r];
       for (int64_t d = 0; d < D; ++d) simd::store(acc[r * dp + d] * inv, &out[d]);
-      *lse = (m[r] + std::log2(l[r])) * kLn2;
+      *lse = static_cast<float>(double{m[r]} * s.scale + std::log(double{l[r]}));
     } else {  // padded or fully masked row
       for (int64_t d = 0; d < D; ++d) simd::store(0.0f, &out[d]);
       *lse = kInf;

@@ -42,12 +42,16 @@ OCTET_ALWAYS_INLINE float chunk_sum_exp(const float* x, int64_t n, float shift, 
   return sum_exp;
 }
 
-// dx_j = scale * p_j - offset, p_j = e^(x_j - lse). dx may be x itself (in place).
+// dx_j = scale * p_j - offset, p_j = e^((x_j - max) - log_sum), lse = max + log_sum: the maximum
+// is subtracted first (exact near it), so p keeps F32 accuracy at any |x|; x_j - lse with lse
+// rounded to F32 would be off by |x| * 2^-24. dx may be x itself (in place).
 template <typename T>
-OCTET_ALWAYS_INLINE void chunk_grad(const float* x, int64_t n, float lse, float scale, float offset,
-                                    T* dx) {
+OCTET_ALWAYS_INLINE void chunk_grad(const float* x, int64_t n, float max, float log_sum,
+                                    float scale, float offset, T* dx) {
 #pragma omp simd
-  for (int64_t j = 0; j < n; ++j) simd::store(scale * math::exp(x[j] - lse) - offset, dx + j);
+  for (int64_t j = 0; j < n; ++j) {
+    simd::store(scale * math::exp((x[j] - max) - log_sum) - offset, dx + j);
+  }
 }
 
 // The chunk as F32: F32 rows are read where they lie, BF16 ones widened into buffer.
@@ -84,18 +88,20 @@ OCTET_ALWAYS_INLINE float row_body(const T* x, int64_t target, const RowArgs& a,
     }
     sum_exp += chunk_sum_exp(chunk, n, max, &sum);
   }
-  const double lse = double{max} + std::log(double{sum_exp});
+  const double log_sum = std::log(double{sum_exp});
+  const double lse = double{max} + log_sum;
   const double vocab = static_cast<double>(a.vocab);
   const double loss =
       lse - (1.0 - a.smoothing) * double{x_target} - double{a.smoothing} * double{sum} / vocab;
   if (dx) {
-    const float lse_f = static_cast<float>(lse);
+    const float log_sum_f = static_cast<float>(log_sum);
     const float offset = static_cast<float>(double{a.grad_scale} * a.smoothing / vocab);
     for (int64_t begin = 0; begin < a.vocab; begin += kVocabChunk) {
       const int64_t n = std::min(kVocabChunk, a.vocab - begin);
-      chunk_grad(chunk_f32(x + begin, n, buffer), n, lse_f, a.grad_scale, offset, dx + begin);
+      chunk_grad(chunk_f32(x + begin, n, buffer), n, max, log_sum_f, a.grad_scale, offset,
+                 dx + begin);
     }
-    const float p_target = math::exp(x_target - lse_f);
+    const float p_target = math::exp((x_target - max) - log_sum_f);
     simd::store(a.grad_scale * (p_target - (1.0f - a.smoothing)) - offset, dx + target);
   }
   return static_cast<float>(loss);

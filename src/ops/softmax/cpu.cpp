@@ -1,6 +1,11 @@
 // Scaled masked softmax, fast path: OpenMP over rows; each row is staged once in a per-thread
 // F32 buffer padded to whole vectors (masked keys = -inf), then max, exp2 and the normalized
 // store run as vector loops for the active instruction set (src/ops/README.md).
+//
+// The row maximum is subtracted from the inputs as they are, before any scaling: x - max is
+// exact where it matters (near the maximum), so the probabilities keep F32 accuracy however
+// large |x| is. Scaling first (x * scale * log2 e, then - max) would round the product to
+// |x| * 2^-24 and lose ~4e-3 relative at |x| = 1e5.
 #include <omp.h>
 
 #include <cmath>
@@ -20,16 +25,17 @@ constexpr float kLog2e = 1.4426950408889634f;
 struct RowArgs {
   int64_t keys = 0;
   int64_t padded = 0;
-  float scale_log2 = 0.0f;  // scale * log2(e): the row is exponentiated with exp2
+  float sign = 1.0f;        // the sign of scale: rows are staged as sign * x
+  float scale_log2 = 0.0f;  // |scale| * log2(e): exp2((sign * x - max) * scale_log2)
 };
 
 template <int W, typename In, typename Out>
 OCTET_ALWAYS_INLINE void forward_row(const In* x, Out* y, int64_t limit, const uint8_t* masked,
                                      const RowArgs& a, float* buf) {
   const float minus_inf = -std::numeric_limits<float>::infinity();
-  const float scale = a.scale_log2;
+  const float sign = a.sign;
 #pragma omp simd
-  for (int64_t j = 0; j < limit; ++j) buf[j] = simd::load(x[j]) * scale;
+  for (int64_t j = 0; j < limit; ++j) buf[j] = simd::load(x[j]) * sign;
   for (int64_t j = limit; j < a.padded; ++j) buf[j] = minus_inf;
   if (masked != nullptr) {
     for (int64_t j = 0; j < limit; ++j) buf[j] = masked[j] != 0 ? minus_inf : buf[j];
@@ -45,8 +51,12 @@ OCTET_ALWAYS_INLINE void forward_row(const In* x, Out* y, int64_t limit, const u
     return;
   }
   vec::F<W> sum_v{};
+  const vec::F<W> scale = vec::splat<W>(a.scale_log2);
+  const vec::F<W> masked_v = vec::splat<W>(minus_inf);
   for (int64_t j = 0; j < a.padded; j += W) {
-    const vec::F<W> e = vec::exp2<W>(vec::load<W>(buf + j) - max);
+    const vec::F<W> d = vec::load<W>(buf + j) - max;
+    // -inf stays -inf (a zero scale would make it NaN): masked keys get exactly 0.
+    const vec::F<W> e = vec::exp2<W>(d == masked_v ? masked_v : d * scale);
     vec::store<W>(buf + j, e);
     sum_v += e;
   }
@@ -106,7 +116,8 @@ void forward_typed(const SoftmaxShape& s, const Tensor& x, float scale, const So
   RowArgs a;
   a.keys = s.keys;
   a.padded = (s.keys + kPad - 1) / kPad * kPad;
-  a.scale_log2 = scale * kLog2e;
+  a.sign = scale < 0.0f ? -1.0f : 1.0f;
+  a.scale_log2 = std::fabs(scale) * kLog2e;
   const int threads = num_threads();
   Tensor workspace = Tensor::empty({threads, a.padded}, DType::F32);
   const In* in = x.data<In>();
