@@ -74,7 +74,8 @@ Tensor DotProductAttention::forward(const Tensor& q, const Tensor& k, const Tens
   }
   ctx.rng_offset = rng_offset_++;
   Tensor out = Tensor::empty(q.shape(), q.dtype());
-  ctx.lse = Tensor::empty({q.dim(0), q.dim(2), q.dim(1)}, DType::F32);
+  // lse as hi + lo: the backward's probabilities then keep F32 accuracy at any score magnitude.
+  ctx.lse = Tensor::empty({q.dim(0), q.dim(2), q.dim(1), 2}, DType::F32);
   ops::flash_attention_forward(q, k, v, kernel_options(o, ctx), out, ctx.lse);
   ctx.q = q;
   ctx.k = k;

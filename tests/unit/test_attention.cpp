@@ -63,10 +63,11 @@ struct Grads {
 
 template <typename Forward, typename Backward>
 Grads run(Forward forward, Backward backward, const Tensor& q, const Tensor& k, const Tensor& v,
-          const Tensor& dout, const AttentionOptions& o) {
+          const Tensor& dout, const AttentionOptions& o, bool lse_hi_lo) {
   Grads g;
   g.out = Tensor::empty(q.shape(), q.dtype());
-  g.lse = Tensor::empty({q.dim(0), q.dim(2), q.dim(1)}, DType::F32);
+  g.lse = lse_hi_lo ? Tensor::empty({q.dim(0), q.dim(2), q.dim(1), 2}, DType::F32)
+                    : Tensor::empty({q.dim(0), q.dim(2), q.dim(1)}, DType::F32);
   g.dq = Tensor::empty(q.shape(), q.dtype());
   g.dk = Tensor::empty(k.shape(), k.dtype());
   g.dv = Tensor::empty(v.shape(), v.dtype());
@@ -75,14 +76,16 @@ Grads run(Forward forward, Backward backward, const Tensor& q, const Tensor& k, 
   return g;
 }
 
+// lse_hi_lo: lse [B,H,T,2] (hi + lo) instead of [B,H,T].
 Grads run_fast(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& dout,
-               const AttentionOptions& o) {
-  return run(ops::flash_attention_forward, ops::flash_attention_backward, q, k, v, dout, o);
+               const AttentionOptions& o, bool lse_hi_lo = false) {
+  return run(ops::flash_attention_forward, ops::flash_attention_backward, q, k, v, dout, o,
+             lse_hi_lo);
 }
 Grads run_reference(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& dout,
-                    const AttentionOptions& o) {
+                    const AttentionOptions& o, bool lse_hi_lo = false) {
   return run(ops::reference::flash_attention_forward, ops::reference::flash_attention_backward, q,
-             k, v, dout, o);
+             k, v, dout, o, lse_hi_lo);
 }
 
 void expect_grads_close(const Grads& a, const Grads& e, double tol, const std::string& what) {
@@ -157,6 +160,14 @@ TEST_P(AttentionCase, FastMatchesReferenceOnEveryIsaAndTorch) {
     set_active_isa(isa);
     expect_grads_close(run_fast(q, k, v, dout, o), reference, tol,
                        std::string("fast/") + isa_name(isa));
+    // lse as hi + lo (what the modules pass): the same results, +inf rows included.
+    const Grads split = run_fast(q, k, v, dout, o, true);
+    Grads split_as_f32 = split;
+    split_as_f32.lse = Tensor::empty(reference.lse.shape(), DType::F32);
+    for (int64_t row = 0; row < reference.lse.numel(); ++row) {
+      split_as_f32.lse.data<float>()[row] = split.lse.data<float>()[2 * row];
+    }
+    expect_grads_close(split_as_f32, reference, tol, std::string("fast hi + lo/") + isa_name(isa));
   }
   set_active_isa(saved);
 
@@ -295,13 +306,14 @@ TEST(Attention, FiniteDifferencesMatchBackward) {
   }
 }
 
-// Scores shifted by a constant c (the probabilities do not change) keep the forward's F32
-// accuracy at any magnitude on every ISA path: the online softmax subtracts the running maximum
-// from the unscaled scores before scaling them. q = (1, s_i, 0...) and k_j = (c, r_j, 0...),
-// with s_i a power of two and r_j a multiple of 1/32, make every score c + s_i r_j exact in F32,
-// so the float64 reference sees the same scores. (Scaling q by scale * log2 e first rounds each
-// score to ~2^-8 at c = 1e5: ~3e-3 relative error in the probabilities.)
-TEST(Attention, ShiftedScoresKeepForwardAccuracyAtAnyMagnitude) {
+// Scores shifted by a constant c (the probabilities do not change) keep F32 accuracy at any
+// magnitude on every ISA path: the online softmax subtracts the running maximum from the
+// unscaled scores before scaling them, and the backward recomputes them from an lse kept as
+// hi + lo, relative to a reference value near the row's maximum. q = (1, s_i, 0...) and k_j = (c,
+// r_j, 0...), with s_i a power of two and r_j a multiple of 1/32, make every score c + s_i r_j
+// exact in F32, so the float64 reference sees the same scores. (Scaling q by scale * log2 e first
+// rounds each score to ~2^-8 at c = 1e5: ~3e-3 relative error in the probabilities.)
+TEST(Attention, ShiftedScoresKeepF32AccuracyAtAnyMagnitude) {
   const int64_t B = 1, T = 70, S = 130, H = 2, Hkv = 1, D = 16;
   std::mt19937 gen(21);
   Tensor q = Tensor::zeros({B, T, H, D}, DType::F32);
@@ -330,6 +342,19 @@ TEST(Attention, ShiftedScoresKeepForwardAccuracyAtAnyMagnitude) {
                                  std::to_string(c) + ", " + isa_name(isa);
         expect_close(g.out, expected.out, 1e-5, what + " out");
         expect_close(g.lse, expected.lse, 1e-6, what + " lse");
+        // The backward from an lse as hi + lo: dK and dV to F32 accuracy at every shift. dQ's
+        // first column is c * sum_j dS_j, where sum_j dS_j = 0: the few F32 roundings of each
+        // dS_j are multiplied by c, so it is held to c * 2^-21 (an F32 lse: 81 at c = 1e5).
+        const Grads split = run_fast(q, k, v, dout, o, true);
+        const Grads split_ref = run_reference(q, k, v, dout, o, true);
+        for (int64_t row = 0; row < B * H * T; ++row) {  // hi + lo to ~1e-6 at any shift
+          const float* a = split.lse.data<float>() + 2 * row;
+          const float* e = split_ref.lse.data<float>() + 2 * row;
+          ASSERT_NEAR(double{a[0]} + a[1], double{e[0]} + e[1], 1e-5) << what << " lse row " << row;
+        }
+        expect_close(split.dv, split_ref.dv, 1e-5, what + " dv");
+        expect_close(split.dk, split_ref.dk, 1e-5, what + " dk");
+        expect_close(split.dq, split_ref.dq, 1e-5 + std::fabs(c) * 0x1p-21, what + " dq");
       }
     }
   }

@@ -5,6 +5,7 @@
 #include <array>
 #include <cmath>
 #include <cstdint>
+#include <string>
 
 #include "octet/ops/attention.h"
 #include "octet/rng.h"
@@ -76,9 +77,30 @@ inline void check_output(const char* op, const Tensor& t, const Tensor& like, co
   check_dtype(t, like.dtype(), octet::detail::concat(op, ": ", name));
 }
 
-inline void check_lse(const char* op, const Tensor& lse, const AttentionShape& s) {
-  check_shape(lse, {s.batch, s.heads, s.queries}, octet::detail::concat(op, ": lse"), "B,H,T");
-  check_dtype(lse, DType::F32, octet::detail::concat(op, ": lse"));
+// Returns how many F32 values hold each row's lse: 1 ([B,H,T]) or 2 ([B,H,T,2], hi + lo).
+inline int64_t check_lse(const char* op, const Tensor& lse, const AttentionShape& s) {
+  const std::string what = octet::detail::concat(op, ": lse");
+  check_dtype(lse, DType::F32, what);
+  if (lse.ndim() == 4) {
+    check_shape(lse, {s.batch, s.heads, s.queries, 2}, what, "B,H,T,2");
+    return 2;
+  }
+  check_shape(lse, {s.batch, s.heads, s.queries}, what, "B,H,T (or B,H,T,2)");
+  return 1;
+}
+
+// Row `row`'s lse written as one F32, or as hi + lo.
+inline void write_lse(float* lse, int64_t parts, int64_t row, double value) {
+  const float hi = static_cast<float>(value);
+  if (parts == 1) {
+    lse[row] = hi;
+    return;
+  }
+  lse[2 * row] = hi;
+  lse[2 * row + 1] = std::isfinite(value) ? static_cast<float>(value - hi) : 0.0f;
+}
+inline double read_lse(const float* lse, int64_t parts, int64_t row) {
+  return parts == 1 ? double{lse[row]} : double{lse[2 * row]} + double{lse[2 * row + 1]};
 }
 
 // The keys [lo, hi) query i of batch b sees; empty (lo >= hi) for padded or fully masked rows.

@@ -26,7 +26,6 @@ constexpr int64_t kBlockQ = 64;  // queries per tile
 constexpr int64_t kBlockK = 64;  // keys per tile
 constexpr int64_t kPadD = 16;    // the widest vector: packed rows hold whole vectors
 constexpr float kLog2e = 1.4426950408889634f;
-constexpr float kLn2 = 0.6931471805599453f;
 constexpr float kInf = std::numeric_limits<float>::infinity();
 
 int64_t round_up(int64_t x, int64_t m) {
@@ -141,6 +140,7 @@ struct ForwardArgs {
   const float* v;   // [B,Hkv,padded_keys,dp]
   T* out;
   float* lse;
+  int64_t lse_parts;  // 1: F32 lse; 2: hi + lo
 };
 
 constexpr int64_t forward_workspace_floats(int64_t dp) {
@@ -221,14 +221,15 @@ OCTET_ALWAYS_INLINE void forward_tile(const ForwardArgs<T>& a, int64_t b, int64_
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t i = i0 + r;
     T* out = a.out + ((b * s.queries + i) * s.heads + h) * D;
-    float* lse = a.lse + (b * s.heads + h) * s.queries + i;
+    const int64_t lse_row = (b * s.heads + h) * s.queries + i;
     if (l[r] > 0.0f) {
       const float inv = 1.0f / l[r];
       for (int64_t d = 0; d < D; ++d) simd::store(acc[r * dp + d] * inv, &out[d]);
-      *lse = static_cast<float>(double{m[r]} * s.scale + std::log(double{l[r]}));
+      attention_detail::write_lse(a.lse, a.lse_parts, lse_row,
+                                  double{m[r]} * s.scale + std::log(double{l[r]}));
     } else {  // padded or fully masked row
       for (int64_t d = 0; d < D; ++d) simd::store(0.0f, &out[d]);
-      *lse = kInf;
+      attention_detail::write_lse(a.lse, a.lse_parts, lse_row, kInf);
     }
   }
 }
@@ -261,8 +262,13 @@ void forward_typed(const Plan& p, const Tensor& q, const Tensor& k, const Tensor
   auto tile_fn = forward_tile_scalar<T>;
   if (active_isa() == Isa::Avx512) tile_fn = forward_tile_avx512<T>;
   if (active_isa() == Isa::Avx2) tile_fn = forward_tile_avx2<T>;
-  const ForwardArgs<T> args{
-      &p, q.data<T>(), kt.data<float>(), vp.data<float>(), out.data<T>(), lse.data<float>()};
+  const ForwardArgs<T> args{&p,
+                            q.data<T>(),
+                            kt.data<float>(),
+                            vp.data<float>(),
+                            out.data<T>(),
+                            lse.data<float>(),
+                            lse.ndim() == 4 ? 2 : 1};
   const int threads = num_threads();
   const int64_t ws_floats = forward_workspace_floats(p.dp);
   Tensor workspace = Tensor::empty({threads, ws_floats}, DType::F32);
@@ -282,14 +288,18 @@ void forward_typed(const Plan& p, const Tensor& q, const Tensor& k, const Tensor
 template <typename T>
 struct BackwardArgs {
   const Plan* plan;
-  const float* q;      // [B,H,T,dp], scaled by scale*log2(e)
-  const float* dout;   // [B,H,T,dp]
-  const float* k;      // [B,Hkv,padded_keys,dp]
-  const float* kt;     // [B,Hkv,k_tiles,dp,kBlockK]
-  const float* vt;     // [B,Hkv,k_tiles,dp,kBlockK]
-  const float* lse;    // [B,H,T] (natural log)
-  const float* delta;  // [B,H,T] rowsum(dout * out)
-  float* dq;           // [splits,B,H,T,dp]
+  const float* q;     // [B,H,T,dp]
+  const float* dout;  // [B,H,T,dp]
+  const float* k;     // [B,Hkv,padded_keys,dp]
+  const float* kt;    // [B,Hkv,k_tiles,dp,kBlockK]
+  const float* vt;    // [B,Hkv,k_tiles,dp,kBlockK]
+  // Each row's lse as ref * scale + rho (ref an F32 in the unscaled scores' units, near the
+  // row's maximum; rho the rest, here times log2 e): p = exp2((s - ref) * scale log2 e - rho),
+  // where s - ref is exact near the maximum.
+  const float* lse_ref;  // [B,H,T]
+  const float* lse_rho;  // [B,H,T]
+  const float* delta;    // [B,H,T] rowsum(dout * out)
+  float* dq;             // [splits,B,H,T,dp]
   int64_t splits;
   T* dk;
   T* dv;
@@ -340,9 +350,11 @@ OCTET_ALWAYS_INLINE void backward_task(const BackwardArgs<T>& a, int64_t b, int6
             }
             continue;
           }
-          const float lse2 = a.lse[bh * queries + i0 + r] * kLog2e;
+          const vec::F<W> ref = vec::splat<W>(a.lse_ref[bh * queries + i0 + r]);
+          const vec::F<W> rho = vec::splat<W>(a.lse_rho[bh * queries + i0 + r]);
+          const vec::F<W> scale = vec::splat<W>(p.scale_log2);
           for (int64_t c = 0; c < kBlockK; c += W) {
-            vec::store<W>(p_row + c, vec::exp2<W>(vec::load<W>(p_row + c) - lse2));
+            vec::store<W>(p_row + c, vec::exp2<W>((vec::load<W>(p_row + c) - ref) * scale - rho));
           }
           for (int64_t c = 0; c < c_lo; ++c) p_row[c] = 0.0f;
           for (int64_t c = c_hi; c < kBlockK; ++c) p_row[c] = 0.0f;
@@ -366,7 +378,7 @@ OCTET_ALWAYS_INLINE void backward_task(const BackwardArgs<T>& a, int64_t b, int6
       T* dk = a.dk + ((b * s.keys + j0 + c) * s.kv_heads + hk) * D;
       T* dv = a.dv + ((b * s.keys + j0 + c) * s.kv_heads + hk) * D;
       for (int64_t d = 0; d < D; ++d) {
-        simd::store(dk_acc[c * dp + d] * kLn2, &dk[d]);
+        simd::store(dk_acc[c * dp + d] * s.scale, &dk[d]);
         simd::store(dv_acc[c * dp + d], &dv[d]);
       }
     }
@@ -411,7 +423,27 @@ void backward_typed(const Plan& p, const Tensor& q, const Tensor& k, const Tenso
   Tensor vt = Tensor::zeros({B, Hkv, p.k_tiles, dp, kBlockK}, DType::F32);
   Tensor delta = Tensor::empty({B, H, queries}, DType::F32);
   Tensor dq_acc = Tensor::zeros({splits, B, H, queries, dp}, DType::F32);
-  pack_rows(q.data<T>(), B, queries, H, D, p.scale_log2, queries, dp, qp.data<float>());
+  pack_rows(q.data<T>(), B, queries, H, D, 1.0f, queries, dp, qp.data<float>());
+  Tensor lse_ref = Tensor::empty({B, H, queries}, DType::F32);
+  Tensor lse_rho = Tensor::empty({B, H, queries}, DType::F32);
+  {
+    const int64_t parts = lse.ndim() == 4 ? 2 : 1;
+    const float* in = lse.data<float>();
+    float* ref = lse_ref.data<float>();
+    float* rho = lse_rho.data<float>();
+    const double scale = s.scale;
+#pragma omp parallel for schedule(static)
+    for (int64_t row = 0; row < B * H * queries; ++row) {
+      const double value = attention_detail::read_lse(in, parts, row);
+      if (!std::isfinite(value)) {  // a row that sees no key: every p is 0
+        ref[row] = 0.0f;
+        rho[row] = kInf;
+        continue;
+      }
+      ref[row] = static_cast<float>(value / scale);
+      rho[row] = static_cast<float>((value - double{ref[row]} * scale) * double{kLog2e});
+    }
+  }
   pack_rows(dout.data<T>(), B, queries, H, D, 1.0f, queries, dp, dop.data<float>());
   pack_rows(k.data<T>(), B, S, Hkv, D, 1.0f, p.padded_keys, dp, kp.data<float>());
   pack_transposed(k.data<T>(), B, S, Hkv, D, p.k_tiles, dp, kt.data<float>());
@@ -442,7 +474,8 @@ void backward_typed(const Plan& p, const Tensor& q, const Tensor& k, const Tenso
                              kp.data<float>(),
                              kt.data<float>(),
                              vt.data<float>(),
-                             lse.data<float>(),
+                             lse_ref.data<float>(),
+                             lse_rho.data<float>(),
                              delta.data<float>(),
                              dq_acc.data<float>(),
                              splits,

@@ -91,7 +91,7 @@ void flash_attention_forward(const Tensor& q, const Tensor& k, const Tensor& v,
   const char* op = "flash_attention_forward";
   AttentionShape s = attention_detail::check_inputs(op, q, k, v, o);
   attention_detail::check_output(op, out, q, "out", "B,T,H,D");
-  attention_detail::check_lse(op, lse, s);
+  const int64_t lse_parts = attention_detail::check_lse(op, lse, s);
   const int64_t T = s.queries, S = s.keys, D = s.head_dim;
   std::vector<float> qf = q.to_floats(), kf = k.to_floats(), vf = v.to_floats();
   std::vector<double> o_values(q.numel(), 0.0);
@@ -114,7 +114,10 @@ void flash_attention_forward(const Tensor& q, const Tensor& k, const Tensor& v,
     }
   }
   store(o_values, out);
-  store(lse_values, lse);
+  for (size_t row = 0; row < lse_values.size(); ++row) {
+    attention_detail::write_lse(lse.data<float>(), lse_parts, static_cast<int64_t>(row),
+                                lse_values[row]);
+  }
 }
 
 void flash_attention_backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
