@@ -29,6 +29,16 @@ float e8m0_to_float(uint8_t code);
 // Smallest power of two >= value (so that value / 2^e never exceeds the FP8 maximum).
 uint8_t float_to_e8m0_ceil(float value);
 
+// OCP FP4 E2M1 (src/core/fp4_format.cpp): a 4-bit code S.EE.M, bias 1, no Inf or NaN; the
+// magnitudes are 0, 0.5, 1, 1.5, 2, 3, 4, 6. Encoding saturates (anything past 6, infinities
+// included, becomes +-6; NaN becomes +-6 too, so quantizers report NaN through their amax).
+inline constexpr float kE2M1Max = 6.0f;
+float e2m1_to_float(uint8_t code);   // the low 4 bits
+uint8_t float_to_e2m1(float value);  // round to nearest, ties to even
+// Stochastic rounding: one of the two neighbours of |value|, the upper one with probability
+// (|value| - lower) / (upper - lower) for a uniform u in [0, 1) (exact values stay exact).
+uint8_t float_to_e2m1_stochastic(float value, float u);
+
 // Storage types for the 16- and 8-bit formats: raw bits, no arithmetic.
 struct bfloat16 {
   uint16_t bits;

@@ -7,6 +7,7 @@
 
 #include <memory>
 
+#include "octet/fp4.h"
 #include "octet/fp8.h"
 #include "octet/tensor.h"
 
@@ -55,6 +56,13 @@ void gemm(const Float8Tensor& A, const Float8Tensor& B, Tensor& C, bool trans_a,
           float alpha = 1.0f, float beta = 0.0f, const Epilogue& epilogue = {});
 void gemm(const Float8Tensor& A, PackedWeight& B, Tensor& C, bool trans_a, float alpha = 1.0f,
           float beta = 0.0f, const Epilogue& epilogue = {});
+
+// FP4 GEMM (NVFP4, MXFP4): each operand's blocks must lie along K (A without trans_a, B with
+// trans_b; the other orientation needs 16x16 blocks). Both operands are widened to BF16 as
+// e2m1 * block scale, exact, multiplied with FP32 accumulation, and alpha takes the two
+// global scales: the numbers of a native FP4 GEMM with FP32 accumulation.
+void gemm(const Float4Tensor& A, const Float4Tensor& B, Tensor& C, bool trans_a, bool trans_b,
+          float alpha = 1.0f, float beta = 0.0f, const Epilogue& epilogue = {});
 
 // Whether BF16 GEMMs run as oneDNN BF16 matmuls (AVX-512 BF16 / AMX, or AVX-512 emulation).
 // Without AVX-512 oneDNN 2.6 has no BF16 matmul: the operands, exact in F32, are widened and
