@@ -39,8 +39,13 @@ void register_train(CLI::App& app) {
       ->check(number_in(0, 1, false, true));
   cmd->add_option("--adam-beta2", o->adam_beta2, "AdamW beta2")
       ->check(number_in(0, 1, false, true));
-  cmd->add_option("--precision", o->precision, "fp32 | bf16 | fp8")
-      ->check(CLI::IsMember({"fp32", "bf16", "fp8"}));
+  cmd->add_option("--precision", o->precision,
+                  "fp32 | bf16 | fp8 | fp4 (fp4: the Linear layers' GEMMs in FP4, the rest BF16)")
+      ->check(CLI::IsMember({"fp32", "bf16", "fp8", "fp4"}));
+  cmd->add_option("--fp4-recipe", o->fp4_recipe,
+                  "nvfp4 (1x16 E4M3 + FP32 tensor scales, 16x16 weights, stochastic rounding of "
+                  "gradients, random Hadamard transform in wgrad) | mxfp4 (1x32 E8M0)")
+      ->check(CLI::IsMember({"nvfp4", "mxfp4"}));
   cmd->add_option("--fp8-recipe", o->fp8_recipe, "delayed | current | mxfp8 | block")
       ->check(CLI::IsMember({"delayed", "current", "mxfp8", "block"}));
   cmd->add_option("--fp8-format", o->fp8_format, "hybrid | e4m3")

@@ -54,6 +54,20 @@ struct Float4Tensor {
   Tensor widen_bf16() const;  // BF16 [rows, cols]: e2m1 * block scale, exact
 };
 
+// fp4_autocast: while a scope with enabled = true is innermost on this thread, the Linear
+// layers run their GEMMs in FP4 (inputs 1x16 / 1x32, weights 16x16 under NVFP4, output
+// gradients with stochastic rounding, the weight gradient's operands through the random
+// Hadamard transform under NVFP4), as TransformerEngine's NVFP4BlockScaling recipe does.
+class fp4_autocast {
+ public:
+  fp4_autocast(bool enabled, Fp4Options options = {});
+  ~fp4_autocast();
+  fp4_autocast(const fp4_autocast&) = delete;
+  fp4_autocast& operator=(const fp4_autocast&) = delete;
+};
+bool fp4_enabled();
+const Fp4Options& fp4_options();  // the innermost scope's (defaults outside any)
+
 // x [*, cols] F32|BF16, at least one element; 2-D blocks need NVFP4.
 Float4Tensor quantize_fp4(const Tensor& x, const Fp4Options& options);
 

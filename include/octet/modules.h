@@ -205,6 +205,11 @@ class Linear : public Module {
     Float8Tensor weight_fp8;
     std::optional<PackedWeight> packed_weight_fp8;
     bool fp8 = false;
+    // FP4 runs (fp4_autocast; `input` keeps the high-precision input): the quantized weight
+    // the forward used (16x16 blocks under NVFP4, which serve the input gradient too; MXFP4
+    // quantizes the transpose for it in backward) and the scope's options.
+    std::optional<Float4Tensor> weight_fp4;
+    std::optional<Fp4Options> fp4;
     int64_t rows = 0;
   };
 
@@ -267,6 +272,9 @@ class Linear : public Module {
   Tensor parallel_backward(const Tensor& dy, Context& ctx);
   Epilogue forward_epilogue() const;
   void fp8_gradients(const Float8Tensor& dyq, const Context& ctx, Tensor& dx);
+  Tensor fp4_forward(const Tensor& flat, Context& ctx);
+  void fp4_gradients(const Tensor& dy, const Context& ctx, Tensor& dx);
+  uint64_t fp4_backward_calls_ = 0;  // stochastic rounding: a fresh random stream per backward
   PackedWeight& packed_weight(DType dtype);
   const Tensor& weight_as(DType dtype);
   LinearOptions whole_;    // the layer as given

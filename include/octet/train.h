@@ -137,8 +137,9 @@ struct TrainOptions {
   float weight_decay = 0.1f;
   float adam_beta1 = 0.9f;
   float adam_beta2 = 0.95f;
-  std::string precision = "bf16";      // fp32 | bf16 | fp8
+  std::string precision = "bf16";      // fp32 | bf16 | fp8 | fp4
   std::string fp8_recipe = "delayed";  // delayed | current | mxfp8 | block
+  std::string fp4_recipe = "nvfp4";    // nvfp4 | mxfp4 (precision fp4: the Linear GEMMs)
   std::string fp8_format = "hybrid";   // hybrid | e4m3
   int64_t fp8_amax_history_len = 16;
   bool recompute_activations = false;

@@ -46,7 +46,34 @@ float block_amax(const float* x, int64_t cols, int64_t r0, int64_t r1, int64_t c
   return amax;
 }
 
+struct Fp4Scope {
+  bool enabled;
+  Fp4Options options;
+};
+
+std::vector<Fp4Scope>& fp4_scopes() {
+  thread_local std::vector<Fp4Scope> stack;
+  return stack;
+}
+
 }  // namespace
+
+fp4_autocast::fp4_autocast(bool enabled, Fp4Options options) {
+  fp4_scopes().push_back({enabled, options});
+}
+
+fp4_autocast::~fp4_autocast() {
+  if (!fp4_scopes().empty()) fp4_scopes().pop_back();
+}
+
+bool fp4_enabled() {
+  return !fp4_scopes().empty() && fp4_scopes().back().enabled;
+}
+
+const Fp4Options& fp4_options() {
+  static const Fp4Options kDefault{};
+  return fp4_scopes().empty() ? kDefault : fp4_scopes().back().options;
+}
 
 const char* fp4_recipe_name(Fp4Recipe recipe) {
   return recipe == Fp4Recipe::NVFP4 ? "nvfp4" : "mxfp4";

@@ -81,6 +81,19 @@ Shape with_last(const Shape& shape, int64_t last) {
   return out;
 }
 
+// x [rows, cols] F32|BF16 -> F32 [cols, rows].
+Tensor transposed_f32(const Tensor& x) {
+  const std::vector<float> v = x.to_floats();
+  const int64_t rows = x.rows(), cols = x.cols();
+  Tensor out = Tensor::empty({cols, rows}, DType::F32);
+  float* o = out.data<float>();
+#pragma omp parallel for schedule(static)
+  for (int64_t c = 0; c < cols; ++c) {
+    for (int64_t r = 0; r < rows; ++r) o[c * rows + r] = v[static_cast<size_t>(r * cols + c)];
+  }
+  return out;
+}
+
 }  // namespace
 
 Epilogue Linear::forward_epilogue() const {
@@ -113,6 +126,8 @@ Tensor Linear::local_forward(const Tensor& x, Context& ctx, SavedInput saved) {
     return forward_fp8_input(xq, quantizer, x.dtype(), ctx, saved)
         .reshape(with_last(x.shape(), options_.out_features));
   }
+  if (fp4_enabled())
+    return fp4_forward(flat, ctx).reshape(with_last(x.shape(), options_.out_features));
   ctx = Context{};
   ctx.dtype = x.dtype();
   ctx.rows = flat.rows();
@@ -120,6 +135,54 @@ Tensor Linear::local_forward(const Tensor& x, Context& ctx, SavedInput saved) {
   gemm(flat, packed_weight(x.dtype()), y, /*trans_a=*/false, 1.0f, 0.0f, forward_epilogue());
   ctx.input = flat;
   return y.reshape(with_last(x.shape(), options_.out_features));
+}
+
+Tensor Linear::fp4_forward(const Tensor& flat, Context& ctx) {
+  ctx = Context{};
+  ctx.dtype = flat.dtype();
+  ctx.rows = flat.rows();
+  const Fp4Options& o = fp4_options();
+  Fp4Options weights{o.recipe};
+  weights.block_2d = o.recipe == Fp4Recipe::NVFP4;
+  ctx.weight_fp4 = quantize_fp4(weight.value, weights);
+  Tensor y = Tensor::empty({ctx.rows, options_.out_features}, flat.dtype());
+  gemm(quantize_fp4(flat, Fp4Options{o.recipe}), *ctx.weight_fp4, y, /*trans_a=*/false,
+       /*trans_b=*/true, 1.0f, 0.0f, forward_epilogue());
+  ctx.input = flat;
+  ctx.fp4 = o;
+  return y;
+}
+
+void Linear::fp4_gradients(const Tensor& dy, const Context& ctx, Tensor& dx) {
+  const Fp4Options o = *ctx.fp4;
+  const bool nv = o.recipe == Fp4Recipe::NVFP4;
+  // Output gradients round stochastically, each backward of each layer from its own stream.
+  Fp4Options grads{o.recipe};
+  grads.stochastic = true;
+  grads.seed = o.seed ^ std::hash<std::string>{}(options_.name);
+  grads.offset = fp4_backward_calls_++ << 42;
+  // dX = dY W: K = out, along which NVFP4's 16x16 weight blocks lie either way; MXFP4's 1x32
+  // weight blocks lie along `in`, so the transpose is quantized for it.
+  const Float4Tensor dyq = quantize_fp4(dy, grads);
+  if (nv) {
+    gemm(dyq, *ctx.weight_fp4, dx, /*trans_a=*/false, /*trans_b=*/false);
+  } else {
+    gemm(dyq, quantize_fp4(transposed_f32(weight.value), Fp4Options{o.recipe}), dx,
+         /*trans_a=*/false, /*trans_b=*/true);
+  }
+  // dW += dY^T X: K = the tokens, so both operands are quantized transposed (blocks along
+  // the tokens), after the random Hadamard transform along them under NVFP4 (16 | tokens).
+  run_or_defer([this, dy, input = ctx.input, grads, nv] {
+    Tensor dyt = transposed_f32(dy), xt = transposed_f32(input);
+    if (nv && dy.rows() % 16 == 0) {
+      dyt = random_hadamard_transform(dyt, grads.seed + grads.offset);
+      xt = random_hadamard_transform(xt, grads.seed + grads.offset);
+    }
+    Fp4Options dyt_options = grads;
+    dyt_options.offset += uint64_t{1} << 41;
+    gemm(quantize_fp4(dyt, dyt_options), quantize_fp4(xt, Fp4Options{grads.recipe}), weight.grad,
+         /*trans_a=*/false, /*trans_b=*/true, 1.0f, 1.0f);
+  });
 }
 
 Tensor Linear::forward_arriving(const Tensor& part, int64_t first, int64_t rows,
@@ -223,7 +286,9 @@ Tensor Linear::local_backward(const Tensor& dy_in, Context& ctx) {
   // gradient; otherwise the bias gradient is the column sum of dy.
   if (options_.bias && !options_.return_bias) ops::add_column_sums(dy, bias.grad);
   Tensor dx = Tensor::empty({ctx.rows, options_.in_features}, ctx.dtype);
-  if (ctx.fp8) {
+  if (ctx.fp4) {
+    fp4_gradients(dy, ctx, dx);
+  } else if (ctx.fp8) {
     fp8_.begin_backward(fp8_.recipe());
     const Quantizer quantizer = fp8_.grad_output_quantizer(0);
     Float8Tensor dyq = quantizer.quantize(dy, true, needs_columnwise(quantizer));

@@ -38,8 +38,8 @@ recipe::Recipe make_recipe(const TrainOptions& o) {
 
 DType compute_dtype(const std::string& precision) {
   if (precision == "fp32") return DType::F32;
-  if (precision == "bf16" || precision == "fp8") return DType::BF16;
-  fail(detail::concat("--precision expected fp32, bf16 or fp8, got '", precision, "'"));
+  if (precision == "bf16" || precision == "fp8" || precision == "fp4") return DType::BF16;
+  fail(detail::concat("--precision expected fp32, bf16, fp8 or fp4, got '", precision, "'"));
 }
 
 // The parameters of `from` that `set` also holds, in from's order.
@@ -149,6 +149,9 @@ void TrainingRun::check_options() {
   }
   dtype_ = compute_dtype(o_.precision);
   fp8_ = o_.precision == "fp8";
+  fp4_ = o_.precision == "fp4";
+  fp4_options_.recipe = parse_fp4_recipe(o_.fp4_recipe);
+  fp4_options_.seed = o_.seed;
   recipe_ = fp8_ ? make_recipe(o_) : recipe::Recipe{};
   delayed_scaling_ = fp8_ && std::holds_alternative<recipe::DelayedScaling>(recipe_);
   OCTET_CHECK(!o_.fp8_stats || fp8_,
@@ -318,10 +321,14 @@ void TrainingRun::restore_fp8_state() {
 }
 
 void TrainingRun::print_setup() const {
+  const std::string recipe =
+      fp8_   ? " (" + recipe::describe(recipe_) + ")"
+      : fp4_ ? std::string(" (") + fp4_recipe_name(fp4_options_.recipe) + ", Linear GEMMs)"
+             : "";
   std::printf("octet train: %s, %.2fM parameters, seq %lld, micro-batch %lld x %lld, %s%s\n",
               config_.name.c_str(), config_.num_parameters() / 1e6, (long long)seq_len_,
               (long long)o_.micro_batch_size, (long long)accumulation_, o_.precision.c_str(),
-              fp8_ ? (" (" + recipe::describe(recipe_) + ")").c_str() : "");
+              recipe.c_str());
   const ParallelState& parallel = *parallel_;
   if (parallel.world_size() > 1) {
     std::printf("parallel: %d processes, TP=%d x DP=%d x PP=%d%s, %s, %zu gradient bucket(s)%s\n",

@@ -179,6 +179,7 @@ double TrainingRun::run_micro_batches(int64_t iteration) {
     std::vector<pipeline::MicroBatch> batches;
     for (int64_t micro = 0; micro < accumulation_; ++micro) batches.push_back(batch(micro));
     fp8_autocast scope(fp8_, recipe_);
+    fp4_autocast fp4_scope(fp4_, fp4_options_);
     return executor_->train_step(batches, grad_scale) * static_cast<double>(accumulation_);
   }
   double loss = 0;
@@ -187,6 +188,7 @@ double TrainingRun::run_micro_batches(int64_t iteration) {
     last_micro_batch_ = micro + 1 == accumulation_;
     if (ddp_) ddp_->set_sync(last_micro_batch_);
     fp8_autocast scope(fp8_, recipe_);
+    fp4_autocast fp4_scope(fp4_, fp4_options_);
     loss += model_->train_step(batch(micro), dtype_, grad_scale);
     if (delayed_scaling_) reduce_fp8_amax(fp8_part_, parallel_->tensor_and_data());
   }
@@ -262,6 +264,7 @@ float TrainingRun::evaluate() {
     Tensor ids, targets;
     valid_batches_->fill(k, o_.micro_batch_size, ids, targets);
     fp8_autocast scope(fp8_, recipe_);
+    fp4_autocast fp4_scope(fp4_, fp4_options_);
     if (executor_) {
       // Through the pipeline stages, forward only (the executor's after_compute keeps the
       // FP8 amaxes equal over each stage's tensor x data ranks).

@@ -12,6 +12,7 @@
 
 #include "octet/comm.h"
 #include "octet/data_parallel.h"
+#include "octet/fp4.h"
 #include "octet/model.h"
 #include "octet/pipeline.h"
 #include "octet/recipe.h"
@@ -66,6 +67,8 @@ class TrainingRun {
   DType dtype_ = DType::F32;
   bool fp8_ = false, delayed_scaling_ = false;
   recipe::Recipe recipe_;
+  bool fp4_ = false;
+  Fp4Options fp4_options_;
 
   std::shared_ptr<Communicator> world_;
   std::unique_ptr<ParallelState> parallel_;

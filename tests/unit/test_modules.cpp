@@ -728,6 +728,78 @@ TEST(Fp8Linear, ReplayAndRestoredInputEqualTheForward) {
   }
 }
 
+// Under fp4_autocast the Linear's forward is the FP4 GEMM of its quantized input (1x16 or 1x32)
+// and weight (16x16 under NVFP4); its gradients stay at FP4's distance from the exact ones, and
+// the input gradient's stochastic rounding averages out over backward calls.
+TEST(Fp4Linear, ForwardIsTheFp4GemmAndGradientsAreUnbiased) {
+  for (Fp4Recipe recipe : {Fp4Recipe::NVFP4, Fp4Recipe::MXFP4}) {
+    SCOPED_TRACE(fp4_recipe_name(recipe));
+    LinearOptions o;
+    o.in_features = 64;
+    o.out_features = 48;
+    o.name = "fp4_linear";
+    Linear linear(o);
+    randomize(linear, 5);
+    const Tensor x = random_tensor({2, 16, 64}, DType::F32, 80);
+    const Tensor dy = random_tensor({2, 16, 48}, DType::F32, 81);
+    Fp4Options options;
+    options.recipe = recipe;
+    Fp4Options weight_options = options;
+    weight_options.block_2d = recipe == Fp4Recipe::NVFP4;
+    const Tensor xq = quantize_fp4(x, options).dequantize();
+    const Tensor wq = quantize_fp4(linear.weight.value, weight_options).dequantize();
+
+    Linear::Context ctx;
+    Tensor y;
+    {
+      fp4_autocast scope(true, options);
+      y = linear.forward(x, ctx);
+    }
+    Tensor expected = Tensor::empty({32, 48}, DType::F32);
+    Epilogue bias;
+    bias.bias = &linear.bias.value;
+    gemm_reference(xq.reshape({32, 64}), wq, expected, false, true, 1.0f, 0.0f, bias);
+    EXPECT_LT(worst(y.reshape({32, 48}), expected, 1e-5, 1e-5), 1.0);
+
+    // One backward: dx and dW near the exact gradients; the bias gradient exact.
+    Tensor exact_dx = Tensor::empty({32, 64}, DType::F32);
+    gemm_reference(dy.reshape({32, 48}), linear.weight.value, exact_dx, false, false);
+    Tensor exact_dw = Tensor::empty({48, 64}, DType::F32);
+    gemm_reference(dy.reshape({32, 48}), x.reshape({32, 64}), exact_dw, true, false);
+    const Tensor dx = linear.backward(dy, ctx);
+    EXPECT_LT(relative_rms(dx.reshape({32, 64}), exact_dx), 0.2);
+    EXPECT_LT(relative_rms(linear.weight.grad, exact_dw), 0.3);  // both operands quantized
+    Tensor column_sums = Tensor::zeros({48}, DType::F32);
+    for (int64_t i = 0; i < 32 * 48; ++i) column_sums.data<float>()[i % 48] += dy.data<float>()[i];
+    EXPECT_LT(worst(linear.bias.grad, column_sums, 1e-5, 1e-5), 1.0);
+
+    // dx = Q(dy) Q(W): Q(dy) rounds stochastically, so the mean over calls approaches dy Q(W).
+    Tensor dy_wq = Tensor::empty({32, 64}, DType::F32);
+    gemm_reference(
+        dy.reshape({32, 48}),
+        recipe == Fp4Recipe::NVFP4 ? wq : quantize_fp4(linear.weight.value, options).dequantize(),
+        dy_wq, false, false);
+    if (recipe == Fp4Recipe::NVFP4) {
+      const double one_call = relative_rms(dx.reshape({32, 64}), dy_wq);
+      Tensor mean = Tensor::zeros({32, 64}, DType::F32);
+      const int calls = 64;
+      for (int c = 0; c < calls; ++c) {
+        {
+          fp4_autocast scope(true, options);
+          linear.forward(x, ctx);
+        }
+        const Tensor d = linear.backward(dy, ctx);
+        for (int64_t i = 0; i < mean.numel(); ++i)
+          mean.data<float>()[i] += d.data<float>()[i] / calls;
+      }
+      const double averaged = relative_rms(mean, dy_wq);
+      std::printf("[ measured ] nvfp4 dx vs dy Q(W): one call %.4f, mean of %d calls %.4f\n",
+                  one_call, calls, averaged);
+      EXPECT_LT(averaged, one_call / 4);
+    }
+  }
+}
+
 TEST(Modules, BadInputIsNamed) {
   LinearOptions o;
   o.in_features = 8;
