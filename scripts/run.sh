@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # The main job: install what is missing, fetch the pinned data, build, tokenize the corpus,
-# train gpt-mini on it in BF16, and continue a prompt with the trained model.
-# Knobs (environment): ITERS (default 200), PRECISION (bf16 | fp8 | fp32), OUT (default out/).
+# train gpt-mini on it in FP8 (DelayedScaling HYBRID, with the FP8 health table at the end),
+# and continue a prompt with the trained model.
+# Knobs (environment): ITERS (default 200), PRECISION (fp8 | bf16 | fp4 | fp32), OUT (default out/).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ITERS="${ITERS:-200}"
-PRECISION="${PRECISION:-bf16}"
+PRECISION="${PRECISION:-fp8}"
 OUT="${OUT:-out}"
 
 bash scripts/setup.sh
@@ -22,7 +23,8 @@ mkdir -p "$OUT"
   --precision "$PRECISION" --micro-batch-size 8 --global-batch-size 8 --seq-length 256 \
   --train-iters "$ITERS" --lr 1e-3 --min-lr 1e-4 --lr-warmup-iters 20 \
   --eval-interval 50 --eval-iters 8 --log-interval 10 \
-  --save "$OUT/gpt-mini" --metrics "$OUT/metrics.jsonl" --plot "$OUT/loss.svg"
+  --save "$OUT/gpt-mini" --metrics "$OUT/metrics.jsonl" --plot "$OUT/loss.svg" \
+  $([ "$PRECISION" = fp8 ] && echo --fp8-stats)
 
 echo "--- generated (greedy) ---"
 ./build/octet generate --ckpt "$OUT/gpt-mini" --prompt "It was a dark and stormy night, and" \
