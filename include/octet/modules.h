@@ -274,7 +274,9 @@ class Linear : public Module {
   void fp8_gradients(const Float8Tensor& dyq, const Context& ctx, Tensor& dx);
   Tensor fp4_forward(const Tensor& flat, Context& ctx);
   void fp4_gradients(const Tensor& dy, const Context& ctx, Tensor& dx);
-  uint64_t fp4_backward_calls_ = 0;  // stochastic rounding: a fresh random stream per backward
+  uint64_t fp4_backward_calls_ = 0;
+  std::optional<Float4Tensor> fp4_weight_;  // until on_parameters_updated()  // stochastic
+                                            // rounding: a fresh random stream per backward
   PackedWeight& packed_weight(DType dtype);
   const Tensor& weight_as(DType dtype);
   LinearOptions whole_;    // the layer as given

@@ -57,6 +57,7 @@ void Linear::on_parameters_updated() {
   packed_.reset();
   weight_bf16_ = Tensor();
   fp8_.drop_weight_cache();
+  fp4_weight_.reset();
 }
 
 const Tensor& Linear::weight_as(DType dtype) {
@@ -142,9 +143,13 @@ Tensor Linear::fp4_forward(const Tensor& flat, Context& ctx) {
   ctx.dtype = flat.dtype();
   ctx.rows = flat.rows();
   const Fp4Options& o = fp4_options();
-  Fp4Options weights{o.recipe};
-  weights.block_2d = o.recipe == Fp4Recipe::NVFP4;
-  ctx.weight_fp4 = quantize_fp4(weight.value, weights);
+  // The weight is quantized once per optimizer step (and recipe), as FP8's.
+  if (!fp4_weight_ || fp4_weight_->recipe != o.recipe) {
+    Fp4Options weights{o.recipe};
+    weights.block_2d = o.recipe == Fp4Recipe::NVFP4;
+    fp4_weight_ = quantize_fp4(weight.value, weights);
+  }
+  ctx.weight_fp4 = fp4_weight_;
   Tensor y = Tensor::empty({ctx.rows, options_.out_features}, flat.dtype());
   gemm(quantize_fp4(flat, Fp4Options{o.recipe}), *ctx.weight_fp4, y, /*trans_a=*/false,
        /*trans_b=*/true, 1.0f, 0.0f, forward_epilogue());
