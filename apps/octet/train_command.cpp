@@ -52,6 +52,9 @@ void register_train(CLI::App& app) {
       ->check(CLI::IsMember({"hybrid", "e4m3"}));
   cmd->add_option("--fp8-amax-history-len", o->fp8_amax_history_len, "Delayed-scaling window")
       ->check(at_least(1));
+  cmd->add_flag("--fp8-dpa", o->fp8_dpa,
+                "FP8 attention (TransformerEngine's fp8_dpa): Q, K, V, the probabilities, dO and "
+                "the score gradients in FP8 inside DotProductAttention (--fp8-recipe delayed)");
   cmd->add_flag("--fp8-stats", o->fp8_stats,
                 "Per FP8 tensor: amax, scale, underflow and saturation in each metrics line, "
                 "a summary table at the end");

@@ -428,6 +428,13 @@ struct DotProductAttentionOptions {
 
 // softmax(q k^T * scale + mask) v over the fused flash-attention kernels (the T x S scores
 // are never stored). No parameters.
+// FP8 attention: under fp8_autocast with DelayedScaling{.fp8_dpa = true}, q and k are the
+// inputs of GEMM 0 (S = q k^T) and P and v those of GEMM 1 (O = P v) in the module's Fp8State:
+// q, k, v are quantized to E4M3 with their delayed scales (forward meta 0, 1, 3) and kept as
+// FP8 for backward; P is rounded in the kernel with scale 2 (its amax recorded there), dO is
+// quantized as GEMM 1's output gradient (backward meta 1, E5M2 under HYBRID) and dS rounded
+// in the kernel as GEMM 0's (backward meta 0). The kernels then run in F32 on the FP8 values
+// (see ops::AttentionFp8); out and the gradients come back in the inputs' dtype.
 class DotProductAttention : public Module {
  public:
   struct Context {
@@ -435,6 +442,10 @@ class DotProductAttention : public Module {
     Tensor lse;                    // [B,H,T] F32
     Tensor q_lengths, kv_lengths;  // [B] I32, padding masks only
     uint64_t rng_offset = 0;       // the dropout mask's offset, regenerated in backward
+    bool fp8 = false;              // FP8 attention: q8, k8, v8 instead of q, k, v
+    Float8Tensor q8, k8, v8;       // [B*T, H*D], [B*S, Hkv*D]
+    Shape q_shape, kv_shape;
+    DType dtype = DType::F32;
   };
   explicit DotProductAttention(const DotProductAttentionOptions& options);
   // q [B,T,H,D], k and v [B,S,Hkv,D], F32|BF16 -> out [B,T,H,D]. q_lengths / kv_lengths [B]
@@ -449,10 +460,15 @@ class DotProductAttention : public Module {
   // recomputation sets it back to replay a forward's masks.
   uint64_t rng_offset() const { return rng_offset_; }
   void set_rng_offset(uint64_t offset) { rng_offset_ = offset; }
+  // FP8 attention's scales and amax histories (unused unless the recipe asks for fp8_dpa).
+  Fp8State& fp8_state() { return fp8_; }
 
  private:
+  Tensor forward_fp8(const Tensor& q, const Tensor& k, const Tensor& v, Context& ctx);
+  void backward_fp8(const Tensor& dout, Context& ctx, Tensor& dq, Tensor& dk, Tensor& dv);
   DotProductAttentionOptions options_;
   uint64_t rng_offset_ = 0;
+  Fp8State fp8_{2};
 };
 
 struct MultiheadAttentionOptions {

@@ -21,6 +21,10 @@ struct DelayedScaling {
   Format fp8_format = Format::HYBRID;
   int amax_history_len = 1024;
   AmaxComputeAlgo amax_compute_algo = AmaxComputeAlgo::Max;
+  // FP8 attention (TransformerEngine's fp8_dpa): DotProductAttention quantizes Q, K, V (E4M3)
+  // and dO (E5M2 under HYBRID) with their own delayed scales, and its kernels round the
+  // probabilities and the score gradients to FP8 for the attention GEMMs; outputs stay BF16.
+  bool fp8_dpa = false;
 };
 // scale from the amax of the tensor being quantized, computed just before the cast.
 struct Float8CurrentScaling {

@@ -142,6 +142,9 @@ struct TrainOptions {
   std::string fp4_recipe = "nvfp4";    // nvfp4 | mxfp4 (precision fp4: the Linear GEMMs)
   std::string fp8_format = "hybrid";   // hybrid | e4m3
   int64_t fp8_amax_history_len = 16;
+  // FP8 attention (TransformerEngine's fp8_dpa): Q, K, V, P, dO and dS in FP8 inside
+  // DotProductAttention. Needs precision fp8 with the delayed recipe.
+  bool fp8_dpa = false;
   bool recompute_activations = false;
   // FP8 health per quantized tensor (amax, scale, underflow, saturation) in each metrics line
   // ("fp8") and a summary table at the end. Needs precision fp8; off costs nothing.

@@ -31,7 +31,8 @@ std::string describe(const Recipe& recipe) {
           out << "DelayedScaling(margin=" << r.margin
               << ", fp8_format=" << format_name(r.fp8_format)
               << ", amax_history_len=" << r.amax_history_len << ", amax_compute_algo="
-              << (r.amax_compute_algo == AmaxComputeAlgo::Max ? "max" : "most_recent") << ")";
+              << (r.amax_compute_algo == AmaxComputeAlgo::Max ? "max" : "most_recent")
+              << (r.fp8_dpa ? ", fp8_dpa=true" : "") << ")";
         } else if constexpr (std::is_same_v<R, Float8CurrentScaling>) {
           out << "Float8CurrentScaling(fp8_format=" << format_name(r.fp8_format)
               << ", power_2_scale=" << (r.power_2_scale ? "true" : "false")

@@ -73,6 +73,10 @@ Tensor DotProductAttention::forward(const Tensor& q, const Tensor& k, const Tens
     if (kv_lengths) ctx.kv_lengths = *kv_lengths;
   }
   ctx.rng_offset = rng_offset_++;
+  if (fp8_enabled()) {
+    const auto* delayed = std::get_if<recipe::DelayedScaling>(&fp8_recipe());
+    if (delayed && delayed->fp8_dpa) return forward_fp8(q, k, v, ctx);
+  }
   Tensor out = Tensor::empty(q.shape(), q.dtype());
   // lse as hi + lo: the backward's probabilities then keep F32 accuracy at any score magnitude.
   ctx.lse = Tensor::empty({q.dim(0), q.dim(2), q.dim(1), 2}, DType::F32);
@@ -84,9 +88,85 @@ Tensor DotProductAttention::forward(const Tensor& q, const Tensor& k, const Tens
   return out;
 }
 
+namespace {
+
+Tensor as_rows(const Tensor& x) {  // [B,T,H,D] -> [B*T, H*D]
+  return x.reshape({x.dim(0) * x.dim(1), x.dim(2) * x.dim(3)});
+}
+
+}  // namespace
+
+Tensor DotProductAttention::forward_fp8(const Tensor& q, const Tensor& k, const Tensor& v,
+                                        Context& ctx) {
+  const auto& o = options_;
+  fp8_.begin_forward(fp8_recipe());
+  const auto format = std::get<recipe::DelayedScaling>(fp8_.recipe()).fp8_format;
+  ctx.fp8 = true;
+  ctx.q_shape = q.shape();
+  ctx.kv_shape = k.shape();
+  ctx.dtype = q.dtype();
+  ctx.q8 = fp8_.input_quantizer(0).quantize(as_rows(q));
+  ctx.k8 = fp8_.weight_quantizer(0).quantize(as_rows(k));
+  ctx.v8 = fp8_.weight_quantizer(1).quantize(as_rows(v));
+  if (fp8_stats_enabled()) {
+    fp8_.record_stats(o.name, "q", as_rows(q), ctx.q8);
+    fp8_.record_stats(o.name, "k", as_rows(k), ctx.k8);
+    fp8_.record_stats(o.name, "v", as_rows(v), ctx.v8);
+  }
+  ops::AttentionOptions a = kernel_options(o, ctx);
+  float p_amax = 0.0f;
+  a.fp8.p_format = fp8_dtype(format, TensorRole::Input);
+  a.fp8.p_scale = fp8_.input_scale(1);
+  a.fp8.p_amax = &p_amax;
+  Tensor out = Tensor::empty(q.shape(), DType::F32);
+  ctx.lse = Tensor::empty({q.dim(0), q.dim(2), q.dim(1), 2}, DType::F32);
+  ops::flash_attention_forward(ctx.q8.dequantize().reshape(q.shape()),
+                               ctx.k8.dequantize().reshape(k.shape()),
+                               ctx.v8.dequantize().reshape(k.shape()), a, out, ctx.lse);
+  fp8_.record_input_amax(1, p_amax);
+  ctx.out = q.dtype() == DType::F32 ? out : out.to(q.dtype());
+  return ctx.out;
+}
+
+void DotProductAttention::backward_fp8(const Tensor& dout, Context& ctx, Tensor& dq, Tensor& dk,
+                                       Tensor& dv) {
+  const auto& o = options_;
+  fp8_.begin_backward(fp8_.recipe());
+  const auto format = std::get<recipe::DelayedScaling>(fp8_.recipe()).fp8_format;
+  const Float8Tensor do8 = fp8_.grad_output_quantizer(1).quantize(as_rows(dout));
+  if (fp8_stats_enabled()) fp8_.record_stats(o.name, "grad_output", as_rows(dout), do8);
+  ops::AttentionOptions a = kernel_options(o, ctx);
+  float ds_amax = 0.0f;
+  a.fp8.p_format = fp8_dtype(format, TensorRole::Input);
+  a.fp8.p_scale = fp8_.input_scale(1);
+  a.fp8.ds_format = fp8_dtype(format, TensorRole::GradOutput);
+  a.fp8.ds_scale = fp8_.grad_output_scale(0);
+  a.fp8.ds_amax = &ds_amax;
+  Tensor q = ctx.q8.dequantize().reshape(ctx.q_shape);
+  Tensor k = ctx.k8.dequantize().reshape(ctx.kv_shape);
+  Tensor v = ctx.v8.dequantize().reshape(ctx.kv_shape);
+  Tensor out = ctx.out.dtype() == DType::F32 ? ctx.out : ctx.out.to(DType::F32);
+  Tensor dq32 = Tensor::empty(ctx.q_shape, DType::F32);
+  Tensor dk32 = Tensor::empty(ctx.kv_shape, DType::F32);
+  Tensor dv32 = Tensor::empty(ctx.kv_shape, DType::F32);
+  ops::flash_attention_backward(q, k, v, out, ctx.lse, do8.dequantize().reshape(ctx.q_shape), a,
+                                dq32, dk32, dv32);
+  fp8_.record_grad_output_amax(0, ds_amax);
+  const bool f32 = ctx.dtype == DType::F32;
+  dq = f32 ? dq32 : dq32.to(ctx.dtype);
+  dk = f32 ? dk32 : dk32.to(ctx.dtype);
+  dv = f32 ? dv32 : dv32.to(ctx.dtype);
+  ctx = Context{};
+}
+
 void DotProductAttention::backward(const Tensor& dout, Context& ctx, Tensor& dq, Tensor& dk,
                                    Tensor& dv) {
   OCTET_CHECK(ctx.out.defined(), options_.name, ": backward called without a forward context");
+  if (ctx.fp8) {
+    check_shape(dout, ctx.q_shape, options_.name + ": dout", "B,T,H,D");
+    backward_fp8(dout, ctx, dq, dk, dv);
+    return;
+  }
   check_shape(dout, ctx.q.shape(), options_.name + ": dout", "B,T,H,D");
   dq = Tensor::empty(ctx.q.shape(), ctx.q.dtype());
   dk = Tensor::empty(ctx.k.shape(), ctx.k.dtype());
@@ -282,6 +362,7 @@ std::vector<Fp8State*> MultiheadAttention::fp8_states() {
   if (query) out.push_back(&query->fp8_state());
   if (key_value) out.push_back(&key_value->fp8_state());
   out.push_back(&proj.fp8_state());
+  out.push_back(&core_attention.fp8_state());
   return out;
 }
 
@@ -383,7 +464,8 @@ Tensor MultiheadAttention::forward(const Tensor& x, Context& ctx, const Tensor* 
     position_qk(ctx, q, k);
   }
   Tensor out = core_attention.forward(q, k, v, ctx.core, q_lengths, kv_lengths);
-  if (o.attention_type == AttentionType::Self && qkv_projection_can_replay(ctx)) {
+  // (FP8 attention keeps q, k and v in FP8 itself: nothing to replay.)
+  if (o.attention_type == AttentionType::Self && !ctx.core.fp8 && qkv_projection_can_replay(ctx)) {
     // The projection kept its FP8 input (a third of q, k and v's bytes, and needed for the
     // weight gradient anyway): backward recomputes q, k, v from it instead.
     ctx.replay_qkv = true;

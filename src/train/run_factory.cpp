@@ -19,10 +19,14 @@ recipe::Recipe make_recipe(const TrainOptions& o) {
   OCTET_CHECK(o.fp8_format == "hybrid" || o.fp8_format == "e4m3",
               "--fp8-format expected hybrid or e4m3, got '", o.fp8_format, "'");
   recipe::Format format = o.fp8_format == "hybrid" ? recipe::Format::HYBRID : recipe::Format::E4M3;
+  OCTET_CHECK(!o.fp8_dpa || o.fp8_recipe == "delayed",
+              "--fp8-dpa (FP8 attention) needs --fp8-recipe delayed, got --fp8-recipe ",
+              o.fp8_recipe);
   if (o.fp8_recipe == "delayed") {
     recipe::DelayedScaling r;
     r.fp8_format = format;
     r.amax_history_len = static_cast<int>(o.fp8_amax_history_len);
+    r.fp8_dpa = o.fp8_dpa;
     return r;
   }
   if (o.fp8_recipe == "current") {
@@ -154,6 +158,8 @@ void TrainingRun::check_options() {
   fp4_options_.seed = o_.seed;
   recipe_ = fp8_ ? make_recipe(o_) : recipe::Recipe{};
   delayed_scaling_ = fp8_ && std::holds_alternative<recipe::DelayedScaling>(recipe_);
+  OCTET_CHECK(!o_.fp8_dpa || fp8_,
+              "--fp8-dpa (FP8 attention) needs --precision fp8, got --precision ", o_.precision);
   OCTET_CHECK(!o_.fp8_stats || fp8_,
               "--fp8-stats measures FP8 GEMM inputs: it needs --precision fp8, got --precision ",
               o_.precision);

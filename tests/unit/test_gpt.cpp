@@ -348,8 +348,11 @@ TEST(GPT, MixedPrecisionCurvesFollowFp32) {
     CurveRun run;
     double curve_tolerance;
   };
+  recipe::DelayedScaling fp8_attention;
+  fp8_attention.fp8_dpa = true;
   const Case cases[] = {
       {"bf16", {DType::BF16, std::nullopt}, 0.03},
+      {"fp8 delayed hybrid + fp8_dpa", {DType::BF16, fp8_attention}, 0.06},
       {"fp8 delayed hybrid", {DType::BF16, recipe::DelayedScaling{}}, 0.06},
       {"fp8 block", {DType::BF16, recipe::Float8BlockScaling{}}, 0.06},
   };

@@ -547,6 +547,105 @@ float delayed_scale(const std::vector<float>& history, size_t window, float fp8_
   return fp8_max_value / m;
 }
 
+// FP8 attention (DelayedScaling::fp8_dpa): each step, q, k, v are quantized with the delayed
+// scales of their amax histories (forward meta 0, 1, 3), P with the scale of its amax (meta 2,
+// amax 1), dO with backward meta 1 (E5M2) and dS with backward meta 0; the module's output and
+// gradients equal the kernels run on those FP8 values, bit for bit. Only FP8 q, k, v are kept.
+TEST(DotProductAttention, Fp8DpaQuantizesWithItsDelayedScales) {
+  DotProductAttentionOptions o;
+  o.num_attention_heads = 4;
+  o.num_gqa_groups = 2;
+  o.kv_channels = 16;
+  DotProductAttention attention(o);
+  recipe::DelayedScaling recipe;
+  recipe.amax_history_len = 2;
+  recipe.fp8_dpa = true;
+  std::vector<float> q_amax, k_amax, v_amax, do_amax, ds_amax;
+  auto fake_quantize = [](const Tensor& x, DType format, float scale) {
+    const Tensor rows = x.reshape({x.dim(0) * x.dim(1), x.dim(2) * x.dim(3)});
+    return Quantizer::fixed(format, scale).quantize(rows).dequantize().reshape(x.shape());
+  };
+  for (int step = 0; step < 3; ++step) {
+    SCOPED_TRACE("step " + std::to_string(step));
+    const float magnitude = step == 1 ? 8.0f : 1.0f;  // moves the delayed scales
+    Tensor q = random_tensor({2, 20, 4, 16}, DType::BF16, 200 + step, magnitude);
+    Tensor k = random_tensor({2, 20, 2, 16}, DType::BF16, 210 + step);
+    Tensor v = random_tensor({2, 20, 2, 16}, DType::BF16, 220 + step, 0.5f);
+    Tensor dy = random_tensor({2, 20, 4, 16}, DType::BF16, 230 + step, 0.01f);
+    DotProductAttention::Context ctx;
+    Tensor y;
+    {
+      fp8_autocast scope(true, recipe);
+      y = attention.forward(q, k, v, ctx);
+    }
+    EXPECT_TRUE(ctx.fp8);
+    EXPECT_FALSE(ctx.q.defined() || ctx.k.defined() || ctx.v.defined());
+    EXPECT_EQ(ctx.q8.data.dtype(), DType::E4M3);
+    EXPECT_EQ(y.dtype(), DType::BF16);
+    const FP8Meta& fwd = attention.fp8_state().forward_meta();
+    EXPECT_FLOAT_EQ(fwd.scale(0), delayed_scale(q_amax, 2, 448.0f));
+    EXPECT_FLOAT_EQ(fwd.scale(1), delayed_scale(k_amax, 2, 448.0f));
+    EXPECT_FLOAT_EQ(fwd.scale(3), delayed_scale(v_amax, 2, 448.0f));
+    EXPECT_FLOAT_EQ(fwd.scale(2), step == 0 ? 1.0f : 448.0f);  // P's amax is 1
+    q_amax.push_back(amax(q));
+    k_amax.push_back(amax(k));
+    v_amax.push_back(amax(v));
+    EXPECT_FLOAT_EQ(fwd.amax_history(0, 0), q_amax.back());
+    EXPECT_FLOAT_EQ(fwd.amax_history(0, 2), 1.0f);
+
+    ops::AttentionOptions a;
+    a.causal = true;
+    a.fp8.p_scale = fwd.scale(2);
+    Tensor q8 = fake_quantize(q, DType::E4M3, fwd.scale(0));
+    Tensor k8 = fake_quantize(k, DType::E4M3, fwd.scale(1));
+    Tensor v8 = fake_quantize(v, DType::E4M3, fwd.scale(3));
+    Tensor expected = Tensor::empty(q.shape(), DType::F32);
+    Tensor lse = Tensor::empty({2, 4, 20, 2}, DType::F32);
+    ops::flash_attention_forward(q8, k8, v8, a, expected, lse);
+    EXPECT_EQ(y.to_floats(), expected.to(DType::BF16).to_floats());
+
+    Tensor dq, dk, dv;
+    attention.backward(dy, ctx, dq, dk, dv);
+    const FP8Meta& bwd = attention.fp8_state().backward_meta();
+    EXPECT_FLOAT_EQ(bwd.scale(1), delayed_scale(do_amax, 2, 57344.0f));
+    EXPECT_FLOAT_EQ(bwd.scale(0), delayed_scale(ds_amax, 2, 57344.0f));
+    do_amax.push_back(amax(dy));
+    EXPECT_FLOAT_EQ(bwd.amax_history(0, 1), do_amax.back());
+    a.fp8.ds_scale = bwd.scale(0);
+    a.fp8.ds_format = DType::E5M2;
+    float measured_ds = 0;
+    a.fp8.ds_amax = &measured_ds;
+    Tensor eq = Tensor::empty(q.shape(), DType::F32), ek = Tensor::empty(k.shape(), DType::F32),
+           ev = Tensor::empty(v.shape(), DType::F32);
+    ops::flash_attention_backward(q8, k8, v8, expected.to(DType::BF16).to(DType::F32), lse,
+                                  fake_quantize(dy, DType::E5M2, bwd.scale(1)), a, eq, ek, ev);
+    ds_amax.push_back(measured_ds);
+    EXPECT_GT(measured_ds, 0.0f);
+    EXPECT_FLOAT_EQ(bwd.amax_history(0, 0), measured_ds);
+    EXPECT_EQ(dq.to_floats(), eq.to(DType::BF16).to_floats());
+    EXPECT_EQ(dk.to_floats(), ek.to(DType::BF16).to_floats());
+    EXPECT_EQ(dv.to_floats(), ev.to(DType::BF16).to_floats());
+  }
+}
+
+// fp8_dpa is DelayedScaling's: without it, or outside fp8_autocast, attention stays exact.
+TEST(DotProductAttention, Fp8WithoutDpaKeepsAttentionExact) {
+  DotProductAttentionOptions o;
+  o.num_attention_heads = 2;
+  o.kv_channels = 8;
+  DotProductAttention attention(o);
+  Tensor q = random_tensor({1, 6, 2, 8}, DType::F32, 1);
+  DotProductAttention::Context plain, autocast;
+  Tensor y0 = attention.forward(q, q, q, plain);
+  Tensor y1;
+  {
+    fp8_autocast scope(true, recipe::DelayedScaling{});
+    y1 = attention.forward(q, q, q, autocast);
+  }
+  EXPECT_FALSE(autocast.fp8);
+  EXPECT_EQ(y0.to_floats(), y1.to_floats());
+}
+
 TEST(TransformerLayer, Fp8DelayedScalingMatchesQuantizedReference) {
   TransformerLayerOptions o = layer_options();
   o.num_gqa_groups = 6;
@@ -657,8 +756,11 @@ TEST(TransformerLayer, Fp8DelayedScalingMatchesQuantizedReference) {
 // ---------------------------------------------------------------------------------------------
 
 TEST(TransformerLayer, CheckpointEqualsNoCheckpointBitwise) {
-  for (bool fp8 : {false, true}) {
-    SCOPED_TRACE(fp8 ? "fp8" : "bf16");
+  for (int mode = 0; mode < 3; ++mode) {  // bf16, fp8, fp8 with FP8 attention
+    const bool fp8 = mode > 0;
+    recipe::DelayedScaling fp8_recipe;
+    fp8_recipe.fp8_dpa = mode == 2;
+    SCOPED_TRACE(mode == 0 ? "bf16" : mode == 1 ? "fp8" : "fp8 + fp8_dpa");
     TransformerLayerOptions o = layer_options();
     o.layer_type = LayerType::Decoder;
     o.hidden_dropout = 0.1f;
@@ -678,7 +780,7 @@ TEST(TransformerLayer, CheckpointEqualsNoCheckpointBitwise) {
       TransformerLayer::Context a, b;
       Tensor ya, yb;
       {
-        fp8_autocast scope(fp8, recipe::DelayedScaling{});
+        fp8_autocast scope(fp8, fp8_recipe);
         ya = plain.forward(x, a, &encoder);
         yb = recomputed.forward(x, b, &encoder);
       }
@@ -704,44 +806,50 @@ TEST(TransformerLayer, CheckpointEqualsNoCheckpointBitwise) {
 // forward moved to) and leave the live amax histories alone. Micro-batch 1 is 16x larger, so
 // its forward changes the delayed scales a lot.
 TEST(TransformerLayer, CheckpointReplaysItsForwardsFp8ScalesAcrossMicroBatches) {
-  TransformerLayerOptions o = layer_options();
-  o.seed = 3;
-  TransformerLayer plain(o);
-  o.checkpoint = true;
-  TransformerLayer recomputed(o);
-  randomize(plain, 81);
-  copy_parameters(plain, recomputed);
-  for (int step = 0; step < 3; ++step) {
-    Tensor x[2], dy[2];
-    for (int m = 0; m < 2; ++m) {
-      std::vector<float> v = random_tensor({2, 8, 48}, DType::F32, 110 + 2 * step + m).to_floats();
-      for (float& e : v) e *= m == 1 ? 16.0f : 1.0f;
-      x[m] = Tensor::from_floats({2, 8, 48}, v).to(DType::BF16);
-      dy[m] = random_tensor({2, 8, 48}, DType::BF16, 120 + 2 * step + m);
-    }
-    TransformerLayer::Context a[2], b[2];
-    Tensor ya[2], yb[2];
-    for (int m = 0; m < 2; ++m) {
-      fp8_autocast scope(true, recipe::DelayedScaling{});
-      ya[m] = plain.forward(x[m], a[m]);
-      yb[m] = recomputed.forward(x[m], b[m]);
-    }
-    for (int m = 0; m < 2; ++m) {
-      SCOPED_TRACE("step " + std::to_string(step) + ", micro-batch " + std::to_string(m));
-      Tensor dxa = plain.backward(dy[m], a[m]);
-      Tensor dxb = recomputed.backward(dy[m], b[m]);
-      EXPECT_EQ(ya[m].to_floats(), yb[m].to_floats());
-      EXPECT_EQ(dxa.to_floats(), dxb.to_floats());
-    }
-    std::vector<Parameter*> pa = plain.parameters(), pb = recomputed.parameters();
-    for (size_t i = 0; i < pa.size(); ++i) {
-      EXPECT_EQ(pa[i]->grad.to_floats(), pb[i]->grad.to_floats()) << pa[i]->name;
-    }
-    const std::vector<Fp8State*> sa = plain.fp8_states(), sb = recomputed.fp8_states();
-    for (size_t i = 0; i < sa.size(); ++i) {
-      EXPECT_EQ(sa[i]->forward_meta().amax_history_data(),
-                sb[i]->forward_meta().amax_history_data());
-      EXPECT_EQ(sa[i]->forward_meta().scales(), sb[i]->forward_meta().scales());
+  for (const bool dpa : {false, true}) {
+    SCOPED_TRACE(dpa ? "fp8_dpa" : "fp8");
+    recipe::DelayedScaling fp8_recipe;
+    fp8_recipe.fp8_dpa = dpa;
+    TransformerLayerOptions o = layer_options();
+    o.seed = 3;
+    TransformerLayer plain(o);
+    o.checkpoint = true;
+    TransformerLayer recomputed(o);
+    randomize(plain, 81);
+    copy_parameters(plain, recomputed);
+    for (int step = 0; step < 3; ++step) {
+      Tensor x[2], dy[2];
+      for (int m = 0; m < 2; ++m) {
+        std::vector<float> v =
+            random_tensor({2, 8, 48}, DType::F32, 110 + 2 * step + m).to_floats();
+        for (float& e : v) e *= m == 1 ? 16.0f : 1.0f;
+        x[m] = Tensor::from_floats({2, 8, 48}, v).to(DType::BF16);
+        dy[m] = random_tensor({2, 8, 48}, DType::BF16, 120 + 2 * step + m);
+      }
+      TransformerLayer::Context a[2], b[2];
+      Tensor ya[2], yb[2];
+      for (int m = 0; m < 2; ++m) {
+        fp8_autocast scope(true, fp8_recipe);
+        ya[m] = plain.forward(x[m], a[m]);
+        yb[m] = recomputed.forward(x[m], b[m]);
+      }
+      for (int m = 0; m < 2; ++m) {
+        SCOPED_TRACE("step " + std::to_string(step) + ", micro-batch " + std::to_string(m));
+        Tensor dxa = plain.backward(dy[m], a[m]);
+        Tensor dxb = recomputed.backward(dy[m], b[m]);
+        EXPECT_EQ(ya[m].to_floats(), yb[m].to_floats());
+        EXPECT_EQ(dxa.to_floats(), dxb.to_floats());
+      }
+      std::vector<Parameter*> pa = plain.parameters(), pb = recomputed.parameters();
+      for (size_t i = 0; i < pa.size(); ++i) {
+        EXPECT_EQ(pa[i]->grad.to_floats(), pb[i]->grad.to_floats()) << pa[i]->name;
+      }
+      const std::vector<Fp8State*> sa = plain.fp8_states(), sb = recomputed.fp8_states();
+      for (size_t i = 0; i < sa.size(); ++i) {
+        EXPECT_EQ(sa[i]->forward_meta().amax_history_data(),
+                  sb[i]->forward_meta().amax_history_data());
+        EXPECT_EQ(sa[i]->forward_meta().scales(), sb[i]->forward_meta().scales());
+      }
     }
   }
 }

@@ -9,6 +9,27 @@
 
 namespace octet::ops {
 
+// FP8 attention (TransformerEngine's fp8_dpa), emulated exactly on any processor: the two
+// operands that exist only inside the kernel are rounded to FP8 before their GEMMs, as an FP8
+// tensor core would read them. The probabilities P (with dropout applied), before P V in the
+// forward and P^T dO in the backward, become q(P * p_scale) / p_scale in p_format; the score
+// gradients dS, before dS K and dS^T Q, become q(dS * ds_scale) / ds_scale in ds_format
+// (q = round to nearest even, saturating at the format's largest value). The forward's P is
+// each 64-key tile's, relative to the running row maximum (values <= 1), as FlashAttention's
+// FP8 kernels quantize it; the row sums stay F32. Q, K, V and dO are quantized by the caller
+// (DotProductAttention), which passes their FP8 values. A scale of 0 leaves that operand in
+// F32. p_amax / ds_amax, when given, receive max |P| (forward) and max |dS| (backward) before
+// scaling: the amaxes delayed scaling needs for the next step's scales.
+struct AttentionFp8 {
+  DType p_format = DType::E4M3;
+  float p_scale = 0.0f;
+  DType ds_format = DType::E5M2;
+  float ds_scale = 0.0f;
+  float* p_amax = nullptr;
+  float* ds_amax = nullptr;
+  bool enabled() const { return p_scale > 0.0f || ds_scale > 0.0f; }
+};
+
 // Masks combine: a key is visible to a query only when every enabled rule allows it.
 // Alignment is bottom-right, as in flash-attn: with the batch's valid lengths Tq (queries)
 // and Tk (keys), query i sits on key diagonal i + Tk - Tq, so the last query sees the last key.
@@ -29,6 +50,7 @@ struct AttentionOptions {
   float dropout = 0.0f;
   uint64_t seed = 0;
   uint64_t offset = 0;  // lets successive calls with one seed draw different masks
+  AttentionFp8 fp8;     // off by default
 };
 
 // q [B,T,H,D], k and v [B,S,Hkv,D], F32|BF16 (k, v the same dtype), H % Hkv == 0 (grouped-query

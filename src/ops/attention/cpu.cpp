@@ -41,6 +41,7 @@ struct Plan {
   bool dropout = false;
   uint32_t threshold = 0;
   float keep_scale = 1.0f;
+  attention_detail::Fp8Rounder p_fp8, ds_fp8;  // inactive unless options.fp8 sets a scale
 };
 
 Plan make_plan(const AttentionShape& s, const AttentionOptions& o) {
@@ -55,6 +56,8 @@ Plan make_plan(const AttentionShape& s, const AttentionOptions& o) {
   p.dropout = o.dropout > 0.0f;
   p.threshold = attention_detail::dropout_threshold(o.dropout);
   p.keep_scale = 1.0f / (1.0f - o.dropout);
+  p.p_fp8 = attention_detail::Fp8Rounder(o.fp8.p_format, o.fp8.p_scale);
+  p.ds_fp8 = attention_detail::Fp8Rounder(o.fp8.ds_format, o.fp8.ds_scale);
   return p;
 }
 
@@ -130,6 +133,24 @@ OCTET_ALWAYS_INLINE void apply_dropout(const Plan& p, int64_t b, int64_t h, int6
   }
 }
 
+// Rounds x[0..n) to FP8 through `round` and returns max |x| before rounding. Each thread's
+// amax goes to the last float of its workspace (see workspace_floats), reduced afterwards.
+inline float round_fp8(const attention_detail::Fp8Rounder& round, float* x, int64_t n) {
+  float amax = 0.0f;
+  for (int64_t c = 0; c < n; ++c) {
+    amax = std::max(amax, std::fabs(x[c]));
+    x[c] = round(x[c]);
+  }
+  return amax;
+}
+
+// The largest of each thread's amax slot (the last float of its workspace).
+float reduce_amax_slots(const float* ws_base, int threads, int64_t ws_floats) {
+  float amax = 0.0f;
+  for (int t = 0; t < threads; ++t) amax = std::max(amax, ws_base[(t + 1) * ws_floats - 1]);
+  return amax;
+}
+
 // ---- forward --------------------------------------------------------------------------------
 
 template <typename T>
@@ -144,7 +165,7 @@ struct ForwardArgs {
 };
 
 constexpr int64_t forward_workspace_floats(int64_t dp) {
-  return 2 * kBlockQ * dp + kBlockQ * kBlockK + 2 * kBlockQ;
+  return 2 * kBlockQ * dp + kBlockQ * kBlockK + 2 * kBlockQ + 1;  // + the amax slot
 }
 
 template <int W, int R, int NV, typename T>
@@ -213,6 +234,10 @@ OCTET_ALWAYS_INLINE void forward_tile(const ForwardArgs<T>& a, int64_t b, int64_
           }
         }
         if (p.dropout) apply_dropout(p, b, h, i0 + r, j0, c_lo, c_hi, row, nullptr, 0);
+        if (p.p_fp8.active()) {
+          float& amax = ws[forward_workspace_floats(dp) - 1];
+          amax = std::max(amax, round_fp8(p.p_fp8, row, kBlockK));
+        }
       }
       vec::gemm<W, R, NV>(rows, dp, kBlockK, sc, kBlockK, v_head + j0 * dp, dp, acc, dp, true);
     }
@@ -271,7 +296,7 @@ void forward_typed(const Plan& p, const Tensor& q, const Tensor& k, const Tensor
                             lse.ndim() == 4 ? 2 : 1};
   const int threads = num_threads();
   const int64_t ws_floats = forward_workspace_floats(p.dp);
-  Tensor workspace = Tensor::empty({threads, ws_floats}, DType::F32);
+  Tensor workspace = Tensor::zeros({threads, ws_floats}, DType::F32);
   float* ws_base = workspace.data<float>();
 #pragma omp parallel for collapse(3) schedule(dynamic, 1) num_threads(threads)
   for (int64_t b = 0; b < s.batch; ++b) {
@@ -281,6 +306,7 @@ void forward_typed(const Plan& p, const Tensor& q, const Tensor& k, const Tensor
       }
     }
   }
+  if (p.o->fp8.p_amax) *p.o->fp8.p_amax = reduce_amax_slots(ws_base, threads, ws_floats);
 }
 
 // ---- backward -------------------------------------------------------------------------------
@@ -306,7 +332,7 @@ struct BackwardArgs {
 };
 
 constexpr int64_t backward_workspace_floats(int64_t dp) {
-  return 4 * kBlockQ * kBlockK + 2 * kBlockK * dp;
+  return 4 * kBlockQ * kBlockK + 2 * kBlockK * dp + 1;  // + the amax slot
 }
 
 template <int W, int R, int NV, typename T>
@@ -361,9 +387,17 @@ OCTET_ALWAYS_INLINE void backward_task(const BackwardArgs<T>& a, int64_t b, int6
           // P^T (for dV) and dP take the dropout factors; dS keeps the undropped P.
           for (int64_t c = 0; c < kBlockK; ++c) pt[c * kBlockQ + r] = p_row[c];
           if (p.dropout) apply_dropout(p, b, h, i0 + r, j0, c_lo, c_hi, d_row, pt + r, kBlockQ);
+          if (p.p_fp8.active()) {  // P^T as dV's FP8 operand
+            for (int64_t c = 0; c < kBlockK; ++c)
+              pt[c * kBlockQ + r] = p.p_fp8(pt[c * kBlockQ + r]);
+          }
           const vec::F<W> delta = vec::splat<W>(a.delta[bh * queries + i0 + r]);
           for (int64_t c = 0; c < kBlockK; c += W) {
             vec::store<W>(d_row + c, vec::load<W>(p_row + c) * (vec::load<W>(d_row + c) - delta));
+          }
+          if (p.ds_fp8.active()) {  // dS as dQ's and dK's FP8 operand
+            float& amax = ws[backward_workspace_floats(dp) - 1];
+            amax = std::max(amax, round_fp8(p.ds_fp8, d_row, kBlockK));
           }
           for (int64_t c = 0; c < kBlockK; ++c) dst[c * kBlockQ + r] = d_row[c];
         }
@@ -482,7 +516,7 @@ void backward_typed(const Plan& p, const Tensor& q, const Tensor& k, const Tenso
                              dk.data<T>(),
                              dv.data<T>()};
   const int64_t ws_floats = backward_workspace_floats(dp);
-  Tensor workspace = Tensor::empty({threads, ws_floats}, DType::F32);
+  Tensor workspace = Tensor::zeros({threads, ws_floats}, DType::F32);
   float* ws_base = workspace.data<float>();
 #pragma omp parallel for collapse(3) schedule(dynamic, 1) num_threads(threads)
   for (int64_t b = 0; b < B; ++b) {
@@ -492,6 +526,7 @@ void backward_typed(const Plan& p, const Tensor& q, const Tensor& k, const Tenso
       }
     }
   }
+  if (p.o->fp8.ds_amax) *p.o->fp8.ds_amax = reduce_amax_slots(ws_base, threads, ws_floats);
 
   const float* acc = dq_acc.data<float>();
   T* out_dq = dq.data<T>();

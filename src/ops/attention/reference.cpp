@@ -39,6 +39,7 @@ namespace {
 struct HeadProbabilities {
   std::vector<double> p;
   std::vector<double> lse;
+  std::vector<double> max;  // each row's largest scaled score
 };
 
 HeadProbabilities head_probabilities(const AttentionShape& s, const AttentionOptions& o,
@@ -46,7 +47,8 @@ HeadProbabilities head_probabilities(const AttentionShape& s, const AttentionOpt
                                      int64_t b, int64_t h) {
   const int64_t T = s.queries, S = s.keys, D = s.head_dim, hk = h / s.group;
   HeadProbabilities out{std::vector<double>(T * S, 0.0),
-                        std::vector<double>(T, std::numeric_limits<double>::infinity())};
+                        std::vector<double>(T, std::numeric_limits<double>::infinity()),
+                        std::vector<double>(T, 0.0)};
   std::vector<double> row(S);
   for (int64_t i = 0; i < T; ++i) {
     KeyRange range = attention_detail::visible_keys(s, o, b, i);
@@ -65,6 +67,7 @@ HeadProbabilities head_probabilities(const AttentionShape& s, const AttentionOpt
     for (int64_t j = range.lo; j < range.hi; ++j) sum += std::exp(row[j] - max);
     for (int64_t j = range.lo; j < range.hi; ++j) out.p[i * S + j] = std::exp(row[j] - max) / sum;
     out.lse[i] = max + std::log(sum);
+    out.max[i] = max;
   }
   return out;
 }
@@ -95,6 +98,11 @@ void flash_attention_forward(const Tensor& q, const Tensor& k, const Tensor& v,
   const int64_t T = s.queries, S = s.keys, D = s.head_dim;
   std::vector<float> qf = q.to_floats(), kf = k.to_floats(), vf = v.to_floats();
   std::vector<double> o_values(q.numel(), 0.0);
+  // FP8 (options.fp8): the P V operand is q(exp(s - row max) * dropout), rounded as F32, over
+  // the row sum. The fast kernel quantizes each 64-key tile relative to its running maximum,
+  // which is this when a row's visible keys lie in one tile.
+  const attention_detail::Fp8Rounder round_p(o.fp8.p_format, o.fp8.p_scale);
+  float p_amax = 0.0f;
   std::vector<double> lse_values(s.batch * s.heads * T);
   for (int64_t b = 0; b < s.batch; ++b) {
     for (int64_t h = 0; h < s.heads; ++h) {
@@ -103,7 +111,13 @@ void flash_attention_forward(const Tensor& q, const Tensor& k, const Tensor& v,
       for (int64_t i = 0; i < T; ++i) {
         lse_values[(b * s.heads + h) * T + i] = hp.lse[i];
         for (int64_t j = 0; j < S; ++j) {
-          const double p = hp.p[i * S + j] * dropout_factor(s, o, b, h, i, j);
+          double p = hp.p[i * S + j] * dropout_factor(s, o, b, h, i, j);
+          if (round_p.active() && p != 0.0) {
+            const double row_sum = std::exp(hp.lse[i] - hp.max[i]);
+            const auto unnormalized = static_cast<float>(p * row_sum);
+            p_amax = std::max(p_amax, unnormalized);
+            p = round_p(unnormalized) / row_sum;
+          }
           if (p == 0.0) continue;
           for (int64_t d = 0; d < D; ++d) {
             o_values[((b * T + i) * s.heads + h) * D + d] +=
@@ -118,6 +132,7 @@ void flash_attention_forward(const Tensor& q, const Tensor& k, const Tensor& v,
     attention_detail::write_lse(lse.data<float>(), lse_parts, static_cast<int64_t>(row),
                                 lse_values[row]);
   }
+  if (o.fp8.p_amax) *o.fp8.p_amax = p_amax;
 }
 
 void flash_attention_backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
@@ -134,6 +149,13 @@ void flash_attention_backward(const Tensor& q, const Tensor& k, const Tensor& v,
   const int64_t T = s.queries, S = s.keys, D = s.head_dim;
   std::vector<float> qf = q.to_floats(), kf = k.to_floats(), vf = v.to_floats();
   std::vector<float> dof = dout.to_floats();
+  // FP8 (options.fp8): dV's operand is q(P * dropout), dQ's and dK's is q(dS); D_i is
+  // rowsum(dO * O) over the forward's output, as the fast kernel takes it.
+  const attention_detail::Fp8Rounder round_p(o.fp8.p_format, o.fp8.p_scale);
+  const attention_detail::Fp8Rounder round_ds(o.fp8.ds_format, o.fp8.ds_scale);
+  const bool fp8 = o.fp8.enabled();
+  std::vector<float> of = fp8 ? out.to_floats() : std::vector<float>{};
+  float ds_amax = 0.0f;
   std::vector<double> dq_values(q.numel(), 0.0), dk_values(k.numel(), 0.0),
       dv_values(v.numel(), 0.0);
   auto q_at = [&](int64_t b, int64_t i, int64_t h) { return ((b * T + i) * s.heads + h) * D; };
@@ -153,12 +175,24 @@ void flash_attention_backward(const Tensor& q, const Tensor& k, const Tensor& v,
             dot += double{dof[q_at(b, i, h) + d]} * vf[k_at(b, j, hk) + d];
           dp[j] = dot * factor;
           delta += hp.p[i * S + j] * dp[j];
-          const double kept = hp.p[i * S + j] * factor;
+          double kept = hp.p[i * S + j] * factor;
+          if (round_p.active()) kept = round_p(static_cast<float>(kept));
           for (int64_t d = 0; d < D; ++d)
             dv_values[k_at(b, j, hk) + d] += kept * dof[q_at(b, i, h) + d];
         }
+        if (fp8) {
+          delta = 0.0;
+          for (int64_t d = 0; d < D; ++d)
+            delta += double{of[q_at(b, i, h) + d]} * dof[q_at(b, i, h) + d];
+        }
         for (int64_t j = 0; j < S; ++j) {
-          const double ds = hp.p[i * S + j] * (dp[j] - delta) * s.scale;
+          double ds = hp.p[i * S + j] * (dp[j] - delta);
+          if (round_ds.active()) {
+            const auto ds32 = static_cast<float>(ds);
+            ds_amax = std::max(ds_amax, std::fabs(ds32));
+            ds = round_ds(ds32);
+          }
+          ds *= s.scale;
           if (ds == 0.0) continue;
           for (int64_t d = 0; d < D; ++d) {
             dq_values[q_at(b, i, h) + d] += ds * kf[k_at(b, j, hk) + d];
@@ -168,6 +202,7 @@ void flash_attention_backward(const Tensor& q, const Tensor& k, const Tensor& v,
       }
     }
   }
+  if (o.fp8.ds_amax) *o.fp8.ds_amax = ds_amax;
   store(dq_values, dq);
   store(dk_values, dk);
   store(dv_values, dv);
