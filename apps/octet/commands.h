@@ -20,6 +20,7 @@ void register_schedule(CLI::App& app);
 void register_bench_gemm(CLI::App& bench);
 void register_bench_ops(CLI::App& bench);
 void register_bench_train(CLI::App& bench);
+void register_bench_converge(CLI::App& bench);
 void register_bench_parallel(CLI::App& bench);
 
 // A model config file, or the name of one installed with octet (share/octet/configs) or in

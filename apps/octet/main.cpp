@@ -36,6 +36,7 @@ int main(int argc, char** argv) {
   octet::cli::register_bench_gemm(*bench);
   octet::cli::register_bench_ops(*bench);
   octet::cli::register_bench_train(*bench);
+  octet::cli::register_bench_converge(*bench);
   octet::cli::register_bench_parallel(*bench);
   int status = 0;
   std::string message;

@@ -48,6 +48,10 @@ expect_error "--output: output file '$dir/file/shard.bin'" tokenize "$dir/file" 
 expect_error "--svg: output file '$dir/dir'" schedule --pipeline-model-parallel-size 2 --num-microbatches 4 --svg "$dir/dir"
 expect_error "--cost-f: expected a finite number >= 0, got -1" schedule --pipeline-model-parallel-size 2 --num-microbatches 4 --cost-f -1
 expect_error "--steps: expected a finite number >= 1, got 0" bench train --steps 0
+expect_error "--variants: unknown variant 'fp9'" bench converge --mock-data --variants bf16,fp9 --out "$dir/cv"
+expect_error "give --train-data SHARD" bench converge --variants bf16 --out "$dir/cv"
+expect_error "--fp8-dpa (FP8 attention) needs --fp8-recipe delayed" "${train[@]}" --precision fp8 --fp8-recipe current --fp8-dpa
+expect_error "--fp8-dpa (FP8 attention) needs --precision fp8" "${train[@]}" --precision bf16 --fp8-dpa
 # A writable --save in a directory that does not exist yet is accepted (and created).
 "$octet" "${train[@]}" --eval-iters 0 --save "$dir/new/ckpt" >/dev/null
 [ -f "$dir/new/ckpt/trainer.json" ] || { echo "FAIL: --save into a new directory wrote nothing"; failures=$((failures + 1)); }
