@@ -55,9 +55,19 @@ void register_train(CLI::App& app) {
   cmd->add_flag("--fp8-dpa", o->fp8_dpa,
                 "FP8 attention (TransformerEngine's fp8_dpa): Q, K, V, the probabilities, dO and "
                 "the score gradients in FP8 inside DotProductAttention (--fp8-recipe delayed)");
+  cmd->add_flag("--first-last-layers-bf16", o->first_last_layers_bf16,
+                "Under fp8 / fp4: the first and last transformer layers in BF16 (counts below)");
+  cmd->add_option("--num-layers-at-start-in-bf16", o->num_layers_at_start_in_bf16,
+                  "With --first-last-layers-bf16: leading layers in BF16")
+      ->check(at_least(0))
+      ->capture_default_str();
+  cmd->add_option("--num-layers-at-end-in-bf16", o->num_layers_at_end_in_bf16,
+                  "With --first-last-layers-bf16: trailing layers in BF16")
+      ->check(at_least(0))
+      ->capture_default_str();
   cmd->add_flag("--fp8-stats", o->fp8_stats,
-                "Per FP8 tensor: amax, scale, underflow and saturation in each metrics line, "
-                "a summary table at the end");
+                "Per FP8 (or FP4) tensor: amax, scale, underflow and saturation in each metrics "
+                "line, a summary table at the end");
   cmd->add_flag("--recompute-activations", o->recompute_activations,
                 "Keep only layer inputs; recompute in backward");
   cmd->add_option("--eval-interval", o->eval_interval, "Validate every N steps")

@@ -162,6 +162,11 @@ class GPT : public TrainableModel {
   // --tp-comm-overlap: every column GEMM's sequence-parallel all-gather overlapped with the
   // GEMM of this rank's own rows.
   void set_tp_comm_overlap(bool on);
+  // Megatron's --first-last-layers-bf16: the first `first` and last `last` transformer layers
+  // of the whole model run outside fp8_autocast / fp4_autocast (in the step's dtype), forward,
+  // backward and recomputation alike, as the published NVFP4 recipe keeps them.
+  void set_high_precision_layers(int64_t first, int64_t last);
+  bool is_high_precision_layer(int64_t layer) const;
   // This rank's rows of the vocabulary (all of it without a group).
   VocabRange vocab() const { return vocab_; }
   const GPTConfig& config() const { return config_; }
@@ -219,6 +224,8 @@ class GPT : public TrainableModel {
   GPTLayout layout_;
   VocabRange vocab_;
   bool has_first_ = false, has_last_ = false;
+  int64_t high_precision_first_ = 0, high_precision_last_ = 0;
+  int64_t global_layer(int chunk, size_t i) const;
   std::vector<std::vector<TransformerLayer>> layers_;  // [chunk][layer of that stage]
   std::optional<Norm> final_norm_;                     // last stage only
   TiedOutputCache output_cache_;

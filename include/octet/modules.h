@@ -43,6 +43,10 @@ struct Fp8TensorStats {
 // Measures q (rowwise data required) against its source x [q.rows, q.cols] F32|BF16, with
 // the scale each element was quantized with (per tensor, per block or E8M0 per 1x32 block).
 Fp8TensorStats measure_fp8(const Tensor& x, const Float8Tensor& q);
+// The same for FP4 (--precision fp4): scale is the smallest effective block scale
+// (1 / (block scale * global scale_inv)); underflow counts nonzero x with a zero E2M1 code,
+// saturation |x| * scale rounding past E2M1's 6 (>= 7, the midpoint to the next power 8).
+Fp8TensorStats measure_fp4(const Tensor& x, const Float4Tensor& q);
 
 // While a scope is on (thread-local, nested; the innermost decides), every GEMM input that a
 // Linear, LayerNormLinear or GroupedLinear quantizes under fp8_autocast is measured with
@@ -100,6 +104,8 @@ class Fp8State {
   // GEMM index appended in grouped modules). Otherwise does nothing.
   void record_stats(const std::string& module, const std::string& role, const Tensor& x,
                     const Float8Tensor& q);
+  void record_stats(const std::string& module, const std::string& role, const Tensor& x,
+                    const Float4Tensor& q);  // FP4 (measure_fp4)
   // Latest stats per tensor name, in the order the tensors were first measured.
   const std::vector<std::pair<std::string, Fp8TensorStats>>& stats() const { return stats_; }
   void clear_stats() { stats_.clear(); }

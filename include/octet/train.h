@@ -145,6 +145,11 @@ struct TrainOptions {
   // FP8 attention (TransformerEngine's fp8_dpa): Q, K, V, P, dO and dS in FP8 inside
   // DotProductAttention. Needs precision fp8 with the delayed recipe.
   bool fp8_dpa = false;
+  // Megatron's --first-last-layers-bf16: under fp8 or fp4, the first and last N transformer
+  // layers run in BF16 (the published NVFP4 recipe keeps a few of each).
+  bool first_last_layers_bf16 = false;
+  int64_t num_layers_at_start_in_bf16 = 1;
+  int64_t num_layers_at_end_in_bf16 = 1;
   bool recompute_activations = false;
   // FP8 health per quantized tensor (amax, scale, underflow, saturation) in each metrics line
   // ("fp8") and a summary table at the end. Needs precision fp8; off costs nothing.

@@ -3,6 +3,7 @@
 // cross-entropy on the last) and its backward, parameters and state dicts. Inference is in
 // gpt_inference.cpp.
 #include <algorithm>
+#include <optional>
 
 #include "models/gpt_parts.h"
 #include "octet/model.h"
@@ -75,6 +76,39 @@ bool GPT::set_embedding_grad_hook(EmbeddingGradHook hook) {
   embedding_grad_hook_ = std::move(hook);
   return true;
 }
+
+void GPT::set_high_precision_layers(int64_t first, int64_t last) {
+  OCTET_CHECK(first >= 0 && last >= 0 && first + last <= config_.num_layers,
+              "gpt: layers kept in high precision (first ", first, ", last ", last,
+              ") expected >= 0 and at most num_layers=", config_.num_layers, " together");
+  high_precision_first_ = first;
+  high_precision_last_ = last;
+}
+
+bool GPT::is_high_precision_layer(int64_t layer) const {
+  return layer < high_precision_first_ || layer >= config_.num_layers - high_precision_last_;
+}
+
+int64_t GPT::global_layer(int chunk, size_t i) const {
+  const int64_t per_stage = config_.num_layers / layout_.stages;
+  return stage_of_chunk(chunk) * per_stage + static_cast<int64_t>(i);
+}
+
+namespace {
+
+// Outside FP8 and FP4 for the scope's lifetime when `plain`, else nothing changes.
+struct HighPrecisionScope {
+  explicit HighPrecisionScope(bool plain) {
+    if (plain) {
+      fp8.emplace(false);
+      fp4.emplace(false);
+    }
+  }
+  std::optional<fp8_autocast> fp8;
+  std::optional<fp4_autocast> fp4;
+};
+
+}  // namespace
 
 void GPT::set_tp_comm_overlap(bool on) {
   for (std::vector<TransformerLayer>& stack : layers_) {
@@ -362,6 +396,7 @@ Tensor GPT::run_forward(int chunk, const Tensor& input, const Tensor& ids, const
   const int64_t seq_len = sequence_parallel() ? T : 0;  // the layers' token rows are a shard
   for (size_t i = 0; i < stack.size(); ++i) {
     TransformerLayer::Context scratch;
+    HighPrecisionScope scope(is_high_precision_layer(global_layer(chunk, i)));
     h = stack[i].forward(h, ctx ? ctx->layers[i] : scratch, nullptr, nullptr, nullptr, seq_len);
   }
   if (!is_last(chunk)) return h;
@@ -392,6 +427,7 @@ Tensor GPT::backward(int chunk, const Tensor& doutput, StagedModel::Context& bas
   OCTET_CHECK(ctx.layers.size() == stack.size(), "gpt: backward of chunk ", chunk,
               " before its forward");
   for (size_t i = stack.size(); i-- > 0;) {
+    HighPrecisionScope scope(is_high_precision_layer(global_layer(chunk, i)));
     dx = stack[i].backward(dx, ctx.layers[i]);
     ctx.layers[i] = TransformerLayer::Context{};
     grads_ready(stack[i].parameters());

@@ -151,8 +151,12 @@ Tensor Linear::fp4_forward(const Tensor& flat, Context& ctx) {
   }
   ctx.weight_fp4 = fp4_weight_;
   Tensor y = Tensor::empty({ctx.rows, options_.out_features}, flat.dtype());
-  gemm(quantize_fp4(flat, Fp4Options{o.recipe}), *ctx.weight_fp4, y, /*trans_a=*/false,
-       /*trans_b=*/true, 1.0f, 0.0f, forward_epilogue());
+  const Float4Tensor xq = quantize_fp4(flat, Fp4Options{o.recipe});
+  if (fp8_stats_enabled()) {
+    fp8_.record_stats(options_.name, "input", flat, xq);
+    fp8_.record_stats(options_.name, "weight", weight.value, *ctx.weight_fp4);
+  }
+  gemm(xq, *ctx.weight_fp4, y, /*trans_a=*/false, /*trans_b=*/true, 1.0f, 0.0f, forward_epilogue());
   ctx.input = flat;
   ctx.fp4 = o;
   return y;
@@ -169,6 +173,7 @@ void Linear::fp4_gradients(const Tensor& dy, const Context& ctx, Tensor& dx) {
   // dX = dY W: K = out, along which NVFP4's 16x16 weight blocks lie either way; MXFP4's 1x32
   // weight blocks lie along `in`, so the transpose is quantized for it.
   const Float4Tensor dyq = quantize_fp4(dy, grads);
+  if (fp8_stats_enabled()) fp8_.record_stats(options_.name, "grad_output", dy, dyq);
   if (nv) {
     gemm(dyq, *ctx.weight_fp4, dx, /*trans_a=*/false, /*trans_b=*/false);
   } else {

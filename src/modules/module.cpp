@@ -2,6 +2,7 @@
 #include <algorithm>
 #include <bit>
 #include <cmath>
+#include <limits>
 #include <variant>
 
 #include "modules/common.h"
@@ -258,6 +259,53 @@ fp8_stats_scope::~fp8_stats_scope() {
 
 bool fp8_stats_enabled() {
   return stats_enabled;
+}
+
+Fp8TensorStats measure_fp4(const Tensor& x, const Float4Tensor& q) {
+  check_dtype_in(x, {DType::F32, DType::BF16}, "measure_fp4: x");
+  OCTET_CHECK(x.numel() == q.rows * q.cols && q.rows * q.cols > 0, "measure_fp4: x ",
+              shape_str(x.shape()), " does not match the FP4 tensor [", q.rows, ",", q.cols, "]");
+  const std::vector<float> values = x.to_floats();
+  Fp8TensorStats stats;
+  stats.numel = x.numel();
+  stats.scale = std::numeric_limits<float>::infinity();
+  int64_t underflow = 0, saturated = 0;
+  for (int64_t r = 0; r < q.rows; ++r) {
+    for (int64_t c = 0; c < q.cols; ++c) {
+      const float v = std::fabs(values[static_cast<size_t>(r * q.cols + c)]);
+      stats.amax = std::max(stats.amax, v);
+      const float block = q.block_scale(r, c) * q.global_scale_inv;
+      const float scale = block > 0.0f ? 1.0f / block : 0.0f;
+      if (c % q.block_cols == 0 && r % q.block_rows == 0 && block > 0.0f)
+        stats.scale = std::min(stats.scale, scale);
+      if (v > 0.0f && (q.code(r, c) & 0x7) == 0) ++underflow;
+      if (v * scale >= 7.0f) ++saturated;  // rounds past 6 (to 8, were there one): clamped
+    }
+  }
+  if (!std::isfinite(stats.scale)) stats.scale = 1.0f;
+  stats.underflow = static_cast<double>(underflow) / static_cast<double>(stats.numel);
+  stats.saturated = static_cast<double>(saturated) / static_cast<double>(stats.numel);
+  return stats;
+}
+
+namespace {
+
+void keep_stats(std::vector<std::pair<std::string, Fp8TensorStats>>& all, const std::string& name,
+                const Fp8TensorStats& stats) {
+  for (auto& [key, value] : all) {
+    if (key == name) {
+      value = stats;
+      return;
+    }
+  }
+  all.emplace_back(name, stats);
+}
+
+}  // namespace
+
+void Fp8State::record_stats(const std::string& module, const std::string& role, const Tensor& x,
+                            const Float4Tensor& q) {
+  if (stats_enabled) keep_stats(stats_, module + "." + role, measure_fp4(x, q));
 }
 
 void Fp8State::record_stats(const std::string& module, const std::string& role, const Tensor& x,

@@ -160,8 +160,19 @@ void TrainingRun::check_options() {
   delayed_scaling_ = fp8_ && std::holds_alternative<recipe::DelayedScaling>(recipe_);
   OCTET_CHECK(!o_.fp8_dpa || fp8_,
               "--fp8-dpa (FP8 attention) needs --precision fp8, got --precision ", o_.precision);
-  OCTET_CHECK(!o_.fp8_stats || fp8_,
-              "--fp8-stats measures FP8 GEMM inputs: it needs --precision fp8, got --precision ",
+  OCTET_CHECK(!o_.first_last_layers_bf16 || fp8_ || fp4_,
+              "--first-last-layers-bf16 keeps layers out of FP8 / FP4: it needs --precision fp8 "
+              "or fp4, got --precision ",
+              o_.precision);
+  OCTET_CHECK(
+      !o_.first_last_layers_bf16 ||
+          o_.num_layers_at_start_in_bf16 + o_.num_layers_at_end_in_bf16 <= config_.num_layers,
+      "--num-layers-at-start-in-bf16 (", o_.num_layers_at_start_in_bf16,
+      ") + --num-layers-at-end-in-bf16 (", o_.num_layers_at_end_in_bf16,
+      ") expected at most the model's ", config_.num_layers, " layers");
+  OCTET_CHECK(!o_.fp8_stats || fp8_ || fp4_,
+              "--fp8-stats measures FP8 / FP4 GEMM inputs: it needs --precision fp8 or fp4, got "
+              "--precision ",
               o_.precision);
 }
 
@@ -186,6 +197,9 @@ std::unique_ptr<TrainableModel> TrainingRun::make_model(GPTLayout layout) const 
   }
   auto model = std::make_unique<GPT>(config_, o_.seed, std::move(layout), o_.recompute_activations);
   model->set_tp_comm_overlap(o_.tp_comm_overlap);
+  if (o_.first_last_layers_bf16) {
+    model->set_high_precision_layers(o_.num_layers_at_start_in_bf16, o_.num_layers_at_end_in_bf16);
+  }
   return model;
 }
 

@@ -460,8 +460,8 @@ void TrainingRun::finish(double run_seconds) {
             : "");
   }
   if (!fp8_summary_.empty()) {
-    std::printf("FP8 tensors over %lld steps (underflow: mean, saturated: max):\n%s",
-                (long long)trained, fp8_summary_.table().c_str());
+    std::printf("%s tensors over %lld steps (underflow: mean, saturated: max):\n%s",
+                fp4_ ? "FP4" : "FP8", (long long)trained, fp8_summary_.table().c_str());
   }
 }
 

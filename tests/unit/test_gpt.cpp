@@ -410,6 +410,53 @@ TEST(GPT, Fp4CurvesFollowFp32) {
   }
 }
 
+// --first-last-layers-bf16: the chosen layers run outside FP8 / FP4. With both layers of the
+// two-layer model kept, an FP8 or FP4 step equals the BF16 step bit for bit (loss and every
+// gradient); keeping only the first differs; their FP8 states never start. Recomputation
+// (activation checkpointing) replays each layer in its own precision.
+TEST(GPT, FirstAndLastLayersStayInBf16) {
+  const GPTConfig config = GPTConfig::from_json(tiny_config());
+  const Tensor ids = random_ids({2, 16}, config.vocab_size, 61);
+  const Tensor targets = random_ids({2, 16}, config.vocab_size, 62);
+  auto step = [&](int first, int last, int mode, bool recompute) {  // mode: 0 bf16, 1 fp8, 2 fp4
+    GPT model(config, 7, recompute);
+    model.set_high_precision_layers(first, last);
+    fp8_autocast fp8(mode == 1, recipe::DelayedScaling{});
+    fp4_autocast fp4(mode == 2, Fp4Options{});
+    std::vector<float> out = {model.train_step(ids, targets, DType::BF16, 1.0f)};
+    for (Parameter* p : model.parameters()) {
+      const std::vector<float> g = p->grad.to_floats();
+      out.insert(out.end(), g.begin(), g.end());
+    }
+    std::vector<int> started;
+    for (Fp8State* s : model.fp8_states()) started.push_back(s->forward_meta().history_len() > 0);
+    return std::pair{out, started};
+  };
+  const auto bf16 = step(0, 0, 0, false);
+  for (int mode : {1, 2}) {
+    SCOPED_TRACE(mode == 1 ? "fp8" : "fp4");
+    for (bool recompute : {false, true}) {
+      const auto both = step(1, 1, mode, recompute);
+      EXPECT_EQ(both.first, bf16.first);
+      const auto first = step(1, 0, mode, recompute);
+      EXPECT_NE(first.first[0], bf16.first[0]);
+      if (recompute) {
+        EXPECT_EQ(first.first, step(1, 0, mode, false).first);
+      }
+      if (mode == 1) {
+        const size_t per_layer = first.second.size() / 2;
+        for (size_t i = 0; i < first.second.size(); ++i) {
+          // FP8 attention's state stays unused without fp8_dpa.
+          const bool attention = i % per_layer == 2;  // qkv, proj, attention, fc1, fc2
+          EXPECT_EQ(first.second[i], i >= per_layer && !attention) << "state " << i;
+        }
+      }
+    }
+  }
+  GPT model(config, 7);
+  EXPECT_THROW(model.set_high_precision_layers(2, 1), Error);
+}
+
 // ---------------------------------------------------------------------------------------------
 // train_gpt: resume, errors.
 

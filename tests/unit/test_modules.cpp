@@ -731,6 +731,64 @@ TEST(Fp8Linear, ReplayAndRestoredInputEqualTheForward) {
 // Under fp4_autocast the Linear's forward is the FP4 GEMM of its quantized input (1x16 or 1x32)
 // and weight (16x16 under NVFP4); its gradients stay at FP4's distance from the exact ones, and
 // the input gradient's stochastic rounding averages out over backward calls.
+// FP4 health (--fp8-stats under --precision fp4): underflow and saturation counted
+// independently here from the dequantized tensor and the block scales; the Linear records its
+// input, weight and output gradient under fp8_stats_scope.
+TEST(Fp4Linear, StatsCountUnderflowAndSaturation) {
+  for (Fp4Recipe recipe : {Fp4Recipe::NVFP4, Fp4Recipe::MXFP4}) {
+    SCOPED_TRACE(fp4_recipe_name(recipe));
+    std::vector<float> values(8 * 64);
+    std::mt19937 gen(4);
+    std::normal_distribution<float> normal(0.0f, 1.0f);
+    for (size_t i = 0; i < values.size(); ++i) {
+      values[i] = normal(gen) * (i % 7 == 0 ? 1e-3f : 1.0f);  // some far below their block
+    }
+    const Tensor x = Tensor::from_floats({8, 64}, values);
+    Fp4Options options;
+    options.recipe = recipe;
+    const Float4Tensor q = quantize_fp4(x, options);
+    const Fp8TensorStats stats = measure_fp4(x, q);
+    const std::vector<float> dq = q.dequantize().to_floats();
+    int64_t underflow = 0, saturated = 0;
+    float amax = 0, min_scale = std::numeric_limits<float>::infinity();
+    for (int64_t r = 0; r < 8; ++r) {
+      for (int64_t c = 0; c < 64; ++c) {
+        const float v = values[static_cast<size_t>(r * 64 + c)];
+        amax = std::max(amax, std::fabs(v));
+        if (v != 0.0f && dq[static_cast<size_t>(r * 64 + c)] == 0.0f) ++underflow;
+        const float block = q.block_scale(r, c) * q.global_scale_inv;
+        min_scale = std::min(min_scale, 1.0f / block);
+        if (std::fabs(v) / block >= 7.0f) ++saturated;
+      }
+    }
+    EXPECT_GT(underflow, 0);
+    EXPECT_EQ(stats.numel, 512);
+    EXPECT_FLOAT_EQ(stats.amax, amax);
+    EXPECT_FLOAT_EQ(stats.scale, min_scale);
+    EXPECT_DOUBLE_EQ(stats.underflow, static_cast<double>(underflow) / 512);
+    EXPECT_DOUBLE_EQ(stats.saturated, static_cast<double>(saturated) / 512);
+
+    LinearOptions o;
+    o.in_features = 64;
+    o.out_features = 32;
+    o.name = "fp4_linear";
+    Linear linear(o);
+    randomize(linear, 6);
+    Linear::Context ctx;
+    {
+      fp8_stats_scope stats_on;
+      fp4_autocast scope(true, options);
+      const Tensor y = linear.forward(x, ctx);
+      linear.backward(random_tensor({8, 32}, DType::F32, 7), ctx);
+    }
+    std::vector<std::string> names;
+    for (const auto& [name, s] : linear.fp8_state().stats()) names.push_back(name);
+    EXPECT_EQ(names, (std::vector<std::string>{"fp4_linear.input", "fp4_linear.weight",
+                                               "fp4_linear.grad_output"}));
+    EXPECT_DOUBLE_EQ(linear.fp8_state().stats()[0].second.underflow, stats.underflow);
+  }
+}
+
 TEST(Fp4Linear, ForwardIsTheFp4GemmAndGradientsAreUnbiased) {
   for (Fp4Recipe recipe : {Fp4Recipe::NVFP4, Fp4Recipe::MXFP4}) {
     SCOPED_TRACE(fp4_recipe_name(recipe));
