@@ -20,13 +20,13 @@ isa_paths build
 bash scripts/build.sh build-sanitize -DOCTET_SANITIZE=ON -DCMAKE_BUILD_TYPE=RelWithDebInfo
 # oneDNN's JIT and libgomp keep allocations alive for the process lifetime: leaks are not
 # findings here; every other ASan/UBSan report fails the run.
-# The three longest runs (the layouts' end-to-end training, the precision curves) are the
-# Release pass's: their code paths run here in the shorter suites, and their ~12 minutes under
-# the sanitizers keep CI under its hour.
+# The longest runs (the layouts' end-to-end training, the precision curves, the convergence
+# report's five tiny trainings) are the Release pass's: their code paths run here in the
+# shorter suites, and their minutes under the sanitizers keep CI under its hour.
 (cd build-sanitize && ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 \
   UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
   ctest --output-on-failure -j 2 \
-  -E '^(train_layouts|GPT.MixedPrecisionCurvesFollowFp32|GPT.Mxfp8CurveFollowsFp32)$')
+  -E '^(train_layouts|bench_converge|GPT.MixedPrecisionCurvesFollowFp32|GPT.Mxfp8CurveFollowsFp32)$')
 isa_paths build-sanitize
 
 # ThreadSanitizer over the communicator, its MPI (progress) thread and roll calls, and the

@@ -281,8 +281,10 @@ class Linear : public Module {
   Tensor fp4_forward(const Tensor& flat, Context& ctx);
   void fp4_gradients(const Tensor& dy, const Context& ctx, Tensor& dx);
   uint64_t fp4_backward_calls_ = 0;
-  std::optional<Float4Tensor> fp4_weight_;  // until on_parameters_updated()  // stochastic
-                                            // rounding: a fresh random stream per backward
+  std::optional<Float4Tensor> fp4_weight_;    // until on_parameters_updated()  // stochastic
+                                              // rounding: a fresh random stream per backward
+  std::optional<Float4Tensor> fp4_weight_t_;  // MXFP4's dX operand (W^T, blocks along out),
+                                              // also once per optimizer step
   PackedWeight& packed_weight(DType dtype);
   const Tensor& weight_as(DType dtype);
   LinearOptions whole_;    // the layer as given

@@ -58,6 +58,7 @@ void Linear::on_parameters_updated() {
   weight_bf16_ = Tensor();
   fp8_.drop_weight_cache();
   fp4_weight_.reset();
+  fp4_weight_t_.reset();
 }
 
 const Tensor& Linear::weight_as(DType dtype) {
@@ -177,8 +178,10 @@ void Linear::fp4_gradients(const Tensor& dy, const Context& ctx, Tensor& dx) {
   if (nv) {
     gemm(dyq, *ctx.weight_fp4, dx, /*trans_a=*/false, /*trans_b=*/false);
   } else {
-    gemm(dyq, quantize_fp4(transposed_f32(weight.value), Fp4Options{o.recipe}), dx,
-         /*trans_a=*/false, /*trans_b=*/true);
+    if (!fp4_weight_t_ || fp4_weight_t_->recipe != o.recipe) {
+      fp4_weight_t_ = quantize_fp4(transposed_f32(weight.value), Fp4Options{o.recipe});
+    }
+    gemm(dyq, *fp4_weight_t_, dx, /*trans_a=*/false, /*trans_b=*/true);
   }
   // dW += dY^T X: K = the tokens, so both operands are quantized transposed (blocks along
   // the tokens), after the random Hadamard transform along them under NVFP4 (16 | tokens).
