@@ -225,13 +225,14 @@ TEST(Fp8Stats, StageStateIndicesNameTheWholeModelsGemms) {
   GPT model(config, 1);
   GPT stage(config, 1, GPTLayout{/*stages=*/4, /*stage_of_chunk=*/{3, 1}});
   const std::vector<Fp8State*> whole = model.fp8_states(), part = stage.fp8_states();
-  ASSERT_EQ(whole.size(), 32u);
-  ASSERT_EQ(part.size(), 16u);
+  // Five per layer: QKV, projection, FP8 attention (DotProductAttention), FC1, FC2.
+  ASSERT_EQ(whole.size(), 40u);
+  ASSERT_EQ(part.size(), 20u);
   const std::vector<int64_t> index = fp8_state_indices(stage, part.size(), config.num_layers);
-  // Stage 1 holds layers 2-3 (states 8-15), stage 3 layers 6-7 (24-31), in stage order.
+  // Stage 1 holds layers 2-3 (states 10-19), stage 3 layers 6-7 (30-39), in stage order.
   std::vector<int64_t> expected;
-  for (int64_t i = 8; i < 16; ++i) expected.push_back(i);
-  for (int64_t i = 24; i < 32; ++i) expected.push_back(i);
+  for (int64_t i = 10; i < 20; ++i) expected.push_back(i);
+  for (int64_t i = 30; i < 40; ++i) expected.push_back(i);
   EXPECT_EQ(index, expected);
   // The same GEMMs: one FP8 forward each, then the stats carry the module names.
   Tensor ids = Tensor::zeros({1, 16}, DType::I32), targets = Tensor::zeros({1, 16}, DType::I32);
