@@ -6,6 +6,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -22,15 +23,41 @@ int64_t ceil_div(int64_t a, int64_t b) {
   return (a + b - 1) / b;
 }
 
-// x as F32 rows [rows, cols].
-std::vector<float> rows_of(const Tensor& x, const char* op, int64_t& rows, int64_t& cols) {
-  OCTET_CHECK(x.dtype() == DType::F32 || x.dtype() == DType::BF16, op,
-              ": x expected f32 or bf16, got ", dtype_name(x.dtype()));
-  OCTET_CHECK(x.ndim() >= 1 && x.numel() > 0, op, ": x expected [*, cols] with elements, got ",
-              shape_str(x.shape()));
-  cols = x.dim(-1);
-  rows = x.numel() / cols;
-  return x.to_floats();
+// x as F32 rows [rows, cols]: F32 input is read in place, BF16 widened once.
+class F32Rows {
+ public:
+  F32Rows(const Tensor& x, const char* op) {
+    OCTET_CHECK(x.dtype() == DType::F32 || x.dtype() == DType::BF16, op,
+                ": x expected f32 or bf16, got ", dtype_name(x.dtype()));
+    OCTET_CHECK(x.ndim() >= 1 && x.numel() > 0, op, ": x expected [*, cols] with elements, got ",
+                shape_str(x.shape()));
+    cols = x.dim(-1);
+    rows = x.numel() / cols;
+    if (x.dtype() == DType::F32) {
+      data = x.data<float>();
+    } else {
+      widened_ = x.to_floats();
+      data = widened_.data();
+    }
+  }
+  int64_t rows = 0, cols = 0;
+  const float* data = nullptr;
+
+ private:
+  std::vector<float> widened_;
+};
+
+// max |x| over the whole tensor, NaN if any element is NaN.
+float tensor_amax(const float* x, int64_t n) {
+  float amax = 0.0f;
+  bool nan = false;
+#pragma omp parallel for reduction(max : amax) reduction(|| : nan) schedule(static)
+  for (int64_t i = 0; i < n; ++i) {
+    const float a = std::fabs(x[i]);
+    nan = nan || std::isnan(a);
+    amax = std::max(amax, a);
+  }
+  return nan ? std::numeric_limits<float>::quiet_NaN() : amax;
 }
 
 // max |x| over a block (NaN if any element is NaN).
@@ -88,7 +115,9 @@ Fp4Recipe parse_fp4_recipe(const std::string& name) {
 Float4Tensor quantize_fp4(const Tensor& x, const Fp4Options& options) {
   const char* op = "quantize_fp4";
   Float4Tensor t;
-  const std::vector<float> values = rows_of(x, op, t.rows, t.cols);
+  const F32Rows values(x, op);
+  t.rows = values.rows;
+  t.cols = values.cols;
   OCTET_CHECK(!options.block_2d || options.recipe == Fp4Recipe::NVFP4, op,
               ": 2-D (16x16) blocks expected with nvfp4 only, got mxfp4");
   const bool nv = options.recipe == Fp4Recipe::NVFP4;
@@ -100,7 +129,7 @@ Float4Tensor quantize_fp4(const Tensor& x, const Fp4Options& options) {
   const int64_t block_col_count = ceil_div(cols, t.block_cols);
   t.data = Tensor::zeros({rows, packed_cols}, DType::U8);
   t.scale = Tensor::empty({block_row_count, block_col_count}, DType::U8);
-  t.amax = block_amax(values.data(), cols, 0, rows, 0, cols);
+  t.amax = tensor_amax(values.data, rows * cols);
 
   // NVFP4's tensor scale; an all-zero tensor keeps 1, an infinite or NaN amax propagates.
   float global_encode = 1.0f;
@@ -110,7 +139,7 @@ Float4Tensor quantize_fp4(const Tensor& x, const Fp4Options& options) {
   if (nv && !std::isfinite(t.amax)) global_encode = std::numeric_limits<float>::quiet_NaN();
   t.global_scale_inv = nv ? 1.0f / global_encode : 1.0f;
 
-  const float* x_data = values.data();
+  const float* x_data = values.data;
   uint8_t* codes = t.data.data<uint8_t>();
   uint8_t* scales = t.scale.data<uint8_t>();
 #pragma omp parallel for collapse(2) schedule(static)
@@ -131,13 +160,23 @@ Float4Tensor quantize_fp4(const Tensor& x, const Fp4Options& options) {
       }
       scales[br * block_col_count + bc] = scale_code;
       for (int64_t r = r0; r < r1; ++r) {
+        // Stochastic rounding draws element i's number from word i % 4 of Philox block i / 4
+        // (philox_uniform): one block serves four neighbours.
+        uint64_t block = std::numeric_limits<uint64_t>::max();
+        std::array<uint32_t, 4> words{};
         for (int64_t c = c0; c < c1; ++c) {
           const float v = x_data[r * cols + c] * encode;
-          const uint64_t index = static_cast<uint64_t>(r * cols + c);
-          const uint8_t code =
-              options.stochastic
-                  ? float_to_e2m1_stochastic(v, philox_uniform(options.seed, options.offset, index))
-                  : float_to_e2m1(v);
+          uint8_t code;
+          if (options.stochastic) {
+            const uint64_t index = static_cast<uint64_t>(r * cols + c);
+            if (index / 4 != block) {
+              block = index / 4;
+              words = philox4x32(options.seed, options.offset + block);
+            }
+            code = float_to_e2m1_stochastic(v, uniform_from_bits(words[index % 4]));
+          } else {
+            code = float_to_e2m1(v);
+          }
           // Blocks start at even columns, so each byte belongs to one block: no two threads
           // write the same byte.
           uint8_t& byte = codes[r * packed_cols + c / 2];
@@ -161,32 +200,60 @@ float Float4Tensor::block_scale(int64_t r, int64_t c) const {
   return recipe == Fp4Recipe::NVFP4 ? fp8_to_float(s, DType::E4M3) : e8m0_to_float(s);
 }
 
-Tensor Float4Tensor::dequantize() const {
-  Tensor out = Tensor::empty({rows, cols}, DType::F32);
-  float* o = out.data<float>();
+namespace {
+
+// Each block's 16 values (code -> convert(E2M1 value x block scale)) in a table, then every
+// byte is two lookups; rows in parallel.
+template <typename Out, typename Convert>
+void expand_fp4(const Float4Tensor& t, Out* out, Convert convert) {
+  const int64_t rows = t.rows, cols = t.cols, packed_cols = ceil_div(cols, 2);
+  const int64_t block_col_count = ceil_div(cols, t.block_cols);
+  const uint8_t* codes = t.data.data<uint8_t>();
+  const uint8_t* scales = t.scale.data<uint8_t>();
+  const bool nv = t.recipe == Fp4Recipe::NVFP4;
+#pragma omp parallel for schedule(static)
   for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t c = 0; c < cols; ++c) {
-      o[r * cols + c] = e2m1_to_float(code(r, c)) * block_scale(r, c) * global_scale_inv;
+    const uint8_t* row_codes = codes + r * packed_cols;
+    const uint8_t* row_scales = scales + (r / t.block_rows) * block_col_count;
+    Out* o = out + r * cols;
+    for (int64_t bc = 0; bc < block_col_count; ++bc) {
+      const uint8_t s = row_scales[bc];
+      const float scale = nv ? fp8_to_float(s, DType::E4M3) : e8m0_to_float(s);
+      Out table[16];
+      for (uint8_t code = 0; code < 16; ++code) table[code] = convert(e2m1_to_float(code) * scale);
+      const int64_t c0 = bc * t.block_cols, c1 = std::min(cols, c0 + t.block_cols);
+      for (int64_t c = c0; c < c1; ++c) {
+        const uint8_t byte = row_codes[c / 2];
+        o[c] = table[c % 2 == 0 ? (byte & 0x0F) : (byte >> 4)];
+      }
     }
   }
+}
+
+}  // namespace
+
+Tensor Float4Tensor::dequantize() const {
+  Tensor out = Tensor::empty({rows, cols}, DType::F32);
+  const float global = global_scale_inv;
+  expand_fp4(*this, out.data<float>(), [global](float v) { return v * global; });
   return out;
 }
 
 Tensor Float4Tensor::widen_bf16() const {
   Tensor out = Tensor::empty({rows, cols}, DType::BF16);
-  bfloat16* o = out.data<bfloat16>();
-  for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t c = 0; c < cols; ++c) {
-      o[r * cols + c].bits = float_to_bf16(e2m1_to_float(code(r, c)) * block_scale(r, c));
-    }
-  }
+  expand_fp4(*this, out.data<bfloat16>(), [](float v) {
+    bfloat16 b;
+    b.bits = float_to_bf16(v);
+    return b;
+  });
   return out;
 }
 
 Tensor random_hadamard_transform(const Tensor& x, uint64_t seed, bool inverse) {
   const char* op = "random_hadamard_transform";
-  int64_t rows = 0, cols = 0;
-  std::vector<float> values = rows_of(x, op, rows, cols);
+  const F32Rows input(x, op);
+  const int64_t rows = input.rows, cols = input.cols;
+  const float* values = input.data;
   OCTET_CHECK(cols % 16 == 0, op, ": the last dimension expected a multiple of 16, got ", cols);
   float signs[16];
   for (int i = 0; i < 16; ++i) {
@@ -198,7 +265,7 @@ Tensor random_hadamard_transform(const Tensor& x, uint64_t seed, bool inverse) {
 #pragma omp parallel for schedule(static)
   for (int64_t b = 0; b < blocks; ++b) {
     float v[16];
-    for (int i = 0; i < 16; ++i) v[i] = values[static_cast<size_t>(b * 16 + i)];
+    for (int i = 0; i < 16; ++i) v[i] = values[b * 16 + i];
     // Forward: y = (x * D) H / 4. Inverse: x = (y H / 4) * D (H is symmetric, H H = 16 I).
     if (!inverse) {
       for (int i = 0; i < 16; ++i) v[i] *= signs[i];

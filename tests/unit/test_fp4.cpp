@@ -230,6 +230,21 @@ TEST(FP4, StochasticQuantizationIsUnbiasedAndSeeded) {
   }
   o.offset = 0;
   EXPECT_TRUE(quantize_fp4(x, o).data.to_floats() == quantize_fp4(x, o).data.to_floats());
+  // Element i rounds with philox_uniform(seed, offset, i), whatever the row length (37: rows
+  // start mid-way through a Philox block of four).
+  const Tensor odd = random_matrix(3, 37, 8);
+  o.seed = 99;
+  o.offset = 12345;
+  const Float4Tensor q = quantize_fp4(odd, o);
+  const float global_encode = 448.0f * 6.0f / q.amax;
+  for (int64_t r = 0; r < 3; ++r) {
+    for (int64_t c = 0; c < 37; ++c) {
+      const float v = odd.data<float>()[r * 37 + c] * (global_encode / q.block_scale(r, c));
+      const uint64_t index = static_cast<uint64_t>(r * 37 + c);
+      ASSERT_EQ(q.code(r, c), float_to_e2m1_stochastic(v, philox_uniform(99, 12345, index)))
+          << r << "," << c;
+    }
+  }
 }
 
 TEST(FP4, BadInputsAndNonFiniteAmax) {
