@@ -62,6 +62,7 @@ struct Options {
   std::string config = "gpt-mini";
   std::string train_data, valid_data;
   bool mock_data = false;
+  std::string vocab_dir;  // the tokenizer the shards were made with (sets the vocabulary)
   std::string out = "out/converge";
   std::string variants =
       "fp32,bf16,fp8-delayed,fp8-current,fp8-mxfp8,fp8-block,fp8-dpa,nvfp4,mxfp4";
@@ -82,6 +83,7 @@ nlohmann::json settings_of(const Options& o) {
   return {{"config", fs::absolute(o.config).string()},
           {"train_data", o.mock_data ? "mock" : fs::absolute(o.train_data).string()},
           {"valid_data", o.valid_data.empty() ? "" : fs::absolute(o.valid_data).string()},
+          {"vocab_dir", o.vocab_dir.empty() ? "" : fs::absolute(o.vocab_dir).string()},
           {"train_iters", o.train_iters},
           {"micro_batch_size", o.micro_batch_size},
           {"seq_length", o.seq_length},
@@ -218,6 +220,7 @@ nlohmann::json run_variant(const Options& o, const Variant& v, const nlohmann::j
   t.train_data = o.mock_data ? "" : o.train_data;
   t.valid_data = o.valid_data;
   t.mock_data = o.mock_data;
+  t.vocab_dir = o.vocab_dir;
   t.micro_batch_size = o.micro_batch_size;
   t.global_batch_size = o.micro_batch_size;
   t.seq_length = o.seq_length;
@@ -356,6 +359,10 @@ void register_bench_converge(CLI::App& bench) {
   cmd->add_option("--valid-data", o->valid_data, "Validation token shard")
       ->check(CLI::ExistingFile);
   cmd->add_flag("--mock-data", o->mock_data, "Random tokens instead of a shard (smoke runs)");
+  cmd->add_option("--vocab-dir", o->vocab_dir,
+                  "Tokenizer the shards were made with (octet learn-bpe -o): sets the "
+                  "vocabulary")
+      ->check(CLI::ExistingDirectory);
   cmd->add_option("--out", o->out, "Report directory (one folder per variant)")
       ->capture_default_str();
   cmd->add_option("--variants", o->variants, "Comma-separated, from the default list")

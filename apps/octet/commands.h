@@ -16,6 +16,7 @@ void register_demo(CLI::App& app);
 void register_train(CLI::App& app);
 void register_generate(CLI::App& app);
 void register_tokenize(CLI::App& app);
+void register_learn_bpe(CLI::App& app);
 void register_schedule(CLI::App& app);
 void register_bench_gemm(CLI::App& bench);
 void register_bench_ops(CLI::App& bench);

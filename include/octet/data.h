@@ -7,6 +7,7 @@
 #include <string>
 #include <string_view>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 namespace octet {
@@ -59,6 +60,28 @@ class Gpt2Tokenizer {
   int32_t byte_ids_[256] = {};                  // byte -> id of its one-byte token
   int32_t eot_id_ = -1;
 };
+
+// A byte-level BPE vocabulary learned from text, in GPT-2's format (what Gpt2Tokenizer loads).
+// Ids: 0..255 the single bytes (id = byte value), then one id per new merged string in the
+// order they were learned, then "<|endoftext|>" last.
+struct BpeVocabulary {
+  std::vector<std::string> tokens;                  // id -> bytes
+  std::vector<std::pair<int32_t, int32_t>> merges;  // rank -> (left id, right id)
+  int64_t training_tokens = 0;  // the training text's length in tokens after every merge
+  int64_t training_bytes = 0;
+};
+
+// Learns merges as GPT-2's vocabulary was made: the text is split by GPT-2's pre-tokenizer,
+// merges never cross a piece, and each step merges the most frequent adjacent pair (ties: the
+// lower left id, then the lower right id) everywhere, left to right. Stops when the vocabulary
+// has vocab_size tokens (counting "<|endoftext|>") or no pair occurs min_pair_count times.
+// Two merges may spell the same bytes (("ab","c") and ("a","bc")): they share one id.
+// Throws octet::Error for vocab_size < 257 or invalid UTF-8 (naming the text and byte offset).
+BpeVocabulary learn_bpe(std::span<const std::string_view> texts, int32_t vocab_size,
+                        int64_t min_pair_count = 2);
+
+// Writes DIR/encoder.json and DIR/vocab.bpe (each to a temp name, then renamed); creates DIR.
+void save_bpe_vocabulary(const BpeVocabulary& vocabulary, const std::string& dir);
 
 // Splits text into GPT-2's pre-tokenization pieces (views into text). Throws on invalid UTF-8.
 std::vector<std::string_view> gpt2_pretokenize(std::string_view text);

@@ -167,11 +167,11 @@ void check_schedule(const Schedule& schedule);
 // as scheduled: ForwardBackward runs its forward, then its backward, one after the other (no
 // overlap of the two).
 struct ExecutorOptions {
-  DType dtype = DType::F32;              // compute dtype: F32 or BF16
+  DType dtype = DType::F32;  // compute dtype: F32 or BF16
   // A receive or send pending this long is an error naming it and the peer's state (0: the
   // process's communication_timeout(), --comm-timeout).
   double receive_timeout_seconds = 0;
-  bool check = true;                     // check_schedule before the first step
+  bool check = true;  // check_schedule before the first step
   // Called after each forward and each backward of a chunk (e.g. the FP8 amax reduction over
   // the stage's tensor x data ranks, which run the same action list): may be empty.
   std::function<void()> after_compute;

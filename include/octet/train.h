@@ -52,6 +52,9 @@ struct Checkpoint {
   TensorMap model;
   TensorMap optimizer;
   nlohmann::json trainer;  // config, step, rng state, data position ...
+  // Files copied into the checkpoint as they are (name in the checkpoint -> source path), e.g.
+  // the tokenizer's tokenizer/encoder.json and tokenizer/vocab.bpe; digested like the rest.
+  std::vector<std::pair<std::string, std::string>> files;
 };
 void save_checkpoint(const std::string& dir, const Checkpoint& checkpoint);
 // Whether a floating-point tensor (F32, BF16, F16) holds a NaN or an infinity.
@@ -127,6 +130,8 @@ struct TrainOptions {
   std::string valid_data;   // token shard for validation; empty = none
   bool mock_data = false;   // random tokens instead of the shards
   int64_t seq_length = 0;   // 0 = the config's max_seq_len
+  int64_t vocab_size = 0;   // 0 = the config's vocab_size (else overrides it)
+  std::string vocab_dir;    // the tokenizer the data was made with: copied into checkpoints
   int64_t micro_batch_size = 8;
   int64_t global_batch_size = 0;  // a multiple of micro_batch_size (accumulation); 0 = micro
   int64_t train_iters = 100;

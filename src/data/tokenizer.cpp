@@ -5,24 +5,13 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 
+#include "data/byte_alphabet.h"
 #include "data/pretokenize.h"
 #include "octet/data.h"
 #include "octet/error.h"
 
 namespace octet {
 namespace {
-
-// GPT-2's bytes_to_unicode: printable Latin-1 bytes stand for themselves, the other 68 bytes
-// for U+0100.. in byte order, so every token is a printable string in encoder.json.
-std::vector<char32_t> byte_to_code_point() {
-  std::vector<char32_t> table(256);
-  char32_t next = 256;
-  for (int b = 0; b < 256; ++b) {
-    const bool printable = (b >= '!' && b <= '~') || (b >= 0xA1 && b <= 0xAC) || b >= 0xAE;
-    table[b] = printable ? static_cast<char32_t>(b) : next++;
-  }
-  return table;
-}
 
 std::string read_file(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
@@ -37,7 +26,7 @@ class ByteDecoder {
  public:
   ByteDecoder() {
     std::fill(std::begin(byte_of_), std::end(byte_of_), -1);
-    const std::vector<char32_t> table = byte_to_code_point();
+    const std::vector<char32_t> table = detail::byte_to_code_point();
     for (int b = 0; b < 256; ++b) byte_of_[table[b]] = static_cast<unsigned char>(b);
   }
   std::string bytes(std::string_view token, const std::string& where) const {

@@ -121,6 +121,18 @@ std::string first_nonfinite(const TensorMap& tensors) {
   return "";
 }
 
+// Copies source to dir/name (name may hold one folder, as tokenizer/vocab.bpe).
+void copy_into(const fs::path& dir, const std::string& name, const std::string& source) {
+  OCTET_CHECK(!name.empty() && name.find("..") == std::string::npos && name[0] != '/',
+              "checkpoint: expected a relative file name, got '", name, "'");
+  const fs::path target = dir / name;
+  std::error_code error;
+  fs::create_directories(target.parent_path(), error);
+  if (!error) fs::copy_file(source, target, fs::copy_options::overwrite_existing, error);
+  OCTET_CHECK(!error, "checkpoint: cannot copy '", source, "' into it as ", name, ": ",
+              error.message());
+}
+
 void save_checkpoint(const std::string& dir, const Checkpoint& checkpoint) {
   const fs::path target(dir), temp(dir + ".tmp");
   write_or_clean(temp, dir, [&] {
@@ -129,7 +141,12 @@ void save_checkpoint(const std::string& dir, const Checkpoint& checkpoint) {
     save_safetensors((temp / "model.safetensors").string(), checkpoint.model);
     save_safetensors((temp / "optimizer.safetensors").string(), checkpoint.optimizer);
     nlohmann::json trainer = checkpoint.trainer;
-    trainer["files"] = file_digests(temp, {"model.safetensors", "optimizer.safetensors"});
+    std::vector<std::string> files = {"model.safetensors", "optimizer.safetensors"};
+    for (const auto& [name, source] : checkpoint.files) {
+      copy_into(temp, name, source);
+      files.push_back(name);
+    }
+    trainer["files"] = file_digests(temp, files);
     write_json(temp / "trainer.json", trainer);
     swap_in(temp, target);
   });
@@ -183,6 +200,10 @@ void save_checkpoint_sharded(const std::string& dir, const Checkpoint& part,
       trainer["layout"] = {{"tensor", parallel.tensor_size()},
                            {"pipeline", parallel.pipeline_size()},
                            {"data", parallel.data_size()}};
+      for (const auto& [name, source] : part.files) {
+        copy_into(temp, name, source);
+        files.push_back(name);
+      }
       trainer["files"] = file_digests(temp, files);
       write_json(temp / "trainer.json", trainer);
       swap_in(temp, target);

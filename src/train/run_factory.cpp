@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <variant>
 
+#include "octet/data.h"
 #include "octet/files.h"
 #include "octet/tensor_parallel.h"
 #include "train/training_run.h"
@@ -64,6 +65,18 @@ bool contains(const std::vector<Parameter*>& set, const Parameter* p) {
 
 TrainingRun::TrainingRun(const TrainOptions& options) : o_(options) {
   config_ = GPTConfig::load(o_.config_path);
+  if (!o_.vocab_dir.empty()) {
+    // The tokenizer the shards were made with: its size is the model's unless --vocab-size
+    // says otherwise, and it travels in every checkpoint so that generation decodes with it.
+    const Gpt2Tokenizer tokenizer = Gpt2Tokenizer::load(o_.vocab_dir);
+    const int64_t size = o_.vocab_size ? o_.vocab_size : tokenizer.vocab_size();
+    OCTET_CHECK(size >= tokenizer.vocab_size(), "--vocab-size ", size,
+                " expected at least the tokenizer's ", tokenizer.vocab_size(), " (--vocab-dir ",
+                o_.vocab_dir, ")");
+    config_.vocab_size = size;
+  } else if (o_.vocab_size) {
+    config_.vocab_size = o_.vocab_size;
+  }
   check_options();
   // Without a launcher the world is this process alone, and MPI is never started.
   world_ = launcher_world_size() > 1 ? world_communicator() : self_communicator();

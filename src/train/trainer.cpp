@@ -325,6 +325,10 @@ void TrainingRun::save(int64_t iteration) {
     fp8_part_[i]->save_state(checkpoint.optimizer, "fp8." + std::to_string(fp8_index_[i]) + ".");
   }
   checkpoint.trainer = trainer_state(iteration);
+  if (!o_.vocab_dir.empty()) {
+    for (const char* file : {"encoder.json", "vocab.bpe"})
+      checkpoint.files.emplace_back(std::string("tokenizer/") + file, o_.vocab_dir + "/" + file);
+  }
   // Never a non-finite model over a good checkpoint: every rank checks its part and all
   // agree before anything is written.
   std::string bad = first_nonfinite(checkpoint.model);
