@@ -73,6 +73,31 @@ float block_amax(const float* x, int64_t cols, int64_t r0, int64_t r1, int64_t c
   return amax;
 }
 
+// float_to_e2m1 without branches: the magnitude code counts the rounding thresholds passed
+// (ties go to the even code: 0.25, 1.25 and 2.5 stay below, 0.75, 1.75, 3.5 go up, 5 stays
+// at 4), NaN saturates to 7 as the scalar conversion does. test_fp4 holds it to the table.
+inline uint8_t e2m1_nearest(float value) {
+  const float m = std::fabs(value);
+  const int code = (m > 0.25f) + (m >= 0.75f) + (m > 1.25f) + (m >= 1.75f) + (m > 2.5f) +
+                   (m >= 3.5f) + (m > 5.0f);
+  const uint8_t magnitude = std::isnan(m) ? 7 : static_cast<uint8_t>(code);
+  return static_cast<uint8_t>((std::signbit(value) ? 0x8 : 0x0) | magnitude);
+}
+
+// float_to_e2m1_stochastic: up from the representable value below |v| with probability
+// (|v| - low) / (high - low), as the scalar conversion decides it.
+inline uint8_t e2m1_stochastic(float value, float u) {
+  constexpr float kValues[8] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
+  const uint8_t sign = std::signbit(value) ? 0x8 : 0x0;
+  const float m = std::fabs(value);
+  if (!(m < 6.0f)) return sign | 7;
+  const int lower =
+      (m >= 0.5f) + (m >= 1.0f) + (m >= 1.5f) + (m >= 2.0f) + (m >= 3.0f) + (m >= 4.0f);
+  const float low = kValues[lower], high = kValues[lower + 1];
+  const bool up = u * (high - low) < m - low;
+  return static_cast<uint8_t>(sign | (up ? lower + 1 : lower));
+}
+
 struct Fp4Scope {
   bool enabled;
   Fp4Options options;
@@ -173,9 +198,9 @@ Float4Tensor quantize_fp4(const Tensor& x, const Fp4Options& options) {
               block = index / 4;
               words = philox4x32(options.seed, options.offset + block);
             }
-            code = float_to_e2m1_stochastic(v, uniform_from_bits(words[index % 4]));
+            code = e2m1_stochastic(v, uniform_from_bits(words[index % 4]));
           } else {
-            code = float_to_e2m1(v);
+            code = e2m1_nearest(v);
           }
           // Blocks start at even columns, so each byte belongs to one block: no two threads
           // write the same byte.
@@ -202,8 +227,8 @@ float Float4Tensor::block_scale(int64_t r, int64_t c) const {
 
 namespace {
 
-// Each block's 16 values (code -> convert(E2M1 value x block scale)) in a table, then every
-// byte is two lookups; rows in parallel.
+// A table of convert(E2M1 value x block scale) for every (scale code, E2M1 code), built once
+// per call; then every byte is two lookups, rows in parallel.
 template <typename Out, typename Convert>
 void expand_fp4(const Float4Tensor& t, Out* out, Convert convert) {
   const int64_t rows = t.rows, cols = t.cols, packed_cols = ceil_div(cols, 2);
@@ -211,20 +236,23 @@ void expand_fp4(const Float4Tensor& t, Out* out, Convert convert) {
   const uint8_t* codes = t.data.data<uint8_t>();
   const uint8_t* scales = t.scale.data<uint8_t>();
   const bool nv = t.recipe == Fp4Recipe::NVFP4;
+  std::vector<Out> table(256 * 16);
+  for (int s = 0; s < 256; ++s) {
+    const auto code = static_cast<uint8_t>(s);
+    const float scale = nv ? fp8_to_float(code, DType::E4M3) : e8m0_to_float(code);
+    for (uint8_t e = 0; e < 16; ++e) table[s * 16 + e] = convert(e2m1_to_float(e) * scale);
+  }
 #pragma omp parallel for schedule(static)
   for (int64_t r = 0; r < rows; ++r) {
     const uint8_t* row_codes = codes + r * packed_cols;
     const uint8_t* row_scales = scales + (r / t.block_rows) * block_col_count;
     Out* o = out + r * cols;
     for (int64_t bc = 0; bc < block_col_count; ++bc) {
-      const uint8_t s = row_scales[bc];
-      const float scale = nv ? fp8_to_float(s, DType::E4M3) : e8m0_to_float(s);
-      Out table[16];
-      for (uint8_t code = 0; code < 16; ++code) table[code] = convert(e2m1_to_float(code) * scale);
+      const Out* values = table.data() + row_scales[bc] * 16;
       const int64_t c0 = bc * t.block_cols, c1 = std::min(cols, c0 + t.block_cols);
       for (int64_t c = c0; c < c1; ++c) {
         const uint8_t byte = row_codes[c / 2];
-        o[c] = table[c % 2 == 0 ? (byte & 0x0F) : (byte >> 4)];
+        o[c] = values[c % 2 == 0 ? (byte & 0x0F) : (byte >> 4)];
       }
     }
   }

@@ -7,6 +7,7 @@
 #include <cmath>
 #include <limits>
 #include <random>
+#include <vector>
 
 #include "octet/error.h"
 #include "octet/fp4.h"
@@ -208,6 +209,52 @@ TEST(FP4, WidenedBf16IsExactAndPackingIsLowNibbleFirst) {
         ASSERT_EQ(c % 2 == 0 ? byte & 0xF : byte >> 4, q.code(r, c));
       }
       EXPECT_EQ(q.data.data<uint8_t>()[r * 17 + 16] >> 4, 0);
+    }
+  }
+}
+
+// The quantizer's own element conversion against the format table at every rounding
+// threshold, representable value and their float neighbours (MXFP4 blocks whose amax is 6
+// have scale 1, so the quantizer sees these values exactly).
+TEST(FP4, QuantizerRoundsEveryThresholdAsTheTable) {
+  std::vector<float> sweep;
+  for (const float t : {0.0f, 0.25f, 0.5f, 0.75f, 1.0f, 1.25f, 1.5f, 1.75f, 2.0f, 2.5f, 3.0f, 3.5f,
+                        4.0f, 5.0f, 5.999f}) {
+    for (const float v : {t, std::nextafter(t, 0.0f), std::nextafter(t, 10.0f)}) {
+      sweep.push_back(v);
+      sweep.push_back(-v);
+    }
+  }
+  sweep.push_back(-0.0f);
+  sweep.push_back(1e-30f);
+  const int64_t per_row = 31, rows = (static_cast<int64_t>(sweep.size()) + per_row - 1) / per_row;
+  Tensor x = Tensor::zeros({rows, 32}, DType::F32);
+  for (int64_t r = 0; r < rows; ++r) x.data<float>()[r * 32] = 6.0f;
+  for (size_t i = 0; i < sweep.size(); ++i) {
+    const int64_t r = static_cast<int64_t>(i) / per_row, c = 1 + static_cast<int64_t>(i) % per_row;
+    x.data<float>()[r * 32 + c] = sweep[i];
+  }
+  const Float4Tensor q = quantize_fp4(x, {Fp4Recipe::MXFP4});
+  for (int64_t r = 0; r < rows; ++r) {
+    ASSERT_EQ(q.block_scale(r, 0), 1.0f);
+    for (int64_t c = 0; c < 32; ++c) {
+      const float v = x.data<float>()[r * 32 + c];
+      ASSERT_EQ(q.code(r, c), float_to_e2m1(v)) << v;
+    }
+  }
+  // Stochastic rounding of the same values, element by element against the scalar conversion.
+  Fp4Options o{Fp4Recipe::MXFP4};
+  o.stochastic = true;
+  o.seed = 5;
+  for (uint64_t offset = 0; offset < 64; offset += 16) {
+    o.offset = offset;
+    const Float4Tensor s = quantize_fp4(x, o);
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t c = 0; c < 32; ++c) {
+        const float v = x.data<float>()[r * 32 + c];
+        const uint64_t index = static_cast<uint64_t>(r * 32 + c);
+        ASSERT_EQ(s.code(r, c), float_to_e2m1_stochastic(v, philox_uniform(5, offset, index))) << v;
+      }
     }
   }
 }
