@@ -36,9 +36,9 @@ fi
   --save "$OUT/gpt-mini" --metrics "$OUT/metrics.jsonl" --plot "$OUT/loss.svg" \
   $([ "$PRECISION" = fp8 ] && echo --fp8-stats)
 
-echo "--- generated (greedy) ---"
+echo "--- generated (greedy, repetition penalty 1.3) ---"
 ./build/octet generate --ckpt "$OUT/gpt-mini" --prompt "It was a dark and stormy night, and" \
-  --max-new-tokens 60 --temperature 0
+  --max-new-tokens 60 --temperature 0 --repetition-penalty 1.3
 echo "--- generated (temperature 0.8, top-k 40) ---"
 ./build/octet generate --ckpt "$OUT/gpt-mini" --prompt "The old man said" \
   --max-new-tokens 60 --temperature 0.8 --top-k 40 --seed 7

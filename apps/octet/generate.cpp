@@ -73,6 +73,16 @@ void register_generate(CLI::App& app) {
   cmd->add_option("--top-p", o->sampling.top_p, "Nucleus sampling mass")
       ->check(number_in(0, 1, true, false));
   cmd->add_option("--seed", o->sampling.seed, "Sampling seed");
+  cmd->add_option("--repetition-penalty", o->sampling.repetition_penalty,
+                  "Divide positive (multiply negative) logits of tokens already in the text "
+                  "(1 = off)")
+      ->check(number_in(0, 1e6, true, false));
+  cmd->add_option("--frequency-penalty", o->sampling.frequency_penalty,
+                  "Subtract count x this from generated tokens' logits")
+      ->check(number_in(-2, 2));
+  cmd->add_option("--presence-penalty", o->sampling.presence_penalty,
+                  "Subtract this from generated tokens' logits")
+      ->check(number_in(-2, 2));
   cmd->add_option("--precision", o->precision, "fp32 | bf16")
       ->check(CLI::IsMember({"fp32", "bf16"}));
   cmd->add_option("--vocab-dir", o->vocab_dir, "Directory with encoder.json and vocab.bpe");

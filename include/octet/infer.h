@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -16,7 +17,21 @@ struct SamplingOptions {
   int64_t top_k = 0;         // 0 = no top-k cut
   float top_p = 1.0f;        // nucleus: smallest set of tokens whose probability >= top_p
   uint64_t seed = 0;
+  // Penalties on tokens already there, applied to the logits before anything else (vLLM's
+  // semantics): repetition (CTRL, Hugging Face) over the prompt and the generated tokens, a
+  // logit > 0 divided by it and one < 0 multiplied; frequency and presence (OpenAI) over the
+  // generated tokens, logit -= count * frequency_penalty + (count > 0) * presence_penalty.
+  float repetition_penalty = 1.0f;  // > 0; 1 = off
+  float frequency_penalty = 0.0f;   // in [-2, 2]
+  float presence_penalty = 0.0f;    // in [-2, 2]
 };
+
+// Throws octet::Error naming the first option out of range.
+void check_sampling_options(const SamplingOptions& options);
+
+// The penalties above on logits [vocab] in place; `prompt` and `generated` are the ids so far.
+void apply_penalties(float* logits, int64_t vocab, std::span<const int32_t> prompt,
+                     std::span<const int32_t> generated, const SamplingOptions& options);
 
 // Picks the next token from logits [V] F32. `step` selects this draw's random number, so a
 // (seed, step) pair always gives the same choice.

@@ -30,6 +30,15 @@ Tensor window_logits(GPT& model, const std::vector<int32_t>& ids, DType dtype) {
   return model.last_logits(token_row(ids, ids.size() - std::min(ids.size(), window)), dtype);
 }
 
+// The penalties on the context so far, then the draw of step `step`.
+int32_t pick_next(Tensor& logits, int64_t vocab, const std::vector<int32_t>& ids,
+                  size_t prompt_size, const SamplingOptions& options, int64_t step) {
+  const std::span<const int32_t> all(ids);
+  apply_penalties(logits.data<float>(), vocab, all.first(prompt_size), all.subspan(prompt_size),
+                  options);
+  return sample_token(logits.data<float>(), vocab, options, static_cast<uint64_t>(step));
+}
+
 }  // namespace
 
 std::vector<int32_t> generate(GPT& model, const std::vector<int32_t>& prompt_ids,
@@ -48,7 +57,7 @@ std::vector<int32_t> generate(GPT& model, const std::vector<int32_t>& prompt_ids
     } else {
       logits = window_logits(model, ids, dtype);
     }
-    int32_t next = sample_token(logits.data<float>(), vocab, options, static_cast<uint64_t>(step));
+    const int32_t next = pick_next(logits, vocab, ids, prompt_ids.size(), options, step);
     ids.push_back(next);
     if (on_token) on_token(next);
   }
@@ -63,7 +72,7 @@ std::vector<int32_t> generate_uncached(GPT& model, const std::vector<int32_t>& p
   std::vector<int32_t> ids = prompt_ids;
   for (int64_t step = 0; step < max_new_tokens; ++step) {
     Tensor logits = window_logits(model, ids, dtype);
-    int32_t next = sample_token(logits.data<float>(), vocab, options, static_cast<uint64_t>(step));
+    const int32_t next = pick_next(logits, vocab, ids, prompt_ids.size(), options, step);
     ids.push_back(next);
     if (on_token) on_token(next);
   }

@@ -1,4 +1,5 @@
-// Sampling: temperature, top-k, top-p over softmax probabilities; greedy at temperature 0.
+// Sampling: repetition / frequency / presence penalties on the logits, then temperature,
+// top-k, top-p over softmax probabilities; greedy at temperature 0.
 #include <algorithm>
 #include <cmath>
 #include <numeric>
@@ -8,11 +9,56 @@
 
 namespace octet {
 
-int32_t sample_token(const float* logits, int64_t vocab, const SamplingOptions& o, uint64_t step) {
-  OCTET_CHECK(vocab > 0, "sample_token: empty vocabulary");
+void check_sampling_options(const SamplingOptions& o) {
   OCTET_CHECK(o.temperature >= 0, "sampling: temperature must be >= 0, got ", o.temperature);
   OCTET_CHECK(o.top_p > 0 && o.top_p <= 1, "sampling: top_p expected in (0, 1], got ", o.top_p);
   OCTET_CHECK(o.top_k >= 0, "sampling: top_k must be >= 0, got ", o.top_k);
+  OCTET_CHECK(o.repetition_penalty > 0 && std::isfinite(o.repetition_penalty),
+              "sampling: repetition_penalty expected > 0 (1 = off), got ", o.repetition_penalty);
+  OCTET_CHECK(o.frequency_penalty >= -2 && o.frequency_penalty <= 2,
+              "sampling: frequency_penalty expected in [-2, 2], got ", o.frequency_penalty);
+  OCTET_CHECK(o.presence_penalty >= -2 && o.presence_penalty <= 2,
+              "sampling: presence_penalty expected in [-2, 2], got ", o.presence_penalty);
+}
+
+void apply_penalties(float* logits, int64_t vocab, std::span<const int32_t> prompt,
+                     std::span<const int32_t> generated, const SamplingOptions& o) {
+  check_sampling_options(o);
+  const bool counts_matter = o.frequency_penalty != 0.0f || o.presence_penalty != 0.0f;
+  if (o.repetition_penalty == 1.0f && !counts_matter) return;
+  auto check_id = [vocab](int32_t id) {
+    OCTET_CHECK(id >= 0 && id < vocab, "sampling: token ", id, " outside [0, ", vocab, ")");
+  };
+  if (o.repetition_penalty != 1.0f) {
+    std::vector<bool> seen(static_cast<size_t>(vocab), false);
+    for (const auto ids : {prompt, generated}) {
+      for (const int32_t id : ids) {
+        check_id(id);
+        seen[static_cast<size_t>(id)] = true;
+      }
+    }
+    for (int64_t i = 0; i < vocab; ++i) {
+      if (!seen[static_cast<size_t>(i)]) continue;
+      logits[i] =
+          logits[i] > 0 ? logits[i] / o.repetition_penalty : logits[i] * o.repetition_penalty;
+    }
+  }
+  if (counts_matter) {
+    std::vector<int32_t> count(static_cast<size_t>(vocab), 0);
+    for (const int32_t id : generated) {
+      check_id(id);
+      ++count[static_cast<size_t>(id)];
+    }
+    for (int64_t i = 0; i < vocab; ++i) {
+      const int32_t c = count[static_cast<size_t>(i)];
+      if (c > 0) logits[i] -= static_cast<float>(c) * o.frequency_penalty + o.presence_penalty;
+    }
+  }
+}
+
+int32_t sample_token(const float* logits, int64_t vocab, const SamplingOptions& o, uint64_t step) {
+  OCTET_CHECK(vocab > 0, "sample_token: empty vocabulary");
+  check_sampling_options(o);
   for (int64_t i = 0; i < vocab; ++i) {
     OCTET_CHECK(!std::isnan(logits[i]), "sampling: logit ", i, " is NaN (the model diverged?)");
   }

@@ -3,6 +3,7 @@
 // (greedy and sampled, past max_seq_len too), and sampling is reproducible.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <ostream>
 #include <string>
@@ -148,6 +149,34 @@ TEST_P(Inference, SameSeedSameSample) {
   EXPECT_NE(generate(model_, prompt, 20, sampling), first);
 }
 
+// Greedy with penalties: cached equals uncached; on this model greedy decoding repeats tokens,
+// and strong penalties make it pick a new token at every step.
+TEST_P(Inference, PenaltiesApplyAlikeCachedAndUncached) {
+  const std::vector<int32_t> prompt = {5, 9, 5};
+  SamplingOptions greedy;
+  greedy.temperature = 0.0f;
+  greedy.repetition_penalty = 1.3f;
+  greedy.frequency_penalty = 0.5f;
+  greedy.presence_penalty = 0.2f;
+  EXPECT_EQ(generate(model_, prompt, 10, greedy), generate_uncached(model_, prompt, 10, greedy));
+  SamplingOptions distinct;
+  distinct.temperature = 0.0f;
+  distinct.presence_penalty = 2.0f;
+  distinct.repetition_penalty = 1e4f;
+  SamplingOptions plain;
+  plain.temperature = 0.0f;
+  const std::vector<int32_t> unpenalized = generate(model_, prompt, 20, plain);
+  std::vector<int32_t> sorted = unpenalized;
+  std::sort(sorted.begin(), sorted.end());
+  EXPECT_NE(std::unique(sorted.begin(), sorted.end()), sorted.end()) << "no repeats to remove";
+  const std::vector<int32_t> out = generate(model_, prompt, 20, distinct);
+  std::vector<int32_t> all = prompt;
+  for (const int32_t id : out) {
+    EXPECT_EQ(std::count(all.begin(), all.end(), id), 0) << "token " << id << " repeated";
+    all.push_back(id);
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Gpt, Inference,
                          ::testing::Values(Variant{"learned_positions", nlohmann::json::object()},
                                            Variant{"rope_gqa",
@@ -169,6 +198,51 @@ TEST(InferenceParams, AllocatesEachLayerOnceWithItsShapeAndDtype) {
   EXPECT_EQ(&cache.key_value(1, 2, 8, DType::BF16), &cache.key_value_memory[1]);
   EXPECT_THROW(cache.key_value(1, 2, 8, DType::F32), Error);
   EXPECT_THROW(InferenceParams(0, 16), Error);
+}
+
+}  // namespace
+}  // namespace octet
+
+namespace octet {
+namespace {
+
+TEST(Sampling, PenaltiesFollowTheirDefinitions) {
+  // logits of tokens 0..5; prompt {0, 1}, generated {1, 2, 2}.
+  const std::vector<float> base = {2.0f, -1.0f, 4.0f, -3.0f, 1.0f, 0.5f};
+  const std::vector<int32_t> prompt = {0, 1}, generated = {1, 2, 2};
+  SamplingOptions o;
+  o.repetition_penalty = 2.0f;
+  std::vector<float> logits = base;
+  apply_penalties(logits.data(), 6, prompt, generated, o);
+  EXPECT_EQ(logits, (std::vector<float>{1.0f, -2.0f, 2.0f, -3.0f, 1.0f, 0.5f}));
+  o = SamplingOptions{};
+  o.frequency_penalty = 0.5f;
+  o.presence_penalty = 0.25f;
+  logits = base;
+  apply_penalties(logits.data(), 6, prompt, generated, o);
+  // Only generated tokens: 1 once (-0.75), 2 twice (-1.25); the prompt's 0 is untouched.
+  EXPECT_EQ(logits, (std::vector<float>{2.0f, -1.75f, 2.75f, -3.0f, 1.0f, 0.5f}));
+  // Off by default: nothing changes.
+  logits = base;
+  apply_penalties(logits.data(), 6, prompt, generated, SamplingOptions{});
+  EXPECT_EQ(logits, base);
+}
+
+TEST(Sampling, BadPenaltiesAndIdsThrow) {
+  std::vector<float> logits(4, 0.0f);
+  const std::vector<int32_t> none, bad = {7};
+  SamplingOptions o;
+  o.repetition_penalty = 0.0f;
+  EXPECT_THROW(apply_penalties(logits.data(), 4, none, none, o), Error);
+  o = SamplingOptions{};
+  o.frequency_penalty = 3.0f;
+  EXPECT_THROW(sample_token(logits.data(), 4, o, 0), Error);
+  o = SamplingOptions{};
+  o.presence_penalty = -2.5f;
+  EXPECT_THROW(apply_penalties(logits.data(), 4, none, none, o), Error);
+  o = SamplingOptions{};
+  o.repetition_penalty = 1.5f;
+  EXPECT_THROW(apply_penalties(logits.data(), 4, bad, none, o), Error);
 }
 
 }  // namespace
