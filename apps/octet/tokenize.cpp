@@ -134,7 +134,7 @@ void register_learn_bpe(CLI::App& app) {
   learn
       ->add_option("--vocab-size", options->vocab_size,
                    "Tokens in all: 256 bytes, the merges' strings, <|endoftext|>")
-      ->check(CLI::Range(257, 65536))
+      ->check(number_in(257, 65536))
       ->capture_default_str();
   learn
       ->add_option("--min-pair-count", options->min_pair_count,

@@ -44,6 +44,9 @@ expect_error "--train-data: File does not exist" train --config gpt-tiny --train
 expect_error "--max-new-tokens: expected a finite number >= 1, got -5" generate --ckpt "$dir/dir" --max-new-tokens -5
 expect_error "--temperature: expected a finite number >= 0, got nan" generate --ckpt "$dir/dir" --temperature nan
 expect_error "--top-p: expected a finite number in (0, 1], got 0" generate --ckpt "$dir/dir" --top-p 0
+expect_error "--repetition-penalty: expected a finite number in (0, 1e+06], got 0" generate --ckpt "$dir/dir" --repetition-penalty 0
+expect_error "--frequency-penalty: expected a finite number in [-2, 2], got 3" generate --ckpt "$dir/dir" --frequency-penalty 3
+expect_error "--vocab-size: expected a finite number in [257, 65536], got 10" learn-bpe --vocab-size 10 "$dir/file" -o "$dir/v"
 expect_error "--output: output file '$dir/file/shard.bin'" tokenize "$dir/file" -o "$dir/file/shard.bin"
 expect_error "--svg: output file '$dir/dir'" schedule --pipeline-model-parallel-size 2 --num-microbatches 4 --svg "$dir/dir"
 expect_error "--cost-f: expected a finite number >= 0, got -1" schedule --pipeline-model-parallel-size 2 --num-microbatches 4 --cost-f -1
