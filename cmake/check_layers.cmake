@@ -33,7 +33,7 @@ set(public_modules module.h modules.h tensor_parallel.h)
 set(public_parallel data_parallel.h pipeline.h pipeline_stage.h)
 set(public_models model.h trainable_model.h)
 set(public_train train.h)
-set(public_infer infer.h)
+set(public_infer engine.h infer.h serve.h)
 set(public_cli "")
 
 set(root "${OCTET_SOURCE_DIR}")

@@ -114,6 +114,14 @@ class GPT : public TrainableModel {
   Tensor forward_inference(const Tensor& ids, InferenceParams& params, DType dtype);
   // A cache for max_batch_size sequences of up to max_seq_len tokens.
   InferenceParams make_inference_params(int64_t max_batch_size = 1) const;
+  // Paged KV-cache inference (the engine's step): ids [1, N] I32 pack the new tokens of the
+  // sequences of params.batch (InferenceParams::paged), each at its own positions. Returns the
+  // logits of each sequence's last new token [S, V] F32. The caller advances the lengths.
+  Tensor forward_paged(const Tensor& ids, InferenceParams& params, DType dtype);
+  // A paged cache of num_blocks blocks of block_size tokens.
+  InferenceParams make_paged_inference_params(int64_t num_blocks, int64_t block_size) const;
+  // KV-cache bytes per token (keys and values of every layer) in dtype.
+  size_t kv_bytes_per_token(DType dtype) const;
 
   // The pipeline interface. Micro-batches of gpt_micro_batch(); activations [B,T,C] in the
   // compute dtype.

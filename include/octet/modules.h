@@ -780,6 +780,26 @@ struct InferenceParams {
   int64_t max_sequence_length = 0;
   int64_t sequence_len_offset = 0;
   std::vector<KeyValue> key_value_memory;  // indexed by layer number
+
+  // Paged mode (vLLM's PagedAttention; TransformerEngine's is_paged): each layer's keys and
+  // values live in a pool of num_blocks blocks [num_blocks, block_size, Hkv, D], and a forward
+  // packs the new tokens of several sequences into one [1, N] input ("thd"): sequence s owns
+  // rows [row_offsets[s], row_offsets[s + 1]) at positions cached_lengths[s] + t, its token at
+  // position p lives in block block_tables[s][p / block_size], slot p % block_size.
+  // sequence_len_offset and max_batch_size are unused there.
+  struct PagedBatch {
+    std::vector<int64_t> row_offsets;                // S + 1 entries, row_offsets[0] = 0
+    std::vector<int64_t> cached_lengths;             // S
+    std::vector<std::vector<int32_t>> block_tables;  // S, each covering the new tokens too
+    int64_t sequences() const { return static_cast<int64_t>(cached_lengths.size()); }
+  };
+  // num_blocks blocks of block_size tokens, sequences of up to max_sequence_length tokens.
+  static InferenceParams paged(int64_t num_blocks, int64_t block_size, int64_t max_sequence_length);
+  // The batch of the next forward, checked against the pool (octet::Error naming the entry).
+  void set_paged_batch(PagedBatch batch);
+  bool is_paged = false;
+  int64_t num_blocks = 0, block_size = 0;
+  PagedBatch batch;
 };
 
 }  // namespace octet

@@ -74,4 +74,57 @@ InferenceParams GPT::make_inference_params(int64_t max_batch_size) const {
   return InferenceParams(max_batch_size, config_.max_seq_len);
 }
 
+Tensor GPT::forward_paged(const Tensor& ids, InferenceParams& params, DType dtype) {
+  check_inference("forward_paged");
+  check_dtype(ids, DType::I32, "gpt: ids");
+  OCTET_CHECK(params.is_paged, "gpt: forward_paged needs a paged cache (InferenceParams::paged)");
+  const InferenceParams::PagedBatch& batch = params.batch;
+  const int64_t S = batch.sequences(), C = config_.hidden;
+  OCTET_CHECK(S > 0 && ids.ndim() == 2 && ids.dim(0) == 1 && ids.dim(1) == batch.row_offsets.back(),
+              "gpt: packed ids expected [1, N] with N = ", S > 0 ? batch.row_offsets.back() : 0,
+              " (the paged batch's rows), got ", shape_str(ids.shape()));
+  OCTET_CHECK(dtype == DType::F32 || dtype == DType::BF16,
+              "gpt: compute dtype expected f32 or bf16, got ", dtype_name(dtype));
+  const int64_t N = ids.dim(1);
+  // Each sequence's tokens embedded at its own positions.
+  Tensor x = Tensor::empty({N, C}, DType::F32);
+  for (int64_t s = 0; s < S; ++s) {
+    const size_t i = static_cast<size_t>(s);
+    const int64_t begin = batch.row_offsets[i], end = batch.row_offsets[i + 1];
+    OCTET_CHECK(batch.cached_lengths[i] + end - begin <= config_.max_seq_len, "gpt: sequence ", s,
+                " reaches ", batch.cached_lengths[i] + end - begin, " tokens, over max_seq_len ",
+                config_.max_seq_len);
+    Tensor segment = ids.reshape({N}).slice_rows(begin, end).reshape({1, end - begin});
+    Tensor embedded = gpt_parts::embed(segment, wte, wpe, batch.cached_lengths[i]);
+    std::memcpy(x.data<float>() + begin * C, embedded.data<float>(),
+                static_cast<size_t>((end - begin) * C) * sizeof(float));
+  }
+  Tensor h = (dtype == DType::F32 ? x : x.to(dtype)).reshape({1, N, C});
+  std::vector<TransformerLayer>& stack = layers();
+  for (size_t i = 0; i < stack.size(); ++i) {
+    h = stack[i].forward_inference(h, params, static_cast<int64_t>(i));
+  }
+  // The last new row of each sequence.
+  Tensor flat = h.reshape({N, C});
+  Tensor last = Tensor::empty({S, C}, h.dtype());
+  const size_t row_bytes = static_cast<size_t>(C) * dtype_bytes(h.dtype());
+  for (int64_t s = 0; s < S; ++s) {
+    std::memcpy(static_cast<char*>(last.raw()) + s * row_bytes,
+                static_cast<const char*>(flat.raw()) +
+                    (batch.row_offsets[static_cast<size_t>(s) + 1] - 1) * row_bytes,
+                row_bytes);
+  }
+  return logits_of_last(last);
+}
+
+InferenceParams GPT::make_paged_inference_params(int64_t num_blocks, int64_t block_size) const {
+  return InferenceParams::paged(num_blocks, block_size, config_.max_seq_len);
+}
+
+size_t GPT::kv_bytes_per_token(DType dtype) const {
+  const int64_t kv_heads = config_.num_gqa_groups ? config_.num_gqa_groups : config_.num_heads;
+  const int64_t head_dim = config_.hidden / config_.num_heads;
+  return static_cast<size_t>(2 * config_.num_layers * kv_heads * head_dim) * dtype_bytes(dtype);
+}
+
 }  // namespace octet

@@ -20,7 +20,8 @@ InferenceParams::KeyValue& InferenceParams::key_value(int64_t layer_number, int6
     key_value_memory.resize(static_cast<size_t>(layer_number + 1));
   }
   KeyValue& kv = key_value_memory[static_cast<size_t>(layer_number)];
-  const Shape shape = {max_batch_size, max_sequence_length, kv_heads, head_dim};
+  const Shape shape = is_paged ? Shape{num_blocks, block_size, kv_heads, head_dim}
+                               : Shape{max_batch_size, max_sequence_length, kv_heads, head_dim};
   if (!kv.key.defined()) {
     kv.key = Tensor::zeros(shape, dtype);
     kv.value = Tensor::zeros(shape, dtype);
@@ -30,6 +31,47 @@ InferenceParams::KeyValue& InferenceParams::key_value(int64_t layer_number, int6
               dtype_name(kv.key.dtype()), ", asked for ", shape_str(shape), " ", dtype_name(dtype),
               " (call generation with one compute dtype per cache)");
   return kv;
+}
+
+InferenceParams InferenceParams::paged(int64_t blocks, int64_t tokens_per_block,
+                                       int64_t max_length) {
+  OCTET_CHECK(blocks > 0 && tokens_per_block > 0,
+              "InferenceParams: num_blocks and block_size must be positive, got ", blocks, " and ",
+              tokens_per_block);
+  InferenceParams params(1, max_length);
+  params.is_paged = true;
+  params.num_blocks = blocks;
+  params.block_size = tokens_per_block;
+  return params;
+}
+
+void InferenceParams::set_paged_batch(PagedBatch b) {
+  OCTET_CHECK(is_paged, "InferenceParams: set_paged_batch on a contiguous cache");
+  const int64_t sequences = b.sequences();
+  OCTET_CHECK(sequences > 0, "InferenceParams: a paged batch needs at least one sequence");
+  OCTET_CHECK(static_cast<int64_t>(b.row_offsets.size()) == sequences + 1 &&
+                  static_cast<int64_t>(b.block_tables.size()) == sequences && b.row_offsets[0] == 0,
+              "InferenceParams: a paged batch of ", sequences, " sequences expects ", sequences + 1,
+              " row offsets from 0 and ", sequences, " block tables, got ", b.row_offsets.size(),
+              " and ", b.block_tables.size());
+  for (int64_t s = 0; s < sequences; ++s) {
+    const size_t i = static_cast<size_t>(s);
+    const int64_t rows = b.row_offsets[i + 1] - b.row_offsets[i];
+    const int64_t length = b.cached_lengths[i] + rows;
+    OCTET_CHECK(rows > 0 && b.cached_lengths[i] >= 0, "InferenceParams: sequence ", s, " has ",
+                rows, " new tokens after ", b.cached_lengths[i], " cached (expected > 0, >= 0)");
+    OCTET_CHECK(length <= max_sequence_length, "InferenceParams: sequence ", s, " reaches ", length,
+                " tokens, over max_sequence_length ", max_sequence_length);
+    const int64_t needed = (length + block_size - 1) / block_size;
+    OCTET_CHECK(static_cast<int64_t>(b.block_tables[i].size()) >= needed,
+                "InferenceParams: sequence ", s, " of ", length, " tokens needs ", needed,
+                " blocks, its table has ", b.block_tables[i].size());
+    for (const int32_t block : b.block_tables[i]) {
+      OCTET_CHECK(block >= 0 && block < num_blocks, "InferenceParams: sequence ", s, " block ",
+                  block, " outside [0, ", num_blocks, ")");
+    }
+  }
+  batch = std::move(b);
 }
 
 size_t InferenceParams::bytes() const {

@@ -3,6 +3,7 @@
 // projection, each with its hand-written backward.
 #include "octet/ops/attention.h"
 
+#include <algorithm>
 #include <cstring>
 
 #include "modules/common.h"
@@ -507,6 +508,47 @@ Tensor cached_prefix(const Tensor& cache, int64_t b, int64_t length) {
       .reshape({1, length, kv_heads, head_dim});
 }
 
+// Rows [begin, end) of x [1, N, heads, D] as [1, end - begin, heads, D] (a view).
+Tensor token_rows(const Tensor& x, int64_t begin, int64_t end) {
+  const int64_t heads = x.dim(2), head_dim = x.dim(3);
+  return x.reshape({x.dim(1), heads, head_dim})
+      .slice_rows(begin, end)
+      .reshape({1, end - begin, heads, head_dim});
+}
+
+// Paged cache: the new rows of sequence s written to their blocks' slots.
+void append_to_pages(const Tensor& x, Tensor& pool, const InferenceParams::PagedBatch& batch,
+                     int64_t s) {
+  const size_t i = static_cast<size_t>(s);
+  const int64_t block_size = pool.dim(1), begin = batch.row_offsets[i];
+  const int64_t rows = batch.row_offsets[i + 1] - begin, cached = batch.cached_lengths[i];
+  const size_t row_bytes = static_cast<size_t>(x.dim(2) * x.dim(3)) * dtype_bytes(x.dtype());
+  const auto* src = static_cast<const unsigned char*>(x.raw());
+  auto* dst = static_cast<unsigned char*>(pool.raw());
+  const std::vector<int32_t>& table = batch.block_tables[i];
+  for (int64_t t = 0; t < rows; ++t) {
+    const int64_t p = cached + t;
+    const int64_t slot = table[static_cast<size_t>(p / block_size)] * block_size + p % block_size;
+    std::memcpy(dst + slot * row_bytes, src + (begin + t) * row_bytes, row_bytes);
+  }
+}
+
+// Paged cache: the first `length` positions of sequence s gathered as [1, length, Hkv, D].
+Tensor gather_pages(const Tensor& pool, const std::vector<int32_t>& table, int64_t length) {
+  const int64_t block_size = pool.dim(1), kv_heads = pool.dim(2), head_dim = pool.dim(3);
+  Tensor out = Tensor::empty({1, length, kv_heads, head_dim}, pool.dtype());
+  const size_t row_bytes = static_cast<size_t>(kv_heads * head_dim) * dtype_bytes(pool.dtype());
+  const auto* src = static_cast<const unsigned char*>(pool.raw());
+  auto* dst = static_cast<unsigned char*>(out.raw());
+  for (int64_t p = 0; p < length; p += block_size) {
+    const int64_t n = std::min(block_size, length - p);
+    std::memcpy(dst + p * row_bytes,
+                src + table[static_cast<size_t>(p / block_size)] * block_size * row_bytes,
+                static_cast<size_t>(n) * row_bytes);
+  }
+  return out;
+}
+
 }  // namespace
 
 Tensor MultiheadAttention::forward_inference(const Tensor& x, InferenceParams& params,
@@ -520,10 +562,17 @@ Tensor MultiheadAttention::forward_inference(const Tensor& x, InferenceParams& p
               ": input expected [B,T,C] with C=", o.hidden_size, ", got ", shape_str(x.shape()));
   OCTET_CHECK(!proj.parallel(), o.name, ": KV-cache inference runs without tensor parallelism");
   const int64_t batch = x.dim(0), seq = x.dim(1), offset = params.sequence_len_offset;
-  OCTET_CHECK(batch <= params.max_batch_size, o.name, ": batch ", batch,
+  const bool paged = params.is_paged;
+  OCTET_CHECK(!paged || (batch == 1 && params.batch.sequences() > 0 &&
+                         params.batch.row_offsets.back() == seq),
+              o.name, ": a paged forward expects [1, N, C] packed rows, N = ",
+              paged && params.batch.sequences() > 0 ? params.batch.row_offsets.back() : 0,
+              " (the batch's rows), got ", shape_str(x.shape()));
+  OCTET_CHECK(paged || batch <= params.max_batch_size, o.name, ": batch ", batch,
               " exceeds the cache's max_batch_size ", params.max_batch_size);
-  OCTET_CHECK(offset + seq <= params.max_sequence_length, o.name, ": ", offset, " cached + ", seq,
-              " new tokens exceed the cache's max_sequence_length ", params.max_sequence_length);
+  OCTET_CHECK(paged || offset + seq <= params.max_sequence_length, o.name, ": ", offset,
+              " cached + ", seq, " new tokens exceed the cache's max_sequence_length ",
+              params.max_sequence_length);
   Tensor fused;
   if (layernorm_qkv) {
     LayerNormLinear::Context scratch;
@@ -541,11 +590,23 @@ Tensor MultiheadAttention::forward_inference(const Tensor& x, InferenceParams& p
     q = norm_heads(*q_norm, q, scratch_norm);
     k = norm_heads(*k_norm, k, scratch_norm);
   }
-  if (o.rope) {
+  if (o.rope && !paged) {
     ops::RopeOptions rope = rope_options(o);
     rope.position_offset = offset;
     ops::rope_forward(q, rope);
     ops::rope_forward(k, rope);
+  } else if (o.rope) {
+    // Each packed sequence from its own position.
+    const InferenceParams::PagedBatch& pb = params.batch;
+    for (int64_t s = 0; s < pb.sequences(); ++s) {
+      const size_t i = static_cast<size_t>(s);
+      ops::RopeOptions rope = rope_options(o);
+      rope.position_offset = pb.cached_lengths[i];
+      Tensor q_s = token_rows(q, pb.row_offsets[i], pb.row_offsets[i + 1]);
+      Tensor k_s = token_rows(k, pb.row_offsets[i], pb.row_offsets[i + 1]);
+      ops::rope_forward(q_s, rope);
+      ops::rope_forward(k_s, rope);
+    }
   }
   if (o.qk_norm && !o.qk_norm_before_rope) {
     q = norm_heads(*q_norm, q, scratch_norm);
@@ -553,23 +614,41 @@ Tensor MultiheadAttention::forward_inference(const Tensor& x, InferenceParams& p
   }
   InferenceParams::KeyValue& cache =
       params.key_value(layer_number, kv_heads_, head_dim_, x.dtype());
-  append_to_cache(k, cache.key, offset);
-  append_to_cache(v, cache.value, offset);
-  // Each sequence's queries over its cached prefix; the mask's bottom-right alignment puts
-  // new query i on key offset + i.
   const DotProductAttentionOptions& core = core_attention.options();
   ops::AttentionOptions a;
   a.softmax_scale = core.softmax_scale;
   a.causal = core.attn_mask_type == AttnMaskType::Causal;
   a.window_left = core.window_size.first;
   a.window_right = core.window_size.second;
-  const int64_t keys = offset + seq;
   Tensor out = Tensor::empty({batch, seq, heads_, head_dim_}, x.dtype());
-  Tensor lse = Tensor::empty({1, heads_, seq}, DType::F32);
-  for (int64_t b = 0; b < batch; ++b) {
-    Tensor out_b = out.slice_rows(b, b + 1);
-    ops::flash_attention_forward(q.slice_rows(b, b + 1), cached_prefix(cache.key, b, keys),
-                                 cached_prefix(cache.value, b, keys), a, out_b, lse);
+  if (paged) {
+    // Each sequence's new rows written to its blocks, then its queries over its whole prefix
+    // (bottom-right aligned: new query t on key cached + t).
+    const InferenceParams::PagedBatch& pb = params.batch;
+    for (int64_t s = 0; s < pb.sequences(); ++s) {
+      const size_t i = static_cast<size_t>(s);
+      append_to_pages(k, cache.key, pb, s);
+      append_to_pages(v, cache.value, pb, s);
+      const int64_t begin = pb.row_offsets[i], end = pb.row_offsets[i + 1];
+      const int64_t keys = pb.cached_lengths[i] + end - begin;
+      Tensor out_s = token_rows(out, begin, end);
+      Tensor lse = Tensor::empty({1, heads_, end - begin}, DType::F32);
+      ops::flash_attention_forward(
+          token_rows(q, begin, end), gather_pages(cache.key, pb.block_tables[i], keys),
+          gather_pages(cache.value, pb.block_tables[i], keys), a, out_s, lse);
+    }
+  } else {
+    append_to_cache(k, cache.key, offset);
+    append_to_cache(v, cache.value, offset);
+    // Each sequence's queries over its cached prefix; the mask's bottom-right alignment puts
+    // new query i on key offset + i.
+    const int64_t keys = offset + seq;
+    Tensor lse = Tensor::empty({1, heads_, seq}, DType::F32);
+    for (int64_t b = 0; b < batch; ++b) {
+      Tensor out_b = out.slice_rows(b, b + 1);
+      ops::flash_attention_forward(q.slice_rows(b, b + 1), cached_prefix(cache.key, b, keys),
+                                   cached_prefix(cache.value, b, keys), a, out_b, lse);
+    }
   }
   Linear::Context scratch_proj;
   return proj.forward(out.reshape({batch, seq, heads_ * head_dim_}), scratch_proj);

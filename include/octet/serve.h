@@ -1,0 +1,2 @@
+// octet serve (being written).
+#pragma once
