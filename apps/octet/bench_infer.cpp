@@ -1,0 +1,379 @@
+// `octet bench infer`: the inference engine on a GPT with random weights — prefill tokens/s,
+// decode tokens/s at several batch sizes, time to first token and inter-token latency with
+// concurrent requests, KV-cache waste — beside the same model generating with its own KV
+// cache in PyTorch 1.13 (bench/peers/torch_infer.py), alternating ours and the peer's run of
+// each case round by round and reporting the median per-round ratio. The machine's memory
+// bandwidth, measured in the same run, gives the batch-1 decode roofline (weight bytes read
+// per token / bandwidth).
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <condition_variable>
+#include <cstdio>
+#include <memory>
+#include <mutex>
+#include <nlohmann/json.hpp>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "bench_common.h"
+#include "commands.h"
+#include "octet/engine.h"
+
+namespace octet::cli {
+namespace {
+
+struct Options {
+  std::string config = "gpt2-124m";
+  std::string precision = "bf16";
+  std::vector<int64_t> batches = {1, 8, 32, 64};
+  int64_t prompt = 128;
+  int64_t steps = 16;  // timed decode steps per case
+  int rounds = 3;
+  int64_t clients = 32;  // the latency case: requests arriving together
+  int64_t block_size = 16;
+  uint64_t seed = 1234;
+  bool json = false;
+  bool no_torch = false;
+};
+
+using Clock = std::chrono::steady_clock;
+
+double seconds_since(Clock::time_point since) {
+  return std::chrono::duration<double>(Clock::now() - since).count();
+}
+
+double percentile(std::vector<double> values, double p) {
+  if (values.empty()) return 0.0;
+  std::sort(values.begin(), values.end());
+  const double at = p * static_cast<double>(values.size() - 1);
+  const size_t low = static_cast<size_t>(at);
+  const size_t high = std::min(low + 1, values.size() - 1);
+  return values[low] + (values[high] - values[low]) * (at - static_cast<double>(low));
+}
+
+// Streaming read bandwidth: the best of a few sums over a buffer far larger than the caches
+// (integer sums: they vectorize without reassociation flags, so the loop is memory-bound).
+double measure_bandwidth_gbs() {
+  const int64_t count = int64_t{512} << 20 >> 2;  // 512 MiB of 32-bit words
+  std::vector<uint32_t> buffer(static_cast<size_t>(count), 1u);
+  std::vector<uint32_t> partial(256, 0);
+  double best = 0.0;
+  for (int rep = 0; rep < 5; ++rep) {
+    const auto start = Clock::now();
+    bench::parallel_for(count, [&](int64_t begin, int64_t end, int thread) OCTET_BENCH_INLINE {
+      uint32_t sum = 0;
+      const uint32_t* data = buffer.data();
+      for (int64_t i = begin; i < end; ++i) sum += data[i];
+      partial[static_cast<size_t>(thread)] = sum;
+    });
+    const double s = seconds_since(start);
+    uint32_t total = 0;
+    for (uint32_t p : partial) total += p;
+    if (total == 1) std::printf("?");  // keeps the sums alive
+    best = std::max(best, static_cast<double>(count) * 4.0 / s / 1e9);
+  }
+  return best;
+}
+
+std::vector<int32_t> random_ids(int64_t count, int64_t vocab, std::mt19937& rng) {
+  std::vector<int32_t> ids(static_cast<size_t>(count));
+  for (int32_t& id : ids) id = static_cast<int32_t>(rng() % static_cast<uint32_t>(vocab));
+  return ids;
+}
+
+struct CaseResult {
+  double prefill_ms = 0;  // all B prompts
+  double decode_ms = 0;   // median per step of B sequences
+  double kv_waste = 0;    // 1 - KV utilization while decoding
+};
+
+EngineOptions engine_options(const Options& o, DType dtype, int64_t batch, int64_t tokens) {
+  EngineOptions e;
+  e.block_size = o.block_size;
+  e.num_blocks = batch * ((tokens + o.block_size - 1) / o.block_size) + 1;
+  e.max_num_seqs = batch;
+  e.max_num_batched_tokens = std::max<int64_t>(2048, batch);
+  e.max_waiting = std::max<int64_t>(batch, 256);
+  e.dtype = dtype;
+  return e;
+}
+
+// B prompts prefilled, then `steps` decode steps timed one by one.
+CaseResult run_ours(GPT& model, const Options& o, DType dtype, int64_t batch, std::mt19937& rng) {
+  Engine engine(model, engine_options(o, dtype, batch, o.prompt + o.steps + 2));
+  std::vector<int64_t> produced(static_cast<size_t>(batch), 0);
+  int64_t started = 0;
+  for (int64_t b = 0; b < batch; ++b) {
+    GenerationRequest request;
+    request.prompt = random_ids(o.prompt, model.config().vocab_size, rng);
+    request.max_tokens = o.steps + 2;
+    request.sampling.temperature = 0.0f;
+    request.on_token = [&produced, &started, b](const TokenOutput&) {
+      if (produced[static_cast<size_t>(b)]++ == 0) ++started;
+      return true;
+    };
+    engine.add_request(std::move(request));
+  }
+  CaseResult result;
+  const auto start = Clock::now();
+  while (started < batch) engine.step();
+  result.prefill_ms = seconds_since(start) * 1e3;
+  std::vector<double> step_ms;
+  for (int64_t s = 0; s < o.steps; ++s) {
+    const auto step_start = Clock::now();
+    engine.step();
+    step_ms.push_back(seconds_since(step_start) * 1e3);
+  }
+  result.decode_ms = bench::median(step_ms);
+  result.kv_waste = 1.0 - engine.stats().kv_utilization;
+  engine.shutdown(false);
+  return result;
+}
+
+struct Latency {
+  double ttft_p50 = 0, ttft_p99 = 0, itl_p50 = 0, itl_p99 = 0, seconds = 0;
+  int64_t tokens = 0;
+};
+
+// `clients` requests arriving together at the engine's own thread.
+Latency run_latency(GPT& model, const Options& o, DType dtype, std::mt19937& rng) {
+  Engine engine(model, engine_options(o, dtype, o.clients, o.prompt + o.steps));
+  std::mutex mutex;
+  std::condition_variable done_cv;
+  int64_t done = 0;
+  std::vector<double> ttft, itl;
+  std::vector<Clock::time_point> last(static_cast<size_t>(o.clients));
+  engine.start();
+  const auto start = Clock::now();
+  for (int64_t c = 0; c < o.clients; ++c) {
+    GenerationRequest request;
+    request.prompt = random_ids(o.prompt, model.config().vocab_size, rng);
+    request.max_tokens = o.steps;
+    request.sampling.temperature = 0.0f;
+    const auto added = Clock::now();
+    request.on_token = [&, c, added](const TokenOutput& t) {
+      const auto now = Clock::now();
+      std::lock_guard<std::mutex> lock(mutex);
+      auto& previous = last[static_cast<size_t>(c)];
+      if (t.index == 0) {
+        ttft.push_back(std::chrono::duration<double>(now - added).count());
+      } else {
+        itl.push_back(std::chrono::duration<double>(now - previous).count());
+      }
+      previous = now;
+      return true;
+    };
+    request.on_finish = [&](FinishReason, const std::string&) {
+      std::lock_guard<std::mutex> lock(mutex);
+      ++done;
+      done_cv.notify_all();
+    };
+    engine.add_request(std::move(request));
+  }
+  {
+    std::unique_lock<std::mutex> lock(mutex);
+    done_cv.wait(lock, [&] { return done == o.clients; });
+  }
+  Latency l;
+  l.seconds = seconds_since(start);
+  l.tokens = o.clients * o.steps;
+  engine.shutdown(true);
+  l.ttft_p50 = percentile(ttft, 0.5);
+  l.ttft_p99 = percentile(ttft, 0.99);
+  l.itl_p50 = percentile(itl, 0.5);
+  l.itl_p99 = percentile(itl, 0.99);
+  return l;
+}
+
+struct Series {
+  std::vector<double> ours_prefill, ours_decode, peer_prefill, peer_decode, ratio_decode,
+      ratio_prefill, waste;
+};
+
+void run_bench(const Options& o) {
+  const std::filesystem::path config_path = resolve_config(o.config);
+  GPTConfig config = GPTConfig::load(config_path.string());
+  for (int64_t b : o.batches) {
+    OCTET_CHECK(b >= 1 && b <= 1024, "bench infer: --batches expected in [1, 1024], got ", b);
+  }
+  OCTET_CHECK(o.prompt + o.steps + 2 <= config.max_seq_len, "bench infer: --prompt ", o.prompt,
+              " + --steps ", o.steps, " + 2 exceed ", config.name, "'s max_seq_len ",
+              config.max_seq_len);
+  const DType dtype = o.precision == "bf16" ? DType::BF16 : DType::F32;
+  GPT model(config, o.seed);
+  std::mt19937 rng(static_cast<uint32_t>(o.seed));
+
+  const double bandwidth = measure_bandwidth_gbs();
+  // Bytes read per decoded token at batch 1: every weight matrix once (the tied output layer
+  // is wte), in the compute dtype; position rows and vectors are noise.
+  double weight_bytes = 0;
+  for (Parameter* p : model.parameters()) {
+    if (p->value.ndim() >= 2 && p->name.find("wpe") == std::string::npos) {
+      weight_bytes += static_cast<double>(p->value.numel() * dtype_bytes(dtype));
+    }
+  }
+  const double roofline = bandwidth * 1e9 / weight_bytes;
+  std::printf(
+      "bench infer: %s (%.1fM parameters), %s, prompt %lld, %lld decode steps, %d "
+      "rounds, %d threads\n",
+      config.name.c_str(), static_cast<double>(config.num_parameters()) / 1e6, o.precision.c_str(),
+      static_cast<long long>(o.prompt), static_cast<long long>(o.steps), o.rounds,
+      omp_get_max_threads());
+  std::printf(
+      "memory bandwidth %.1f GB/s (streaming read); weights read per token %.1f MB -> "
+      "batch-1 decode roofline %.1f tokens/s\n",
+      bandwidth, weight_bytes / 1e6, roofline);
+
+  bench::PeerProcess peer;
+  bool have_peer = false;
+  if (!o.no_torch) {
+    const auto script = bench::find_peer_script("torch_infer.py");
+    if (script.empty()) {
+      std::printf("peer: bench/peers/torch_infer.py not found, skipped\n");
+    } else {
+      have_peer = peer.start({"/usr/bin/python3", script.string(), "--config", config_path.string(),
+                              "--precision", o.precision, "--threads",
+                              std::to_string(omp_get_max_threads())});
+      if (!have_peer) std::printf("peer: PyTorch did not start, skipped\n");
+    }
+  }
+  auto ask_peer = [&](const char* op, int64_t batch) -> double {
+    if (!have_peer) return 0;
+    nlohmann::json c = {{"op", op}, {"batch", batch}, {"prompt", o.prompt}, {"steps", o.steps}};
+    auto answer = peer.ask(c.dump());
+    if (!answer) {
+      have_peer = false;
+      std::printf("peer: PyTorch stopped answering, skipped from here\n");
+      return 0;
+    }
+    return answer->value("ms", 0.0);
+  };
+
+  // Warm-up, untimed: weights converted and packed, primitives created, pages touched.
+  run_ours(model, o, dtype, 1, rng);
+  ask_peer("decode", 1);
+
+  std::vector<Series> series(o.batches.size());
+  for (int round = 0; round < o.rounds; ++round) {
+    for (size_t i = 0; i < o.batches.size(); ++i) {
+      const int64_t batch = o.batches[i];
+      // Alternate who goes first, round by round.
+      CaseResult ours;
+      double peer_decode = 0, peer_prefill = 0;
+      auto run_peer = [&] {
+        peer_decode = ask_peer("decode", batch);
+        peer_prefill = ask_peer("prefill", batch);
+      };
+      if (round % 2 == 1) run_peer();
+      ours = run_ours(model, o, dtype, batch, rng);
+      if (round % 2 == 0) run_peer();
+      Series& s = series[i];
+      s.ours_prefill.push_back(static_cast<double>(batch * o.prompt) / ours.prefill_ms * 1e3);
+      s.ours_decode.push_back(static_cast<double>(batch) / ours.decode_ms * 1e3);
+      s.waste.push_back(ours.kv_waste);
+      if (peer_decode > 0 && peer_prefill > 0) {
+        s.peer_prefill.push_back(static_cast<double>(batch * o.prompt) / peer_prefill * 1e3);
+        s.peer_decode.push_back(static_cast<double>(batch) / peer_decode * 1e3);
+        s.ratio_decode.push_back(s.ours_decode.back() / s.peer_decode.back());
+        s.ratio_prefill.push_back(s.ours_prefill.back() / s.peer_prefill.back());
+      }
+      std::fprintf(stderr, "round %d/%d batch %lld: ours decode %.1f tok/s%s\n", round + 1,
+                   o.rounds, static_cast<long long>(batch), s.ours_decode.back(),
+                   s.peer_decode.size() == static_cast<size_t>(round + 1)
+                       ? (", peer " + std::to_string(s.peer_decode.back())).c_str()
+                       : "");
+    }
+  }
+
+  std::printf(
+      "\n| batch | prefill tok/s ours | peer | ratio | decode tok/s ours | peer | ratio "
+      "(median, min..max) | KV waste |\n|---|---|---|---|---|---|---|---|\n");
+  for (size_t i = 0; i < o.batches.size(); ++i) {
+    const Series& s = series[i];
+    const bool peer_ran = !s.ratio_decode.empty();
+    auto range = [](const std::vector<double>& v) {
+      char text[64];
+      std::snprintf(text, sizeof(text), "%.2fx (%.2f..%.2f)", bench::median(v),
+                    *std::min_element(v.begin(), v.end()), *std::max_element(v.begin(), v.end()));
+      return std::string(text);
+    };
+    std::printf("| %lld | %.0f | %s | %s | %.1f | %s | %s | %.1f%% |\n",
+                static_cast<long long>(o.batches[i]), bench::median(s.ours_prefill),
+                peer_ran
+                    ? std::to_string(static_cast<int64_t>(bench::median(s.peer_prefill))).c_str()
+                    : "-",
+                peer_ran ? range(s.ratio_prefill).c_str() : "-", bench::median(s.ours_decode),
+                peer_ran ? std::to_string(bench::median(s.peer_decode)).substr(0, 6).c_str() : "-",
+                peer_ran ? range(s.ratio_decode).c_str() : "-", 100.0 * bench::median(s.waste));
+    if (o.json) {
+      nlohmann::json line = {{"batch", o.batches[i]},
+                             {"prefill_tokens_per_s", bench::median(s.ours_prefill)},
+                             {"decode_tokens_per_s", bench::median(s.ours_decode)},
+                             {"kv_waste", bench::median(s.waste)},
+                             {"bandwidth_gbs", bandwidth},
+                             {"roofline_tokens_per_s", roofline}};
+      if (peer_ran) {
+        line["peer_prefill_tokens_per_s"] = bench::median(s.peer_prefill);
+        line["peer_decode_tokens_per_s"] = bench::median(s.peer_decode);
+        line["decode_ratio"] = bench::median(s.ratio_decode);
+        line["prefill_ratio"] = bench::median(s.ratio_prefill);
+      }
+      std::printf("%s\n", line.dump().c_str());
+    }
+  }
+  for (size_t i = 0; i < o.batches.size(); ++i) {
+    if (o.batches[i] != 1) continue;
+    std::printf("batch-1 decode: %.1f tokens/s = %.0f%% of the roofline %.1f tokens/s\n",
+                bench::median(series[i].ours_decode),
+                100.0 * bench::median(series[i].ours_decode) / roofline, roofline);
+  }
+  if (o.clients > 0) {
+    const Latency l = run_latency(model, o, dtype, rng);
+    std::printf(
+        "%lld concurrent requests (prompt %lld, %lld tokens each): %.1f tokens/s; "
+        "time to first token p50 %.0f ms p99 %.0f ms; inter-token latency p50 %.0f ms "
+        "p99 %.0f ms\n",
+        static_cast<long long>(o.clients), static_cast<long long>(o.prompt),
+        static_cast<long long>(o.steps), static_cast<double>(l.tokens) / l.seconds,
+        l.ttft_p50 * 1e3, l.ttft_p99 * 1e3, l.itl_p50 * 1e3, l.itl_p99 * 1e3);
+  }
+}
+
+}  // namespace
+
+void register_bench_infer(CLI::App& bench) {
+  CLI::App* cmd = bench.add_subcommand(
+      "infer", "Inference engine: prefill and decode tokens/s, latency, roofline; beside PyTorch");
+  auto o = std::make_shared<Options>();
+  cmd->add_option("--config", o->config, "Model config JSON, or a name in configs/")
+      ->capture_default_str()
+      ->check(model_config_validator());
+  cmd->add_option("--precision", o->precision, "fp32 | bf16")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"fp32", "bf16"}));
+  cmd->add_option("--batches", o->batches, "Decode batch sizes")->delimiter(',');
+  cmd->add_option("--prompt", o->prompt, "Prompt tokens per sequence")
+      ->capture_default_str()
+      ->check(number_in(1, 1 << 20));
+  cmd->add_option("--steps", o->steps, "Timed decode steps per case")
+      ->capture_default_str()
+      ->check(number_in(1, 1 << 20));
+  cmd->add_option("--rounds", o->rounds, "Rounds alternating ours and the peer")
+      ->capture_default_str()
+      ->check(number_in(1, 100));
+  cmd->add_option("--clients", o->clients, "Concurrent requests of the latency case (0: skip)")
+      ->capture_default_str()
+      ->check(number_in(0, 4096));
+  cmd->add_option("--block-size", o->block_size, "KV-cache block size")
+      ->capture_default_str()
+      ->check(number_in(1, 4096));
+  cmd->add_option("--seed", o->seed, "Seed of the weights and prompts")->capture_default_str();
+  cmd->add_flag("--json", o->json, "Also one JSON object per batch size");
+  cmd->add_flag("--no-torch", o->no_torch, "Skip the PyTorch peer");
+  cmd->callback([o] { run_bench(*o); });
+}
+
+}  // namespace octet::cli
