@@ -624,12 +624,51 @@ Tensor MultiheadAttention::forward_inference(const Tensor& x, InferenceParams& p
   if (paged) {
     // Each sequence's new rows written to its blocks, then its queries over its whole prefix
     // (bottom-right aligned: new query t on key cached + t).
+    // Sequences with one new token (decoding) go to the paged decode kernel together, which
+    // reads the pages in place; prefill chunks gather their pages for the flash kernel.
     const InferenceParams::PagedBatch& pb = params.batch;
+    std::vector<int64_t> decoding;
+    int64_t widest = 0;
     for (int64_t s = 0; s < pb.sequences(); ++s) {
       const size_t i = static_cast<size_t>(s);
       append_to_pages(k, cache.key, pb, s);
       append_to_pages(v, cache.value, pb, s);
+      if (pb.row_offsets[i + 1] - pb.row_offsets[i] == 1) {
+        decoding.push_back(s);
+        widest = std::max<int64_t>(widest, static_cast<int64_t>(pb.block_tables[i].size()));
+      }
+    }
+    if (!decoding.empty()) {
+      const int64_t n = static_cast<int64_t>(decoding.size());
+      const bool all = n == pb.sequences();  // the packed rows are the decode rows
+      Tensor q_rows = all ? q.reshape({n, heads_, head_dim_})
+                          : Tensor::empty({n, heads_, head_dim_}, x.dtype());
+      Tensor out_rows = all ? out.reshape({n, heads_, head_dim_})
+                            : Tensor::empty({n, heads_, head_dim_}, x.dtype());
+      Tensor tables = Tensor::zeros({n, widest}, DType::I32);
+      Tensor lengths = Tensor::empty({n}, DType::I32);
+      const size_t row_bytes = static_cast<size_t>(heads_ * head_dim_) * dtype_bytes(x.dtype());
+      for (int64_t r = 0; r < n; ++r) {
+        const size_t i = static_cast<size_t>(decoding[static_cast<size_t>(r)]);
+        const std::vector<int32_t>& table = pb.block_tables[i];
+        std::copy(table.begin(), table.end(), tables.data<int32_t>() + r * widest);
+        lengths.data<int32_t>()[r] = static_cast<int32_t>(pb.cached_lengths[i] + 1);
+        if (!all) {
+          std::memcpy(static_cast<char*>(q_rows.raw()) + r * row_bytes,
+                      static_cast<const char*>(q.raw()) + pb.row_offsets[i] * row_bytes, row_bytes);
+        }
+      }
+      ops::paged_attention_decode(q_rows, cache.key, cache.value, tables, lengths, a, out_rows);
+      for (int64_t r = 0; r < n && !all; ++r) {
+        const size_t i = static_cast<size_t>(decoding[static_cast<size_t>(r)]);
+        std::memcpy(static_cast<char*>(out.raw()) + pb.row_offsets[i] * row_bytes,
+                    static_cast<const char*>(out_rows.raw()) + r * row_bytes, row_bytes);
+      }
+    }
+    for (int64_t s = 0; s < pb.sequences(); ++s) {
+      const size_t i = static_cast<size_t>(s);
       const int64_t begin = pb.row_offsets[i], end = pb.row_offsets[i + 1];
+      if (end - begin == 1) continue;  // decoded above
       const int64_t keys = pb.cached_lengths[i] + end - begin;
       Tensor out_s = token_rows(out, begin, end);
       Tensor lse = Tensor::empty({1, heads_, end - begin}, DType::F32);

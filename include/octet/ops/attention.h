@@ -68,6 +68,16 @@ void flash_attention_backward(const Tensor& q, const Tensor& k, const Tensor& v,
                               const Tensor& lse, const Tensor& dout,
                               const AttentionOptions& options, Tensor& dq, Tensor& dk, Tensor& dv);
 
+// Decode attention over a paged KV cache (vLLM's PagedAttention): q [S,H,D] holds one query
+// per sequence, the last of its context_lens[s] tokens; k_pool and v_pool [blocks, block_size,
+// Hkv, D] (the dtype of q, F32|BF16) hold token p of sequence s in block
+// block_tables[s, p / block_size] at slot p % block_size; block_tables [S, max_blocks] I32,
+// context_lens [S] I32 >= 1. The query sees all its keys (causal: it is the last), or the last
+// window_left + 1 of them when options.window_left >= 0; softmax_scale as above. out [S,H,D].
+// Long contexts are split into partitions merged by log-sum-exp.
+void paged_attention_decode(const Tensor& q, const Tensor& k_pool, const Tensor& v_pool,
+                            const Tensor& block_tables, const Tensor& context_lens,
+                            const AttentionOptions& options, Tensor& out);
 // Whether dropout keeps probability (b, h, i, j): Philox4x32-10 keyed by the seed, counter
 // (j / 4, i, b * H + h, offset), word j % 4, kept when the word >= p * 2^32.
 bool attention_dropout_keep(uint64_t seed, uint64_t offset, int64_t b, int64_t h, int64_t num_heads,
@@ -79,6 +89,9 @@ void attention_dropout_mask(uint64_t seed, uint64_t offset, float p, Tensor& kee
 // chosen at run time (OCTET_ISA lowers the choice). The functions above check that every
 // tensor is on one device and dispatch there (the CPU today; a CUDA file adds ops::cuda).
 namespace cpu {
+void paged_attention_decode(const Tensor& q, const Tensor& k_pool, const Tensor& v_pool,
+                            const Tensor& block_tables, const Tensor& context_lens,
+                            const AttentionOptions& options, Tensor& out);
 void flash_attention_forward(const Tensor& q, const Tensor& k, const Tensor& v,
                              const AttentionOptions& options, Tensor& out, Tensor& lse);
 void flash_attention_backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
@@ -87,6 +100,9 @@ void flash_attention_backward(const Tensor& q, const Tensor& k, const Tensor& v,
 }  // namespace cpu
 
 namespace reference {
+void paged_attention_decode(const Tensor& q, const Tensor& k_pool, const Tensor& v_pool,
+                            const Tensor& block_tables, const Tensor& context_lens,
+                            const AttentionOptions& options, Tensor& out);
 // The oracle: materializes each head's T x S scores, double accumulation.
 void flash_attention_forward(const Tensor& q, const Tensor& k, const Tensor& v,
                              const AttentionOptions& options, Tensor& out, Tensor& lse);

@@ -1,0 +1,306 @@
+// Decode attention over a paged KV cache (vLLM's PagedAttention): one query per sequence
+// against the keys and values its block table points to, read in place. Each sequence's keys
+// are cut into partitions of kPartition keys, one task per (sequence, head, partition) with
+// its own online softmax (max, sum, weighted values), and the partitions merged by their
+// log-sum-exp, so a long context spreads over the threads like many short ones.
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "octet/ops/attention.h"
+#include "ops/attention/vec.h"
+#include "ops/device_dispatch.h"
+
+namespace octet::ops {
+
+namespace {
+
+constexpr int64_t kPartition = 256;  // keys per task
+constexpr int64_t kChunk = 32;       // scores computed before each rescale
+constexpr float kLog2e = 1.4426950408889634f;
+
+struct PagedShape {
+  int64_t sequences, heads, kv_heads, head_dim, block_size, blocks, table_width;
+  float scale;
+};
+
+PagedShape check_paged(const Tensor& q, const Tensor& k_pool, const Tensor& v_pool,
+                       const Tensor& block_tables, const Tensor& context_lens,
+                       const AttentionOptions& options, const Tensor& out) {
+  OCTET_CHECK(q.ndim() == 3 && k_pool.ndim() == 4, "paged_attention: q expected [S,H,D] and ",
+              "pools [blocks, block_size, Hkv, D], got ", shape_str(q.shape()), " and ",
+              shape_str(k_pool.shape()));
+  PagedShape s{q.dim(0),
+               q.dim(1),
+               k_pool.dim(2),
+               q.dim(2),
+               k_pool.dim(1),
+               k_pool.dim(0),
+               block_tables.ndim() == 2 ? block_tables.dim(1) : 0,
+               0.0f};
+  OCTET_CHECK(v_pool.shape() == k_pool.shape() && v_pool.dtype() == k_pool.dtype(),
+              "paged_attention: v pool ", shape_str(v_pool.shape()), " ",
+              dtype_name(v_pool.dtype()), " expected like the k pool ", shape_str(k_pool.shape()),
+              " ", dtype_name(k_pool.dtype()));
+  OCTET_CHECK(k_pool.dim(3) == s.head_dim && s.kv_heads > 0 && s.heads % s.kv_heads == 0,
+              "paged_attention: q heads ", s.heads, " x D ", s.head_dim,
+              " do not match pool heads ", s.kv_heads, " x D ", k_pool.dim(3));
+  OCTET_CHECK(q.dtype() == k_pool.dtype() && (q.dtype() == DType::F32 || q.dtype() == DType::BF16),
+              "paged_attention: q and the pools expected both f32 or both bf16, got ",
+              dtype_name(q.dtype()), " and ", dtype_name(k_pool.dtype()));
+  OCTET_CHECK(block_tables.dtype() == DType::I32 && block_tables.ndim() == 2 &&
+                  block_tables.dim(0) == s.sequences,
+              "paged_attention: block_tables expected [S, max_blocks] I32 with S = ", s.sequences,
+              ", got ", shape_str(block_tables.shape()), " ", dtype_name(block_tables.dtype()));
+  OCTET_CHECK(context_lens.dtype() == DType::I32 && context_lens.ndim() == 1 &&
+                  context_lens.dim(0) == s.sequences,
+              "paged_attention: context_lens expected [S] I32, got ",
+              shape_str(context_lens.shape()));
+  OCTET_CHECK(out.shape() == q.shape() && out.dtype() == q.dtype(),
+              "paged_attention: out expected ", shape_str(q.shape()), " ", dtype_name(q.dtype()),
+              ", got ", shape_str(out.shape()));
+  const int32_t* lens = context_lens.data<int32_t>();
+  const int32_t* tables = block_tables.data<int32_t>();
+  for (int64_t i = 0; i < s.sequences; ++i) {
+    OCTET_CHECK(lens[i] >= 1 && lens[i] <= s.table_width * s.block_size,
+                "paged_attention: sequence ", i, " has ", lens[i], " keys, expected 1..",
+                s.table_width * s.block_size, " (its block table's room)");
+    for (int64_t b = 0; b < (lens[i] + s.block_size - 1) / s.block_size; ++b) {
+      const int32_t block = tables[i * s.table_width + b];
+      OCTET_CHECK(block >= 0 && block < s.blocks, "paged_attention: sequence ", i, " block ", b,
+                  " = ", block, " outside [0, ", s.blocks, ")");
+    }
+  }
+  s.scale = options.softmax_scale > 0 ? options.softmax_scale
+                                      : 1.0f / std::sqrt(static_cast<float>(s.head_dim));
+  return s;
+}
+
+// The first key the query (at position len - 1) sees: a left window cuts the start.
+int64_t first_key(int64_t len, const AttentionOptions& options) {
+  return options.window_left >= 0 ? std::max<int64_t>(0, len - 1 - options.window_left) : 0;
+}
+
+template <typename T>
+struct PagedArgs {
+  const PagedShape* s;
+  const T* q;
+  const T* k;
+  const T* v;
+  const int32_t* tables;
+};
+
+// One (sequence, head, keys [begin, end)) task: max, sum of exp(score - max), and the
+// weighted sum of values, into part[0], part[1], part[2 .. 2 + D).
+template <int W, typename T>
+OCTET_ALWAYS_INLINE void partition_task(const PagedArgs<T>& a, int64_t seq, int64_t h,
+                                        int64_t begin, int64_t end, float* part) {
+  const PagedShape& s = *a.s;
+  const int64_t D = s.head_dim, hk = h / (s.heads / s.kv_heads);
+  const int64_t row = s.kv_heads * D;  // elements per token in a pool
+  const T* q = a.q + (seq * s.heads + h) * D;
+  const int32_t* table = a.tables + seq * s.table_width;
+  float qf[256];
+  for (int64_t d = 0; d < D; ++d) qf[d] = simd::load(q[d]);
+  float* acc = part + 2;
+  for (int64_t d = 0; d < D; ++d) acc[d] = 0.0f;
+  const int64_t Dv = D / W * W;
+  float max = -std::numeric_limits<float>::infinity(), sum = 0.0f;
+  float scores[kChunk];
+  for (int64_t c0 = begin; c0 < end; c0 += kChunk) {
+    const int64_t c1 = std::min(end, c0 + kChunk);
+    float chunk_max = -std::numeric_limits<float>::infinity();
+    for (int64_t j = c0; j < c1; ++j) {
+      const T* kj =
+          a.k +
+          (static_cast<int64_t>(table[j / s.block_size]) * s.block_size + j % s.block_size) * row +
+          hk * D;
+      vec::F<W> dot = vec::splat<W>(0.0f);
+      int64_t d = 0;
+      for (; d < Dv; d += W) {
+        vec::F<W> kv;
+        for (int i = 0; i < W; ++i) kv[i] = simd::load(kj[d + i]);
+        dot += vec::load<W>(qf + d) * kv;
+      }
+      float score = vec::reduce_sum<W>(dot);
+      for (; d < D; ++d) score += qf[d] * simd::load(kj[d]);
+      score *= s.scale;
+      scores[j - c0] = score;
+      chunk_max = std::max(chunk_max, score);
+    }
+    // Subtract the maximum before scaling into base 2: exact at any magnitude.
+    const float new_max = std::max(max, chunk_max);
+    const float rescale = std::exp2((max - new_max) * kLog2e);
+    max = new_max;
+    sum *= rescale;
+    for (int64_t d = 0; d < D; ++d) acc[d] *= rescale;
+    for (int64_t j = c0; j < c1; ++j) {
+      const float p = std::exp2((scores[j - c0] - max) * kLog2e);
+      sum += p;
+      const T* vj =
+          a.v +
+          (static_cast<int64_t>(table[j / s.block_size]) * s.block_size + j % s.block_size) * row +
+          hk * D;
+      const vec::F<W> pv = vec::splat<W>(p);
+      int64_t d = 0;
+      for (; d < Dv; d += W) {
+        vec::F<W> vv;
+        for (int i = 0; i < W; ++i) vv[i] = simd::load(vj[d + i]);
+        vec::store<W>(acc + d, vec::load<W>(acc + d) + pv * vv);
+      }
+      for (; d < D; ++d) acc[d] += p * simd::load(vj[d]);
+    }
+  }
+  part[0] = max;
+  part[1] = sum;
+}
+
+template <typename T>
+OCTET_TARGET_AVX512 void task_avx512(const PagedArgs<T>& a, int64_t seq, int64_t h, int64_t begin,
+                                     int64_t end, float* part) {
+  partition_task<16>(a, seq, h, begin, end, part);
+}
+template <typename T>
+OCTET_TARGET_AVX2 void task_avx2(const PagedArgs<T>& a, int64_t seq, int64_t h, int64_t begin,
+                                 int64_t end, float* part) {
+  partition_task<8>(a, seq, h, begin, end, part);
+}
+template <typename T>
+void task_scalar(const PagedArgs<T>& a, int64_t seq, int64_t h, int64_t begin, int64_t end,
+                 float* part) {
+  partition_task<4>(a, seq, h, begin, end, part);
+}
+
+template <typename T>
+void paged_typed(const PagedShape& s, const Tensor& q, const Tensor& k_pool, const Tensor& v_pool,
+                 const Tensor& block_tables, const Tensor& context_lens,
+                 const AttentionOptions& options, Tensor& out) {
+  const int32_t* lens = context_lens.data<int32_t>();
+  // Tasks: (sequence, head, partition); partitions of one (sequence, head) are consecutive.
+  struct Task {
+    int64_t seq, h, begin, end;
+  };
+  std::vector<Task> tasks;
+  std::vector<int64_t> first_task(static_cast<size_t>(s.sequences * s.heads) + 1, 0);
+  for (int64_t i = 0; i < s.sequences; ++i) {
+    const int64_t begin = first_key(lens[i], options), len = lens[i];
+    for (int64_t h = 0; h < s.heads; ++h) {
+      first_task[static_cast<size_t>(i * s.heads + h)] = static_cast<int64_t>(tasks.size());
+      for (int64_t p = begin; p < len; p += kPartition) {
+        tasks.push_back({i, h, p, std::min(len, p + kPartition)});
+      }
+    }
+  }
+  first_task.back() = static_cast<int64_t>(tasks.size());
+  const int64_t stride = 2 + s.head_dim;
+  std::vector<float> parts(tasks.size() * static_cast<size_t>(stride));
+  const PagedArgs<T> args{&s, q.data<T>(), k_pool.data<T>(), v_pool.data<T>(),
+                          block_tables.data<int32_t>()};
+  auto task_fn = task_scalar<T>;
+  if (active_isa() == Isa::Avx512) task_fn = task_avx512<T>;
+  if (active_isa() == Isa::Avx2) task_fn = task_avx2<T>;
+  const int64_t count = static_cast<int64_t>(tasks.size());
+#pragma omp parallel for schedule(dynamic, 1) if (count > 1)
+  for (int64_t t = 0; t < count; ++t) {
+    const Task& task = tasks[static_cast<size_t>(t)];
+    task_fn(args, task.seq, task.h, task.begin, task.end, parts.data() + t * stride);
+  }
+  // Merge each (sequence, head)'s partitions by their maxima.
+  T* o = out.data<T>();
+  for (int64_t r = 0; r < s.sequences * s.heads; ++r) {
+    const int64_t t0 = first_task[static_cast<size_t>(r)],
+                  t1 = first_task[static_cast<size_t>(r) + 1];
+    float max = -std::numeric_limits<float>::infinity();
+    for (int64_t t = t0; t < t1; ++t) max = std::max(max, parts[static_cast<size_t>(t * stride)]);
+    float sum = 0.0f;
+    std::vector<float> acc(static_cast<size_t>(s.head_dim), 0.0f);
+    for (int64_t t = t0; t < t1; ++t) {
+      const float* part = parts.data() + t * stride;
+      const float w = std::exp2((part[0] - max) * kLog2e);
+      sum += w * part[1];
+      for (int64_t d = 0; d < s.head_dim; ++d) acc[static_cast<size_t>(d)] += w * part[2 + d];
+    }
+    for (int64_t d = 0; d < s.head_dim; ++d) {
+      simd::store(acc[static_cast<size_t>(d)] / sum, &o[r * s.head_dim + d]);
+    }
+  }
+}
+
+}  // namespace
+
+namespace cpu {
+
+void paged_attention_decode(const Tensor& q, const Tensor& k_pool, const Tensor& v_pool,
+                            const Tensor& block_tables, const Tensor& context_lens,
+                            const AttentionOptions& options, Tensor& out) {
+  const PagedShape s = check_paged(q, k_pool, v_pool, block_tables, context_lens, options, out);
+  OCTET_CHECK(s.head_dim <= 256, "paged_attention: head size ", s.head_dim, " over 256");
+  if (q.dtype() == DType::F32) {
+    paged_typed<float>(s, q, k_pool, v_pool, block_tables, context_lens, options, out);
+  } else {
+    paged_typed<bfloat16>(s, q, k_pool, v_pool, block_tables, context_lens, options, out);
+  }
+}
+
+}  // namespace cpu
+
+namespace reference {
+
+void paged_attention_decode(const Tensor& q, const Tensor& k_pool, const Tensor& v_pool,
+                            const Tensor& block_tables, const Tensor& context_lens,
+                            const AttentionOptions& options, Tensor& out) {
+  const PagedShape s = check_paged(q, k_pool, v_pool, block_tables, context_lens, options, out);
+  const std::vector<float> qf = q.to_floats(), kf = k_pool.to_floats(), vf = v_pool.to_floats();
+  const int32_t* lens = context_lens.data<int32_t>();
+  const int32_t* tables = block_tables.data<int32_t>();
+  std::vector<float> result(qf.size());
+  const int64_t D = s.head_dim, row = s.kv_heads * D;
+  for (int64_t i = 0; i < s.sequences; ++i) {
+    for (int64_t h = 0; h < s.heads; ++h) {
+      const int64_t hk = h / (s.heads / s.kv_heads);
+      const float* qh = qf.data() + (i * s.heads + h) * D;
+      auto slot = [&](int64_t j) {
+        return (static_cast<int64_t>(tables[i * s.table_width + j / s.block_size]) * s.block_size +
+                j % s.block_size) *
+                   row +
+               hk * D;
+      };
+      std::vector<double> scores;
+      for (int64_t j = first_key(lens[i], options); j < lens[i]; ++j) {
+        double dot = 0;
+        for (int64_t d = 0; d < D; ++d) dot += double{qh[d]} * kf[static_cast<size_t>(slot(j) + d)];
+        scores.push_back(dot * s.scale);
+      }
+      const double max = *std::max_element(scores.begin(), scores.end());
+      double sum = 0;
+      for (double& x : scores) sum += (x = std::exp(x - max));
+      for (int64_t d = 0; d < D; ++d) {
+        double value = 0;
+        const int64_t j0 = first_key(lens[i], options);
+        for (int64_t j = j0; j < lens[i]; ++j) {
+          value += scores[static_cast<size_t>(j - j0)] * vf[static_cast<size_t>(slot(j) + d)];
+        }
+        result[static_cast<size_t>((i * s.heads + h) * D + d)] = static_cast<float>(value / sum);
+      }
+    }
+  }
+  out.copy_from(Tensor::from_floats(out.shape(), result).to(out.dtype()));
+}
+
+}  // namespace reference
+
+void paged_attention_decode(const Tensor& q, const Tensor& k_pool, const Tensor& v_pool,
+                            const Tensor& block_tables, const Tensor& context_lens,
+                            const AttentionOptions& options, Tensor& out) {
+  const Device device = device_of("paged_attention_decode",
+                                  {&q, &k_pool, &v_pool, &block_tables, &context_lens, &out});
+  if (device == Device::CPU) {
+    return cpu::paged_attention_decode(q, k_pool, v_pool, block_tables, context_lens, options, out);
+  }
+  no_kernel("paged_attention_decode", device);
+}
+
+}  // namespace octet::ops
