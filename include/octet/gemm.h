@@ -64,6 +64,22 @@ void gemm(const Float8Tensor& A, PackedWeight& B, Tensor& C, bool trans_a, float
 void gemm(const Float4Tensor& A, const Float4Tensor& B, Tensor& C, bool trans_a, bool trans_b,
           float alpha = 1.0f, float beta = 0.0f, const Epilogue& epilogue = {});
 
+// Weight-only FP8 for memory-bound inference (decode): W [N, K] quantized once to E4M3 with
+// one scale per output channel (amax / 448), real value = e4m3(code) * scale_inv[n].
+struct Fp8WeightOnly {
+  Tensor codes;      // [N, K] E4M3
+  Tensor scale_inv;  // [N] F32
+  size_t nbytes() const { return codes.nbytes() + scale_inv.nbytes(); }
+};
+// W [N, K] F32|BF16 (finite) -> codes rounded to nearest even, saturating.
+Fp8WeightOnly quantize_weight_fp8(const Tensor& weight);
+// The real values, [N, K] in dtype (F32 exact; BF16 rounds the scaled value once).
+Tensor dequantize_weight_fp8(const Fp8WeightOnly& weight, DType dtype);
+// C [M, N] = epilogue(A [M, K] . dequantized(B)^T), A F32|BF16, C A's dtype or F32, FP32
+// accumulation. Up to 8 rows read B's bytes and widen them in registers (AVX-512, AVX2 or
+// scalar by the processor); more rows widen B once and run the BF16/F32 GEMM.
+void gemm(const Tensor& A, const Fp8WeightOnly& B, Tensor& C, const Epilogue& epilogue = {});
+
 // Whether BF16 GEMMs run as oneDNN BF16 matmuls (AVX-512 BF16 / AMX, or AVX-512 emulation).
 // Without AVX-512 oneDNN 2.6 has no BF16 matmul: the operands, exact in F32, are widened and
 // the F32 matmul runs with the same FP32 accumulation (a BF16 C rounded to nearest even after).

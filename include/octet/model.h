@@ -122,6 +122,13 @@ class GPT : public TrainableModel {
   InferenceParams make_paged_inference_params(int64_t num_blocks, int64_t block_size) const;
   // KV-cache bytes per token (keys and values of every layer) in dtype.
   size_t kv_bytes_per_token(DType dtype) const;
+  // Inference with weight-only FP8 (E4M3, one scale per output channel): every layer's GEMM
+  // weights and the tied output layer quantized once from the current weights and read as
+  // bytes by the decode GEMMs (Linear::set_inference_fp8_weight). Training is refused while
+  // on; off frees them. Returns the bytes of the FP8 weights.
+  size_t set_inference_fp8_weights(bool on);
+  // Bytes of the weights the inference GEMMs read per token in `dtype` (FP8 when on).
+  size_t inference_weight_bytes(DType dtype);
 
   // The pipeline interface. Micro-batches of gpt_micro_batch(); activations [B,T,C] in the
   // compute dtype.
@@ -237,6 +244,7 @@ class GPT : public TrainableModel {
   std::vector<std::vector<TransformerLayer>> layers_;  // [chunk][layer of that stage]
   std::optional<Norm> final_norm_;                     // last stage only
   TiedOutputCache output_cache_;
+  std::optional<Fp8WeightOnly> wte_fp8_;  // set_inference_fp8_weights
 };
 
 // A GPT micro-batch for the pipeline executor: {"ids": ids, "targets": targets}, each [B,T]

@@ -266,6 +266,12 @@ class Linear : public Module {
   // rows runs while the all-gather brings the other ranks' (forward_arriving); off: gather,
   // then GEMM.
   void set_overlap_gather(bool on) { overlap_gather_ = on; }
+  // Inference with weight-only FP8 (gemm.h's Fp8WeightOnly: E4M3, one scale per output
+  // channel), quantized here once from the current weight; outside fp8_autocast / FP4 the
+  // forward then reads it instead of the weight, and backward is refused. Off frees it.
+  void set_inference_fp8_weight(bool on);
+  bool inference_fp8_weight() const { return weight_fp8_.has_value(); }
+  size_t inference_weight_bytes() const;  // of the FP8 weight when on
 
   Parameter weight;
   Parameter bias;  // undefined value without bias
@@ -295,6 +301,7 @@ class Linear : public Module {
   Tensor weight_bf16_;
   std::optional<PackedWeight> packed_;
   DType packed_dtype_ = DType::F32;
+  std::optional<Fp8WeightOnly> weight_fp8_;
 };
 
 struct NormOptions {

@@ -44,6 +44,10 @@ Tensor GPT::logits_of_last(const Tensor& hidden) {
   Norm::Context scratch;
   Tensor normalized = final_norm_->forward(hidden, scratch);
   Tensor logits = Tensor::empty({hidden.dim(0), config_.vocab_size}, DType::F32);
+  if (wte_fp8_) {
+    gemm(normalized, *wte_fp8_, logits);
+    return logits;
+  }
   gemm(normalized, wte_as(hidden.dtype()), logits, false, true);
   return logits;
 }
@@ -119,6 +123,53 @@ Tensor GPT::forward_paged(const Tensor& ids, InferenceParams& params, DType dtyp
 
 InferenceParams GPT::make_paged_inference_params(int64_t num_blocks, int64_t block_size) const {
   return InferenceParams::paged(num_blocks, block_size, config_.max_seq_len);
+}
+
+namespace {
+
+// The GEMM layers of a transformer layer.
+std::vector<Linear*> linears_of(TransformerLayer& layer) {
+  std::vector<Linear*> out;
+  MultiheadAttention& a = layer.self_attention;
+  if (a.layernorm_qkv) out.push_back(&a.layernorm_qkv->linear);
+  if (a.qkv) out.push_back(&*a.qkv);
+  out.push_back(&a.proj);
+  out.push_back(&layer.layernorm_mlp.fc1);
+  out.push_back(&layer.layernorm_mlp.fc2);
+  return out;
+}
+
+}  // namespace
+
+size_t GPT::set_inference_fp8_weights(bool on) {
+  check_inference("set_inference_fp8_weights");
+  size_t bytes = 0;
+  for (TransformerLayer& layer : layers()) {
+    OCTET_CHECK(!layer.inter_attention, "gpt: inference FP8 weights: cross-attention layers");
+    for (Linear* linear : linears_of(layer)) {
+      linear->set_inference_fp8_weight(on);
+      bytes += linear->inference_weight_bytes();
+    }
+  }
+  wte_fp8_.reset();
+  if (on) {
+    wte_fp8_ = quantize_weight_fp8(wte.value);
+    bytes += wte_fp8_->nbytes();
+  }
+  return bytes;
+}
+
+size_t GPT::inference_weight_bytes(DType dtype) {
+  size_t bytes =
+      wte_fp8_ ? wte_fp8_->nbytes() : static_cast<size_t>(wte.value.numel()) * dtype_bytes(dtype);
+  for (TransformerLayer& layer : layers()) {
+    for (Linear* linear : linears_of(layer)) {
+      bytes += linear->inference_fp8_weight()
+                   ? linear->inference_weight_bytes()
+                   : static_cast<size_t>(linear->weight.value.numel()) * dtype_bytes(dtype);
+    }
+  }
+  return bytes;
 }
 
 size_t GPT::kv_bytes_per_token(DType dtype) const {

@@ -134,6 +134,11 @@ Tensor Linear::local_forward(const Tensor& x, Context& ctx, SavedInput saved) {
   ctx.dtype = x.dtype();
   ctx.rows = flat.rows();
   Tensor y = Tensor::empty({ctx.rows, options_.out_features}, x.dtype());
+  if (weight_fp8_) {  // inference only: no input kept, backward refused
+    ctx.rows = 0;
+    gemm(flat, *weight_fp8_, y, forward_epilogue());
+    return y.reshape(with_last(x.shape(), options_.out_features));
+  }
   gemm(flat, packed_weight(x.dtype()), y, /*trans_a=*/false, 1.0f, 0.0f, forward_epilogue());
   ctx.input = flat;
   return y.reshape(with_last(x.shape(), options_.out_features));
@@ -285,7 +290,20 @@ Tensor Linear::replay_forward(const Context& ctx) {
   return y;
 }
 
+void Linear::set_inference_fp8_weight(bool on) {
+  OCTET_CHECK(!on || tp_ == nullptr, options_.name,
+              ": inference FP8 weights run without tensor parallelism");
+  weight_fp8_.reset();
+  if (on) weight_fp8_ = quantize_weight_fp8(weight.value);
+}
+
+size_t Linear::inference_weight_bytes() const {
+  return weight_fp8_ ? weight_fp8_->nbytes() : 0;
+}
+
 Tensor Linear::local_backward(const Tensor& dy_in, Context& ctx) {
+  OCTET_CHECK(!weight_fp8_, options_.name,
+              ": backward with inference FP8 weights (set_inference_fp8_weight(false) first)");
   OCTET_CHECK(ctx.rows > 0 || ctx.input.defined() || ctx.fp8, options_.name,
               ": backward called without a forward context");
   OCTET_CHECK(dy_in.numel() == ctx.rows * options_.out_features, options_.name, ": dy expected [",

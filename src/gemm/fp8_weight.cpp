@@ -1,0 +1,181 @@
+// Weight-only FP8 for memory-bound inference: a weight quantized once to E4M3 with one scale
+// per output channel, and a matrix product for few rows (decode) that reads the weight's bytes
+// and widens them in registers, so each step reads a quarter of an F32 weight's bytes (half of
+// BF16's). More rows (prefill) widen the weight to BF16 once per call and run the BF16 GEMM:
+// there the product's FLOPs, not the weight's bytes, set the time.
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "gemm/gemm_checks.h"
+#include "octet/cpu_features.h"
+#include "octet/gemm.h"
+
+#pragma GCC diagnostic ignored "-Wpsabi"
+
+#define OCTET_FP8W_AVX512 \
+  __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma,prefer-vector-width=512")))
+#define OCTET_FP8W_AVX2 __attribute__((target("avx2,fma")))
+#define OCTET_FP8W_INLINE inline __attribute__((always_inline))
+
+namespace octet {
+
+namespace {
+
+constexpr int64_t kMaxSmallRows = 8;  // rows of A taken by the weight-reading kernel
+
+template <int W>
+struct V {
+  typedef float F __attribute__((vector_size(sizeof(float) * W)));
+  typedef uint32_t U __attribute__((vector_size(sizeof(uint32_t) * W)));
+  typedef int32_t I __attribute__((vector_size(sizeof(int32_t) * W)));
+};
+
+// W E4M3 codes (OCP, no NaN in quantized weights: they saturate) widened to F32, exactly:
+// normal codes by moving exponent and mantissa into F32's fields with the bias change, the
+// subnormals (exponent 0: m * 2^-9) through an integer conversion.
+template <int W>
+OCTET_FP8W_INLINE typename V<W>::F widen_e4m3(const uint8_t* codes) {
+  typename V<W>::U c;
+  for (int i = 0; i < W; ++i) c[i] = codes[i];
+  const typename V<W>::U magnitude = c & 0x7fu;
+  const typename V<W>::U sign = (c & 0x80u) << 24;
+  const typename V<W>::U normal = (magnitude << 20) + (120u << 23);
+  const typename V<W>::F tiny =
+      __builtin_convertvector(reinterpret_cast<typename V<W>::I>(magnitude), typename V<W>::F) *
+      (1.0f / 512.0f);
+  const typename V<W>::U tiny_bits = reinterpret_cast<typename V<W>::U>(tiny);
+  const typename V<W>::U is_tiny = magnitude < 8u;  // all ones where subnormal (or zero)
+  const typename V<W>::U bits = ((tiny_bits & is_tiny) | (normal & ~is_tiny)) | sign;
+  return reinterpret_cast<typename V<W>::F>(bits);
+}
+
+// C[m, n] for n in [n0, n1), all M rows (M <= kMaxSmallRows): each weight row read once.
+template <int W>
+OCTET_FP8W_INLINE void small_rows(const float* a, int64_t M, int64_t K, const uint8_t* codes,
+                                  const float* scale_inv, int64_t n0, int64_t n1, float* c,
+                                  int64_t ldc) {
+  using F = typename V<W>::F;
+  const int64_t Kv = K / W * W;
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* w = codes + n * K;
+    F acc[kMaxSmallRows];
+    for (int64_t m = 0; m < M; ++m) acc[m] = F{} + 0.0f;
+    for (int64_t k = 0; k < Kv; k += W) {
+      const F wv = widen_e4m3<W>(w + k);
+      for (int64_t m = 0; m < M; ++m) {
+        F av;
+        std::memcpy(&av, a + m * K + k, sizeof av);
+        acc[m] += av * wv;
+      }
+    }
+    for (int64_t m = 0; m < M; ++m) {
+      float sum = 0.0f;
+      for (int i = 0; i < W; ++i) sum += acc[m][i];
+      for (int64_t k = Kv; k < K; ++k) sum += a[m * K + k] * fp8_to_float(w[k], DType::E4M3);
+      c[m * ldc + n] = sum * scale_inv[n];
+    }
+  }
+}
+
+OCTET_FP8W_AVX512 void small_rows_avx512(const float* a, int64_t M, int64_t K, const uint8_t* codes,
+                                         const float* scale_inv, int64_t n0, int64_t n1, float* c,
+                                         int64_t ldc) {
+  small_rows<16>(a, M, K, codes, scale_inv, n0, n1, c, ldc);
+}
+OCTET_FP8W_AVX2 void small_rows_avx2(const float* a, int64_t M, int64_t K, const uint8_t* codes,
+                                     const float* scale_inv, int64_t n0, int64_t n1, float* c,
+                                     int64_t ldc) {
+  small_rows<8>(a, M, K, codes, scale_inv, n0, n1, c, ldc);
+}
+void small_rows_scalar(const float* a, int64_t M, int64_t K, const uint8_t* codes,
+                       const float* scale_inv, int64_t n0, int64_t n1, float* c, int64_t ldc) {
+  small_rows<4>(a, M, K, codes, scale_inv, n0, n1, c, ldc);
+}
+
+}  // namespace
+
+Fp8WeightOnly quantize_weight_fp8(const Tensor& weight) {
+  OCTET_CHECK(weight.ndim() == 2 && (weight.dtype() == DType::F32 || weight.dtype() == DType::BF16),
+              "quantize_weight_fp8: weight expected [N, K] f32 or bf16, got ",
+              shape_str(weight.shape()), " ", dtype_name(weight.dtype()));
+  const int64_t N = weight.dim(0), K = weight.dim(1);
+  const std::vector<float> w = weight.to_floats();
+  Fp8WeightOnly q;
+  q.codes = Tensor::empty({N, K}, DType::E4M3);
+  q.scale_inv = Tensor::empty({N}, DType::F32);
+  uint8_t* codes = static_cast<uint8_t*>(q.codes.raw());
+  float* scale_inv = q.scale_inv.data<float>();
+  const float max = fp8_max(DType::E4M3);
+#pragma omp parallel for
+  for (int64_t n = 0; n < N; ++n) {
+    float amax = 0.0f;
+    for (int64_t k = 0; k < K; ++k)
+      amax = std::max(amax, std::fabs(w[static_cast<size_t>(n * K + k)]));
+    OCTET_CHECK(std::isfinite(amax), "quantize_weight_fp8: row ", n, " is not finite");
+    const float scale = amax > 0.0f ? max / amax : 1.0f;
+    scale_inv[n] = 1.0f / scale;
+    for (int64_t k = 0; k < K; ++k) {
+      codes[n * K + k] = float_to_fp8(w[static_cast<size_t>(n * K + k)] * scale, DType::E4M3, true);
+    }
+  }
+  return q;
+}
+
+Tensor dequantize_weight_fp8(const Fp8WeightOnly& weight, DType dtype) {
+  const int64_t N = weight.codes.dim(0), K = weight.codes.dim(1);
+  Tensor out = Tensor::empty({N, K}, DType::F32);
+  const uint8_t* codes = static_cast<const uint8_t*>(weight.codes.raw());
+  const float* scale_inv = weight.scale_inv.data<float>();
+#pragma omp parallel for
+  for (int64_t n = 0; n < N; ++n) {
+    dequantize_fp8(codes + n * K, static_cast<size_t>(K), DType::E4M3, scale_inv[n],
+                   out.data<float>() + n * K);
+  }
+  return dtype == DType::F32 ? out : out.to(dtype);
+}
+
+void gemm(const Tensor& A, const Fp8WeightOnly& B, Tensor& C, const Epilogue& epilogue) {
+  OCTET_CHECK(B.codes.ndim() == 2 && B.codes.dtype() == DType::E4M3 && B.scale_inv.ndim() == 1 &&
+                  B.scale_inv.dim(0) == B.codes.dim(0),
+              "gemm (fp8 weight): B expected [N, K] e4m3 codes and [N] scales, got ",
+              shape_str(B.codes.shape()), " and ", shape_str(B.scale_inv.shape()));
+  const int64_t N = B.codes.dim(0), K = B.codes.dim(1);
+  OCTET_CHECK(
+      A.ndim() == 2 && A.dim(1) == K && (A.dtype() == DType::F32 || A.dtype() == DType::BF16),
+      "gemm (fp8 weight): A expected [M, K=", K, "] f32 or bf16, got ", shape_str(A.shape()), " ",
+      dtype_name(A.dtype()));
+  const int64_t M = A.dim(0);
+  OCTET_CHECK(C.ndim() == 2 && C.dim(0) == M && C.dim(1) == N &&
+                  (C.dtype() == A.dtype() || C.dtype() == DType::F32),
+              "gemm (fp8 weight): C expected [", M, ", ", N, "] ", dtype_name(A.dtype()),
+              " or f32, got ", shape_str(C.shape()), " ", dtype_name(C.dtype()));
+  if (M > kMaxSmallRows) {  // compute-bound: widen once, BF16 (or F32) GEMM
+    const Tensor widened = dequantize_weight_fp8(B, A.dtype());
+    gemm(A, widened, C, /*trans_a=*/false, /*trans_b=*/true, 1.0f, 0.0f, epilogue);
+    return;
+  }
+  const Tensor a32 = A.dtype() == DType::F32 ? A : A.to(DType::F32);
+  Tensor c32 = C.dtype() == DType::F32 ? C : Tensor::empty({M, N}, DType::F32);
+  auto kernel = small_rows_scalar;
+  if (active_isa() == Isa::Avx512) kernel = small_rows_avx512;
+  if (active_isa() == Isa::Avx2) kernel = small_rows_avx2;
+  const uint8_t* codes = static_cast<const uint8_t*>(B.codes.raw());
+  const float* scale_inv = B.scale_inv.data<float>();
+  const float* a = a32.data<float>();
+  float* c = c32.data<float>();
+#pragma omp parallel
+  {
+    const int threads = omp_get_num_threads(), t = omp_get_thread_num();
+    kernel(a, M, K, codes, scale_inv, N * t / threads, N * (t + 1) / threads, c, N);
+  }
+  if (epilogue.bias != nullptr || epilogue.activation != Activation::None) {
+    gemm_detail::apply_epilogue_only(c32, M, N, 1.0f, epilogue);
+  }
+  if (C.dtype() != DType::F32) C.copy_from(c32.to(C.dtype()));
+}
+
+}  // namespace octet
