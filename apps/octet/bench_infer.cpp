@@ -37,6 +37,7 @@ struct Options {
   uint64_t seed = 1234;
   bool json = false;
   bool no_torch = false;
+  bool fp8_weights = false;  // also each case with weight-only FP8, beside the BF16 weights
 };
 
 using Clock = std::chrono::steady_clock;
@@ -190,7 +191,7 @@ Latency run_latency(GPT& model, const Options& o, DType dtype, std::mt19937& rng
 
 struct Series {
   std::vector<double> ours_prefill, ours_decode, peer_prefill, peer_decode, ratio_decode,
-      ratio_prefill, waste;
+      ratio_prefill, waste, fp8_decode, fp8_ratio;
 };
 
 void run_bench(const Options& o) {
@@ -207,14 +208,9 @@ void run_bench(const Options& o) {
   std::mt19937 rng(static_cast<uint32_t>(o.seed));
 
   const double bandwidth = measure_bandwidth_gbs();
-  // Bytes read per decoded token at batch 1: every weight matrix once (the tied output layer
-  // is wte), in the compute dtype; position rows and vectors are noise.
-  double weight_bytes = 0;
-  for (Parameter* p : model.parameters()) {
-    if (p->value.ndim() >= 2 && p->name.find("wpe") == std::string::npos) {
-      weight_bytes += static_cast<double>(p->value.numel() * dtype_bytes(dtype));
-    }
-  }
+  // Bytes read per decoded token at batch 1: every GEMM weight once (the tied output layer is
+  // wte), in the compute dtype; position rows, norms and biases are noise.
+  const double weight_bytes = static_cast<double>(model.inference_weight_bytes(dtype));
   const double roofline = bandwidth * 1e9 / weight_bytes;
   std::printf(
       "bench infer: %s (%.1fM parameters), %s, prompt %lld, %lld decode steps, %d "
@@ -269,8 +265,18 @@ void run_bench(const Options& o) {
       };
       if (round % 2 == 1) run_peer();
       ours = run_ours(model, o, dtype, batch, rng);
+      CaseResult fp8;
+      if (o.fp8_weights) {
+        model.set_inference_fp8_weights(true);
+        fp8 = run_ours(model, o, dtype, batch, rng);
+        model.set_inference_fp8_weights(false);
+      }
       if (round % 2 == 0) run_peer();
       Series& s = series[i];
+      if (o.fp8_weights) {
+        s.fp8_decode.push_back(static_cast<double>(batch) / fp8.decode_ms * 1e3);
+        s.fp8_ratio.push_back(ours.decode_ms / fp8.decode_ms);
+      }
       s.ours_prefill.push_back(static_cast<double>(batch * o.prompt) / ours.prefill_ms * 1e3);
       s.ours_decode.push_back(static_cast<double>(batch) / ours.decode_ms * 1e3);
       s.waste.push_back(ours.kv_waste);
@@ -324,6 +330,22 @@ void run_bench(const Options& o) {
       std::printf("%s\n", line.dump().c_str());
     }
   }
+  if (o.fp8_weights) {
+    const double fp8_bytes = static_cast<double>(model.set_inference_fp8_weights(true));
+    model.set_inference_fp8_weights(false);
+    std::printf(
+        "\nweight-only FP8 (E4M3, per-channel scales; %.1f MB read per token, roofline "
+        "%.1f tokens/s):\n| batch | decode tok/s FP8 | vs BF16 weights (median, "
+        "min..max) |\n|---|---|---|\n",
+        fp8_bytes / 1e6, bandwidth * 1e9 / fp8_bytes);
+    for (size_t i = 0; i < o.batches.size(); ++i) {
+      const Series& s = series[i];
+      std::printf("| %lld | %.1f | %.2fx (%.2f..%.2f) |\n", static_cast<long long>(o.batches[i]),
+                  bench::median(s.fp8_decode), bench::median(s.fp8_ratio),
+                  *std::min_element(s.fp8_ratio.begin(), s.fp8_ratio.end()),
+                  *std::max_element(s.fp8_ratio.begin(), s.fp8_ratio.end()));
+    }
+  }
   for (size_t i = 0; i < o.batches.size(); ++i) {
     if (o.batches[i] != 1) continue;
     std::printf("batch-1 decode: %.1f tokens/s = %.0f%% of the roofline %.1f tokens/s\n",
@@ -373,6 +395,8 @@ void register_bench_infer(CLI::App& bench) {
   cmd->add_option("--seed", o->seed, "Seed of the weights and prompts")->capture_default_str();
   cmd->add_flag("--json", o->json, "Also one JSON object per batch size");
   cmd->add_flag("--no-torch", o->no_torch, "Skip the PyTorch peer");
+  cmd->add_flag("--fp8-weights", o->fp8_weights,
+                "Also run each case with weight-only FP8 weights (ratio to BF16 weights)");
   cmd->callback([o] { run_bench(*o); });
 }
 

@@ -23,6 +23,7 @@ struct GenerateOptions {
   std::string prompts_file;  // one prompt per line, generated together on the engine
   int64_t block_size = 16;
   int64_t kv_cache_mb = 64;
+  bool fp8_weights = false;
 };
 
 // --vocab-dir, else the tokenizer saved in the checkpoint (octet train --vocab-dir), else GPT-2's.
@@ -80,6 +81,7 @@ void run_generate(const GenerateOptions& o) {
   }
   GPT model(config, 0);
   model.load_state_dict(from_hf_gpt2_names(checkpoint.model));
+  if (o.fp8_weights) model.set_inference_fp8_weights(true);
   const DType dtype = o.precision == "bf16" ? DType::BF16 : DType::F32;
   auto decode = [&](int32_t id) { return tokenizer.decode(std::span<const int32_t>(&id, 1)); };
 
@@ -173,6 +175,8 @@ void register_generate(CLI::App& app) {
   cmd->add_option("--prompts-file", o->prompts_file,
                   "A file of prompts, one per line, generated together (continuous batching)")
       ->check(CLI::ExistingFile);
+  cmd->add_flag("--fp8-weights", o->fp8_weights,
+                "Weight-only FP8 (E4M3, per-channel scales) for the GEMMs: fewer bytes per token");
   cmd->add_option("--block-size", o->block_size, "KV-cache block size in tokens")
       ->check(number_in(1, 4096));
   cmd->add_option("--kv-cache-mb", o->kv_cache_mb, "KV-cache memory in MiB")
