@@ -38,6 +38,7 @@ struct Options {
   bool json = false;
   bool no_torch = false;
   bool fp8_weights = false;  // also each case with weight-only FP8, beside the BF16 weights
+  bool fp8_kv = false;       // the KV cache in E4M3 (every case)
 };
 
 using Clock = std::chrono::steady_clock;
@@ -99,6 +100,7 @@ EngineOptions engine_options(const Options& o, DType dtype, int64_t batch, int64
   e.max_num_batched_tokens = std::max<int64_t>(2048, batch);
   e.max_waiting = std::max<int64_t>(batch, 256);
   e.dtype = dtype;
+  e.fp8_kv = o.fp8_kv;
   return e;
 }
 
@@ -395,6 +397,7 @@ void register_bench_infer(CLI::App& bench) {
   cmd->add_option("--seed", o->seed, "Seed of the weights and prompts")->capture_default_str();
   cmd->add_flag("--json", o->json, "Also one JSON object per batch size");
   cmd->add_flag("--no-torch", o->no_torch, "Skip the PyTorch peer");
+  cmd->add_flag("--fp8-kv", o->fp8_kv, "KV cache in E4M3 with per-(token, head) scales");
   cmd->add_flag("--fp8-weights", o->fp8_weights,
                 "Also run each case with weight-only FP8 weights (ratio to BF16 weights)");
   cmd->callback([o] { run_bench(*o); });

@@ -24,6 +24,7 @@ struct GenerateOptions {
   int64_t block_size = 16;
   int64_t kv_cache_mb = 64;
   bool fp8_weights = false;
+  bool fp8_kv = false;
 };
 
 // --vocab-dir, else the tokenizer saved in the checkpoint (octet train --vocab-dir), else GPT-2's.
@@ -58,6 +59,7 @@ EngineOptions engine_options(const GenerateOptions& o, DType dtype, int64_t sequ
   options.block_size = o.block_size;
   options.kv_cache_bytes = static_cast<size_t>(o.kv_cache_mb) << 20;
   options.dtype = dtype;
+  options.fp8_kv = o.fp8_kv;
   options.max_num_seqs = std::max<int64_t>(1, std::min<int64_t>(sequences, 256));
   options.max_waiting = std::max<int64_t>(options.max_waiting, sequences);
   return options;
@@ -177,6 +179,8 @@ void register_generate(CLI::App& app) {
       ->check(CLI::ExistingFile);
   cmd->add_flag("--fp8-weights", o->fp8_weights,
                 "Weight-only FP8 (E4M3, per-channel scales) for the GEMMs: fewer bytes per token");
+  cmd->add_flag("--fp8-kv", o->fp8_kv,
+                "KV cache in E4M3 with one scale per (token, head): about half of BF16's bytes");
   cmd->add_option("--block-size", o->block_size, "KV-cache block size in tokens")
       ->check(number_in(1, 4096));
   cmd->add_option("--kv-cache-mb", o->kv_cache_mb, "KV-cache memory in MiB")

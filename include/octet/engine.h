@@ -33,6 +33,7 @@ struct EngineOptions {
   bool enable_prefix_caching = true;
   bool enable_chunked_prefill = true;  // off: a prompt is prefilled in one step, whole
   DType dtype = DType::F32;            // compute and KV-cache dtype: F32 | BF16
+  bool fp8_kv = false;  // KV cache in E4M3 with one scale per (token, head): ~half of BF16's bytes
 };
 
 enum class FinishReason { Length, Stop, Cancelled, Error };

@@ -120,7 +120,7 @@ class GPT : public TrainableModel {
   Tensor forward_paged(const Tensor& ids, InferenceParams& params, DType dtype);
   // A paged cache of num_blocks blocks of block_size tokens.
   InferenceParams make_paged_inference_params(int64_t num_blocks, int64_t block_size) const;
-  // KV-cache bytes per token (keys and values of every layer) in dtype.
+  // KV-cache bytes per token (keys and values of every layer) in dtype (E4M3: codes + scales).
   size_t kv_bytes_per_token(DType dtype) const;
   // Inference with weight-only FP8 (E4M3, one scale per output channel): every layer's GEMM
   // weights and the tied output layer quantized once from the current weights and read as

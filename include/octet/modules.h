@@ -774,6 +774,9 @@ class GroupedLinear : public Module {
 struct InferenceParams {
   struct KeyValue {
     Tensor key, value;  // [max_batch_size, max_sequence_length, Hkv, D] F32|BF16
+    // FP8 paged cache (fp8_kv): key and value hold E4M3 codes, and these the scale of each
+    // (token, kv head): real = e4m3(code) * scale, scale = amax over D / 448.
+    Tensor key_scale, value_scale;  // [num_blocks, block_size, Hkv] F32
   };
   InferenceParams(int64_t max_batch_size, int64_t max_sequence_length);
   // The cache of layer `layer_number`, allocated on first use with that layer's heads and
@@ -806,6 +809,7 @@ struct InferenceParams {
   void set_paged_batch(PagedBatch batch);
   bool is_paged = false;
   int64_t num_blocks = 0, block_size = 0;
+  bool fp8_kv = false;  // paged only: E4M3 keys and values with per-(token, head) scales
   PagedBatch batch;
 };
 

@@ -467,7 +467,7 @@ Engine::Engine(GPT& model, const EngineOptions& options)
   OCTET_CHECK(o.dtype == DType::F32 || o.dtype == DType::BF16,
               "engine: dtype expected f32 or bf16, got ", dtype_name(o.dtype));
   Impl& m = *impl_;
-  m.kv_bytes_per_token = model.kv_bytes_per_token(o.dtype);
+  m.kv_bytes_per_token = model.kv_bytes_per_token(o.fp8_kv ? DType::E4M3 : o.dtype);
   int64_t blocks = o.num_blocks;
   if (blocks == 0) {
     blocks = static_cast<int64_t>(o.kv_cache_bytes /
@@ -477,6 +477,7 @@ Engine::Engine(GPT& model, const EngineOptions& options)
               o.block_size * static_cast<int64_t>(m.kv_bytes_per_token), " per block)");
   m.options.num_blocks = blocks;
   m.cache = model.make_paged_inference_params(blocks, o.block_size);
+  m.cache.fp8_kv = o.fp8_kv;
   m.blocks = std::make_unique<BlockManager>(blocks);
   for (Parameter* p : model.parameters()) m.weight_bytes += p->value.nbytes();
   m.publish_stats();
@@ -614,7 +615,8 @@ std::string Engine::memory_report() const {
   out << "memory: weights " << mib(static_cast<double>(m.weight_bytes)) << " MiB (F32 master)\n"
       << "memory: KV cache " << o.num_blocks << " blocks x " << o.block_size << " tokens x "
       << m.kv_bytes_per_token << " B/token = " << mib(kv_block * static_cast<double>(o.num_blocks))
-      << " MiB (" << o.num_blocks * o.block_size << " tokens, " << dtype_name(o.dtype) << ")\n"
+      << " MiB (" << o.num_blocks * o.block_size << " tokens, "
+      << (o.fp8_kv ? "e4m3 + scales" : std::string(dtype_name(o.dtype))) << ")\n"
       << "memory: workspaces ~" << mib(act_bytes + logit_bytes) << " MiB ("
       << o.max_num_batched_tokens << " tokens per step, logits of " << o.max_num_seqs
       << " sequences)\n";

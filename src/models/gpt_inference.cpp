@@ -175,7 +175,10 @@ size_t GPT::inference_weight_bytes(DType dtype) {
 size_t GPT::kv_bytes_per_token(DType dtype) const {
   const int64_t kv_heads = config_.num_gqa_groups ? config_.num_gqa_groups : config_.num_heads;
   const int64_t head_dim = config_.hidden / config_.num_heads;
-  return static_cast<size_t>(2 * config_.num_layers * kv_heads * head_dim) * dtype_bytes(dtype);
+  // An FP8 cache also keeps one F32 scale per (token, kv head).
+  const int64_t per_head =
+      dtype == DType::E4M3 ? head_dim + 4 : head_dim * static_cast<int64_t>(dtype_bytes(dtype));
+  return static_cast<size_t>(2 * config_.num_layers * kv_heads * per_head);
 }
 
 }  // namespace octet

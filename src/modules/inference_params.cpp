@@ -22,13 +22,19 @@ InferenceParams::KeyValue& InferenceParams::key_value(int64_t layer_number, int6
   KeyValue& kv = key_value_memory[static_cast<size_t>(layer_number)];
   const Shape shape = is_paged ? Shape{num_blocks, block_size, kv_heads, head_dim}
                                : Shape{max_batch_size, max_sequence_length, kv_heads, head_dim};
+  OCTET_CHECK(!fp8_kv || is_paged, "InferenceParams: an FP8 cache must be paged");
+  const DType stored = fp8_kv ? DType::E4M3 : dtype;
   if (!kv.key.defined()) {
-    kv.key = Tensor::zeros(shape, dtype);
-    kv.value = Tensor::zeros(shape, dtype);
+    kv.key = Tensor::zeros(shape, stored);
+    kv.value = Tensor::zeros(shape, stored);
+    if (fp8_kv) {
+      kv.key_scale = Tensor::zeros({num_blocks, block_size, kv_heads}, DType::F32);
+      kv.value_scale = Tensor::zeros({num_blocks, block_size, kv_heads}, DType::F32);
+    }
   }
-  OCTET_CHECK(kv.key.shape() == shape && kv.key.dtype() == dtype, "InferenceParams: layer ",
+  OCTET_CHECK(kv.key.shape() == shape && kv.key.dtype() == stored, "InferenceParams: layer ",
               layer_number, " cache is ", shape_str(kv.key.shape()), " ",
-              dtype_name(kv.key.dtype()), ", asked for ", shape_str(shape), " ", dtype_name(dtype),
+              dtype_name(kv.key.dtype()), ", asked for ", shape_str(shape), " ", dtype_name(stored),
               " (call generation with one compute dtype per cache)");
   return kv;
 }
@@ -78,6 +84,7 @@ size_t InferenceParams::bytes() const {
   size_t total = 0;
   for (const KeyValue& kv : key_value_memory) {
     if (kv.key.defined()) total += kv.key.nbytes() + kv.value.nbytes();
+    if (kv.key_scale.defined()) total += kv.key_scale.nbytes() + kv.value_scale.nbytes();
   }
   return total;
 }

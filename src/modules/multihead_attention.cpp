@@ -4,6 +4,7 @@
 #include "octet/ops/attention.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 
 #include "modules/common.h"
@@ -516,16 +517,41 @@ Tensor token_rows(const Tensor& x, int64_t begin, int64_t end) {
       .reshape({1, end - begin, heads, head_dim});
 }
 
-// Paged cache: the new rows of sequence s written to their blocks' slots.
-void append_to_pages(const Tensor& x, Tensor& pool, const InferenceParams::PagedBatch& batch,
-                     int64_t s) {
+// Paged cache: the new rows of sequence s written to their blocks' slots; into an FP8 pool
+// (scales given) each (token, head) row of D values quantized with its own scale.
+void append_to_pages(const Tensor& x, Tensor& pool, Tensor* scales,
+                     const InferenceParams::PagedBatch& batch, int64_t s) {
   const size_t i = static_cast<size_t>(s);
   const int64_t block_size = pool.dim(1), begin = batch.row_offsets[i];
   const int64_t rows = batch.row_offsets[i + 1] - begin, cached = batch.cached_lengths[i];
-  const size_t row_bytes = static_cast<size_t>(x.dim(2) * x.dim(3)) * dtype_bytes(x.dtype());
+  const int64_t heads = x.dim(2), head_dim = x.dim(3);
+  const std::vector<int32_t>& table = batch.block_tables[i];
+  if (scales != nullptr) {
+    const std::vector<float> values =
+        x.reshape({x.dim(1), heads, head_dim}).slice_rows(begin, begin + rows).to_floats();
+    auto* codes = static_cast<uint8_t*>(pool.raw());
+    float* scale = scales->data<float>();
+    const float max = fp8_max(DType::E4M3);
+    for (int64_t t = 0; t < rows; ++t) {
+      const int64_t p = cached + t;
+      const int64_t slot = table[static_cast<size_t>(p / block_size)] * block_size + p % block_size;
+      for (int64_t h = 0; h < heads; ++h) {
+        const float* v = values.data() + (t * heads + h) * head_dim;
+        float amax = 0.0f;
+        for (int64_t d = 0; d < head_dim; ++d) amax = std::max(amax, std::fabs(v[d]));
+        const float scale_inv = amax > 0.0f && std::isfinite(amax) ? amax / max : 1.0f;
+        scale[slot * heads + h] = scale_inv;
+        uint8_t* out = codes + (slot * heads + h) * head_dim;
+        for (int64_t d = 0; d < head_dim; ++d) {
+          out[d] = float_to_fp8(v[d] / scale_inv, DType::E4M3, /*saturate=*/true);
+        }
+      }
+    }
+    return;
+  }
+  const size_t row_bytes = static_cast<size_t>(heads * head_dim) * dtype_bytes(x.dtype());
   const auto* src = static_cast<const unsigned char*>(x.raw());
   auto* dst = static_cast<unsigned char*>(pool.raw());
-  const std::vector<int32_t>& table = batch.block_tables[i];
   for (int64_t t = 0; t < rows; ++t) {
     const int64_t p = cached + t;
     const int64_t slot = table[static_cast<size_t>(p / block_size)] * block_size + p % block_size;
@@ -533,9 +559,25 @@ void append_to_pages(const Tensor& x, Tensor& pool, const InferenceParams::Paged
   }
 }
 
-// Paged cache: the first `length` positions of sequence s gathered as [1, length, Hkv, D].
-Tensor gather_pages(const Tensor& pool, const std::vector<int32_t>& table, int64_t length) {
+// Paged cache: the first `length` positions of sequence s gathered as [1, length, Hkv, D] in
+// dtype (an FP8 pool dequantized with its scales).
+Tensor gather_pages(const Tensor& pool, const Tensor* scales, const std::vector<int32_t>& table,
+                    int64_t length, DType dtype) {
   const int64_t block_size = pool.dim(1), kv_heads = pool.dim(2), head_dim = pool.dim(3);
+  if (scales != nullptr) {
+    Tensor out = Tensor::empty({1, length, kv_heads, head_dim}, DType::F32);
+    const auto* codes = static_cast<const uint8_t*>(pool.raw());
+    const float* scale = scales->data<float>();
+    for (int64_t p = 0; p < length; ++p) {
+      const int64_t slot = table[static_cast<size_t>(p / block_size)] * block_size + p % block_size;
+      for (int64_t h = 0; h < kv_heads; ++h) {
+        dequantize_fp8(codes + (slot * kv_heads + h) * head_dim, static_cast<size_t>(head_dim),
+                       DType::E4M3, scale[slot * kv_heads + h],
+                       out.data<float>() + (p * kv_heads + h) * head_dim);
+      }
+    }
+    return dtype == DType::F32 ? out : out.to(dtype);
+  }
   Tensor out = Tensor::empty({1, length, kv_heads, head_dim}, pool.dtype());
   const size_t row_bytes = static_cast<size_t>(kv_heads * head_dim) * dtype_bytes(pool.dtype());
   const auto* src = static_cast<const unsigned char*>(pool.raw());
@@ -627,12 +669,13 @@ Tensor MultiheadAttention::forward_inference(const Tensor& x, InferenceParams& p
     // Sequences with one new token (decoding) go to the paged decode kernel together, which
     // reads the pages in place; prefill chunks gather their pages for the flash kernel.
     const InferenceParams::PagedBatch& pb = params.batch;
+    const bool fp8_kv = params.fp8_kv;
     std::vector<int64_t> decoding;
     int64_t widest = 0;
     for (int64_t s = 0; s < pb.sequences(); ++s) {
       const size_t i = static_cast<size_t>(s);
-      append_to_pages(k, cache.key, pb, s);
-      append_to_pages(v, cache.value, pb, s);
+      append_to_pages(k, cache.key, fp8_kv ? &cache.key_scale : nullptr, pb, s);
+      append_to_pages(v, cache.value, fp8_kv ? &cache.value_scale : nullptr, pb, s);
       if (pb.row_offsets[i + 1] - pb.row_offsets[i] == 1) {
         decoding.push_back(s);
         widest = std::max<int64_t>(widest, static_cast<int64_t>(pb.block_tables[i].size()));
@@ -658,7 +701,12 @@ Tensor MultiheadAttention::forward_inference(const Tensor& x, InferenceParams& p
                       static_cast<const char*>(q.raw()) + pb.row_offsets[i] * row_bytes, row_bytes);
         }
       }
-      ops::paged_attention_decode(q_rows, cache.key, cache.value, tables, lengths, a, out_rows);
+      if (fp8_kv) {
+        ops::paged_attention_decode(q_rows, cache.key, cache.value, tables, lengths, a, out_rows,
+                                    &cache.key_scale, &cache.value_scale);
+      } else {
+        ops::paged_attention_decode(q_rows, cache.key, cache.value, tables, lengths, a, out_rows);
+      }
       for (int64_t r = 0; r < n && !all; ++r) {
         const size_t i = static_cast<size_t>(decoding[static_cast<size_t>(r)]);
         std::memcpy(static_cast<char*>(out.raw()) + pb.row_offsets[i] * row_bytes,
@@ -672,9 +720,12 @@ Tensor MultiheadAttention::forward_inference(const Tensor& x, InferenceParams& p
       const int64_t keys = pb.cached_lengths[i] + end - begin;
       Tensor out_s = token_rows(out, begin, end);
       Tensor lse = Tensor::empty({1, heads_, end - begin}, DType::F32);
-      ops::flash_attention_forward(
-          token_rows(q, begin, end), gather_pages(cache.key, pb.block_tables[i], keys),
-          gather_pages(cache.value, pb.block_tables[i], keys), a, out_s, lse);
+      ops::flash_attention_forward(token_rows(q, begin, end),
+                                   gather_pages(cache.key, fp8_kv ? &cache.key_scale : nullptr,
+                                                pb.block_tables[i], keys, x.dtype()),
+                                   gather_pages(cache.value, fp8_kv ? &cache.value_scale : nullptr,
+                                                pb.block_tables[i], keys, x.dtype()),
+                                   a, out_s, lse);
     }
   } else {
     append_to_cache(k, cache.key, offset);

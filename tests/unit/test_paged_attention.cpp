@@ -89,6 +89,66 @@ TEST(PagedAttention, MatchesTheReferenceOnEveryPath) {
   }
 }
 
+TEST(PagedAttention, Fp8PoolsMatchTheReferenceOnEveryPath) {
+  // E4M3 pools with one scale per (token, head): the kernel widens the codes in place; the
+  // reference takes code * scale in float64.
+  const int64_t blocks = 12, block_size = 8, kv_heads = 2, heads = 4, D = 32;
+  std::mt19937 rng(7);
+  Tensor k = Tensor::empty({blocks, block_size, kv_heads, D}, DType::E4M3);
+  Tensor v = Tensor::empty({blocks, block_size, kv_heads, D}, DType::E4M3);
+  for (Tensor* pool : {&k, &v}) {
+    auto* codes = static_cast<uint8_t*>(pool->raw());
+    for (int64_t i = 0; i < pool->numel(); ++i) {
+      uint8_t code = static_cast<uint8_t>(rng() & 0xff);
+      if ((code & 0x7f) == 0x7f) code = 0;  // no NaN codes
+      codes[i] = code;
+    }
+  }
+  std::uniform_real_distribution<float> uniform(1e-3f, 2e-2f);
+  std::vector<float> ks(static_cast<size_t>(blocks * block_size * kv_heads)), vs(ks.size());
+  for (size_t i = 0; i < ks.size(); ++i) {
+    ks[i] = uniform(rng);
+    vs[i] = uniform(rng);
+  }
+  Tensor k_scale = Tensor::from_floats({blocks, block_size, kv_heads}, ks);
+  Tensor v_scale = Tensor::from_floats({blocks, block_size, kv_heads}, vs);
+  Tensor tables = Tensor::zeros({3, 6}, DType::I32);
+  const std::vector<std::vector<int32_t>> t = {{3, 0, 7, 1, 11, 2}, {5, 9}, {4}};
+  const std::vector<int32_t> lengths = {45, 16, 1};
+  Tensor lens = Tensor::empty({3}, DType::I32);
+  for (size_t s = 0; s < 3; ++s) {
+    std::copy(t[s].begin(), t[s].end(), tables.data<int32_t>() + s * 6);
+    lens.data<int32_t>()[s] = lengths[s];
+  }
+  ops::AttentionOptions options;
+  for (DType dtype : {DType::F32, DType::BF16}) {
+    std::normal_distribution<float> normal(0.0f, 1.0f);
+    std::vector<float> qv(static_cast<size_t>(3 * heads * D));
+    for (float& x : qv) x = normal(rng);
+    Tensor q = Tensor::from_floats({3, heads, D}, qv).to(dtype);
+    Tensor expected = Tensor::empty(q.shape(), dtype);
+    ops::reference::paged_attention_decode(q, k, v, tables, lens, options, expected, &k_scale,
+                                           &v_scale);
+    const std::vector<float> want = expected.to_floats();
+    for (Isa isa : testing::available_isas()) {
+      testing::IsaGuard guard;
+      set_active_isa(isa);
+      Tensor out = Tensor::empty(q.shape(), dtype);
+      ops::paged_attention_decode(q, k, v, tables, lens, options, out, &k_scale, &v_scale);
+      const std::vector<float> got = out.to_floats();
+      float worst = 0.0f;
+      for (size_t i = 0; i < got.size(); ++i) {
+        worst = std::max(worst, std::fabs(got[i] - want[i]) / (1.0f + std::fabs(want[i])));
+      }
+      EXPECT_LE(worst, dtype == DType::F32 ? 2e-5f : 1e-2f) << isa_name(isa) << dtype_name(dtype);
+    }
+  }
+  Tensor out = Tensor::empty({3, heads, D}, DType::F32);
+  EXPECT_THROW(ops::paged_attention_decode(Tensor::zeros({3, heads, D}, DType::F32), k, v, tables,
+                                           lens, options, out),
+               Error);  // FP8 pools without their scales
+}
+
 TEST(PagedAttention, RefusesBadTables) {
   Tensor q = Tensor::zeros({1, 2, 8}, DType::F32);
   Tensor pool = Tensor::zeros({4, 4, 2, 8}, DType::F32);

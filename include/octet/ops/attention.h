@@ -74,10 +74,12 @@ void flash_attention_backward(const Tensor& q, const Tensor& k, const Tensor& v,
 // block_tables[s, p / block_size] at slot p % block_size; block_tables [S, max_blocks] I32,
 // context_lens [S] I32 >= 1. The query sees all its keys (causal: it is the last), or the last
 // window_left + 1 of them when options.window_left >= 0; softmax_scale as above. out [S,H,D].
-// Long contexts are split into partitions merged by log-sum-exp.
+// Long contexts are split into partitions merged by log-sum-exp. FP8 pools: k_pool and v_pool
+// E4M3 codes with k_scale and v_scale [blocks, block_size, Hkv] F32, real = code * scale.
 void paged_attention_decode(const Tensor& q, const Tensor& k_pool, const Tensor& v_pool,
                             const Tensor& block_tables, const Tensor& context_lens,
-                            const AttentionOptions& options, Tensor& out);
+                            const AttentionOptions& options, Tensor& out,
+                            const Tensor* k_scale = nullptr, const Tensor* v_scale = nullptr);
 // Whether dropout keeps probability (b, h, i, j): Philox4x32-10 keyed by the seed, counter
 // (j / 4, i, b * H + h, offset), word j % 4, kept when the word >= p * 2^32.
 bool attention_dropout_keep(uint64_t seed, uint64_t offset, int64_t b, int64_t h, int64_t num_heads,
@@ -91,7 +93,8 @@ void attention_dropout_mask(uint64_t seed, uint64_t offset, float p, Tensor& kee
 namespace cpu {
 void paged_attention_decode(const Tensor& q, const Tensor& k_pool, const Tensor& v_pool,
                             const Tensor& block_tables, const Tensor& context_lens,
-                            const AttentionOptions& options, Tensor& out);
+                            const AttentionOptions& options, Tensor& out,
+                            const Tensor* k_scale = nullptr, const Tensor* v_scale = nullptr);
 void flash_attention_forward(const Tensor& q, const Tensor& k, const Tensor& v,
                              const AttentionOptions& options, Tensor& out, Tensor& lse);
 void flash_attention_backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
@@ -102,7 +105,8 @@ void flash_attention_backward(const Tensor& q, const Tensor& k, const Tensor& v,
 namespace reference {
 void paged_attention_decode(const Tensor& q, const Tensor& k_pool, const Tensor& v_pool,
                             const Tensor& block_tables, const Tensor& context_lens,
-                            const AttentionOptions& options, Tensor& out);
+                            const AttentionOptions& options, Tensor& out,
+                            const Tensor* k_scale = nullptr, const Tensor* v_scale = nullptr);
 // The oracle: materializes each head's T x S scores, double accumulation.
 void flash_attention_forward(const Tensor& q, const Tensor& k, const Tensor& v,
                              const AttentionOptions& options, Tensor& out, Tensor& lse);

@@ -29,7 +29,8 @@ struct PagedShape {
 
 PagedShape check_paged(const Tensor& q, const Tensor& k_pool, const Tensor& v_pool,
                        const Tensor& block_tables, const Tensor& context_lens,
-                       const AttentionOptions& options, const Tensor& out) {
+                       const AttentionOptions& options, const Tensor& out, const Tensor* k_scale,
+                       const Tensor* v_scale) {
   OCTET_CHECK(q.ndim() == 3 && k_pool.ndim() == 4, "paged_attention: q expected [S,H,D] and ",
               "pools [blocks, block_size, Hkv, D], got ", shape_str(q.shape()), " and ",
               shape_str(k_pool.shape()));
@@ -48,9 +49,20 @@ PagedShape check_paged(const Tensor& q, const Tensor& k_pool, const Tensor& v_po
   OCTET_CHECK(k_pool.dim(3) == s.head_dim && s.kv_heads > 0 && s.heads % s.kv_heads == 0,
               "paged_attention: q heads ", s.heads, " x D ", s.head_dim,
               " do not match pool heads ", s.kv_heads, " x D ", k_pool.dim(3));
-  OCTET_CHECK(q.dtype() == k_pool.dtype() && (q.dtype() == DType::F32 || q.dtype() == DType::BF16),
-              "paged_attention: q and the pools expected both f32 or both bf16, got ",
-              dtype_name(q.dtype()), " and ", dtype_name(k_pool.dtype()));
+  OCTET_CHECK(q.dtype() == DType::F32 || q.dtype() == DType::BF16,
+              "paged_attention: q expected f32 or bf16, got ", dtype_name(q.dtype()));
+  const bool fp8 = k_pool.dtype() == DType::E4M3;
+  OCTET_CHECK(fp8 ? k_scale != nullptr && v_scale != nullptr : k_pool.dtype() == q.dtype(),
+              "paged_attention: pools expected of q's dtype ", dtype_name(q.dtype()),
+              ", or e4m3 with their scales, got ", dtype_name(k_pool.dtype()),
+              k_scale != nullptr ? " with scales" : " without scales");
+  if (fp8) {
+    const Shape scale_shape = {k_pool.dim(0), k_pool.dim(1), k_pool.dim(2)};
+    OCTET_CHECK(k_scale->shape() == scale_shape && v_scale->shape() == scale_shape &&
+                    k_scale->dtype() == DType::F32 && v_scale->dtype() == DType::F32,
+                "paged_attention: FP8 pool scales expected ", shape_str(scale_shape), " f32, got ",
+                shape_str(k_scale->shape()), " and ", shape_str(v_scale->shape()));
+  }
   OCTET_CHECK(block_tables.dtype() == DType::I32 && block_tables.ndim() == 2 &&
                   block_tables.dim(0) == s.sequences,
               "paged_attention: block_tables expected [S, max_blocks] I32 with S = ", s.sequences,
@@ -84,19 +96,45 @@ int64_t first_key(int64_t len, const AttentionOptions& options) {
   return options.window_left >= 0 ? std::max<int64_t>(0, len - 1 - options.window_left) : 0;
 }
 
-template <typename T>
+// E4M3 code -> float, for FP8 pools.
+const float* e4m3_table() {
+  static const std::vector<float> table = [] {
+    std::vector<float> t(256);
+    for (int i = 0; i < 256; ++i) {
+      t[static_cast<size_t>(i)] = fp8_to_float(static_cast<uint8_t>(i), DType::E4M3);
+    }
+    return t;
+  }();
+  return table.data();
+}
+
+OCTET_ALWAYS_INLINE float load_kv(float x, const float*) {
+  return x;
+}
+OCTET_ALWAYS_INLINE float load_kv(bfloat16 x, const float*) {
+  return simd::load(x);
+}
+OCTET_ALWAYS_INLINE float load_kv(uint8_t code, const float* table) {
+  return table[code];
+}
+
+// T: q and out; P: the pools' elements (T, or E4M3 codes with per-(token, head) scales).
+template <typename T, typename P>
 struct PagedArgs {
   const PagedShape* s;
   const T* q;
-  const T* k;
-  const T* v;
+  const P* k;
+  const P* v;
   const int32_t* tables;
+  const float* k_scale = nullptr;  // [blocks * block_size * Hkv], FP8 pools only
+  const float* v_scale = nullptr;
+  const float* table = nullptr;  // e4m3_table() for FP8 pools
 };
 
 // One (sequence, head, keys [begin, end)) task: max, sum of exp(score - max), and the
 // weighted sum of values, into part[0], part[1], part[2 .. 2 + D).
-template <int W, typename T>
-OCTET_ALWAYS_INLINE void partition_task(const PagedArgs<T>& a, int64_t seq, int64_t h,
+template <int W, typename T, typename P>
+OCTET_ALWAYS_INLINE void partition_task(const PagedArgs<T, P>& a, int64_t seq, int64_t h,
                                         int64_t begin, int64_t end, float* part) {
   const PagedShape& s = *a.s;
   const int64_t D = s.head_dim, hk = h / (s.heads / s.kv_heads);
@@ -110,23 +148,25 @@ OCTET_ALWAYS_INLINE void partition_task(const PagedArgs<T>& a, int64_t seq, int6
   const int64_t Dv = D / W * W;
   float max = -std::numeric_limits<float>::infinity(), sum = 0.0f;
   float scores[kChunk];
+  auto slot_of = [&](int64_t j) {
+    return static_cast<int64_t>(table[j / s.block_size]) * s.block_size + j % s.block_size;
+  };
   for (int64_t c0 = begin; c0 < end; c0 += kChunk) {
     const int64_t c1 = std::min(end, c0 + kChunk);
     float chunk_max = -std::numeric_limits<float>::infinity();
     for (int64_t j = c0; j < c1; ++j) {
-      const T* kj =
-          a.k +
-          (static_cast<int64_t>(table[j / s.block_size]) * s.block_size + j % s.block_size) * row +
-          hk * D;
+      const int64_t slot = slot_of(j);
+      const P* kj = a.k + slot * row + hk * D;
       vec::F<W> dot = vec::splat<W>(0.0f);
       int64_t d = 0;
       for (; d < Dv; d += W) {
         vec::F<W> kv;
-        for (int i = 0; i < W; ++i) kv[i] = simd::load(kj[d + i]);
+        for (int i = 0; i < W; ++i) kv[i] = load_kv(kj[d + i], a.table);
         dot += vec::load<W>(qf + d) * kv;
       }
       float score = vec::reduce_sum<W>(dot);
-      for (; d < D; ++d) score += qf[d] * simd::load(kj[d]);
+      for (; d < D; ++d) score += qf[d] * load_kv(kj[d], a.table);
+      if (a.k_scale != nullptr) score *= a.k_scale[slot * s.kv_heads + hk];
       score *= s.scale;
       scores[j - c0] = score;
       chunk_max = std::max(chunk_max, score);
@@ -138,46 +178,46 @@ OCTET_ALWAYS_INLINE void partition_task(const PagedArgs<T>& a, int64_t seq, int6
     sum *= rescale;
     for (int64_t d = 0; d < D; ++d) acc[d] *= rescale;
     for (int64_t j = c0; j < c1; ++j) {
-      const float p = std::exp2((scores[j - c0] - max) * kLog2e);
+      float p = std::exp2((scores[j - c0] - max) * kLog2e);
       sum += p;
-      const T* vj =
-          a.v +
-          (static_cast<int64_t>(table[j / s.block_size]) * s.block_size + j % s.block_size) * row +
-          hk * D;
+      const int64_t slot = slot_of(j);
+      const P* vj = a.v + slot * row + hk * D;
+      if (a.v_scale != nullptr) p *= a.v_scale[slot * s.kv_heads + hk];  // after the sum
       const vec::F<W> pv = vec::splat<W>(p);
       int64_t d = 0;
       for (; d < Dv; d += W) {
         vec::F<W> vv;
-        for (int i = 0; i < W; ++i) vv[i] = simd::load(vj[d + i]);
+        for (int i = 0; i < W; ++i) vv[i] = load_kv(vj[d + i], a.table);
         vec::store<W>(acc + d, vec::load<W>(acc + d) + pv * vv);
       }
-      for (; d < D; ++d) acc[d] += p * simd::load(vj[d]);
+      for (; d < D; ++d) acc[d] += p * load_kv(vj[d], a.table);
     }
   }
   part[0] = max;
   part[1] = sum;
 }
 
-template <typename T>
-OCTET_TARGET_AVX512 void task_avx512(const PagedArgs<T>& a, int64_t seq, int64_t h, int64_t begin,
-                                     int64_t end, float* part) {
+template <typename T, typename P>
+OCTET_TARGET_AVX512 void task_avx512(const PagedArgs<T, P>& a, int64_t seq, int64_t h,
+                                     int64_t begin, int64_t end, float* part) {
   partition_task<16>(a, seq, h, begin, end, part);
 }
-template <typename T>
-OCTET_TARGET_AVX2 void task_avx2(const PagedArgs<T>& a, int64_t seq, int64_t h, int64_t begin,
+template <typename T, typename P>
+OCTET_TARGET_AVX2 void task_avx2(const PagedArgs<T, P>& a, int64_t seq, int64_t h, int64_t begin,
                                  int64_t end, float* part) {
   partition_task<8>(a, seq, h, begin, end, part);
 }
-template <typename T>
-void task_scalar(const PagedArgs<T>& a, int64_t seq, int64_t h, int64_t begin, int64_t end,
+template <typename T, typename P>
+void task_scalar(const PagedArgs<T, P>& a, int64_t seq, int64_t h, int64_t begin, int64_t end,
                  float* part) {
   partition_task<4>(a, seq, h, begin, end, part);
 }
 
-template <typename T>
+template <typename T, typename P>
 void paged_typed(const PagedShape& s, const Tensor& q, const Tensor& k_pool, const Tensor& v_pool,
                  const Tensor& block_tables, const Tensor& context_lens,
-                 const AttentionOptions& options, Tensor& out) {
+                 const AttentionOptions& options, Tensor& out, const Tensor* k_scale,
+                 const Tensor* v_scale) {
   const int32_t* lens = context_lens.data<int32_t>();
   // Tasks: (sequence, head, partition); partitions of one (sequence, head) are consecutive.
   struct Task {
@@ -197,11 +237,16 @@ void paged_typed(const PagedShape& s, const Tensor& q, const Tensor& k_pool, con
   first_task.back() = static_cast<int64_t>(tasks.size());
   const int64_t stride = 2 + s.head_dim;
   std::vector<float> parts(tasks.size() * static_cast<size_t>(stride));
-  const PagedArgs<T> args{&s, q.data<T>(), k_pool.data<T>(), v_pool.data<T>(),
-                          block_tables.data<int32_t>()};
-  auto task_fn = task_scalar<T>;
-  if (active_isa() == Isa::Avx512) task_fn = task_avx512<T>;
-  if (active_isa() == Isa::Avx2) task_fn = task_avx2<T>;
+  PagedArgs<T, P> args{&s, q.data<T>(), static_cast<const P*>(k_pool.raw()),
+                       static_cast<const P*>(v_pool.raw()), block_tables.data<int32_t>()};
+  if (k_scale != nullptr) {
+    args.k_scale = k_scale->data<float>();
+    args.v_scale = v_scale->data<float>();
+    args.table = e4m3_table();
+  }
+  auto task_fn = task_scalar<T, P>;
+  if (active_isa() == Isa::Avx512) task_fn = task_avx512<T, P>;
+  if (active_isa() == Isa::Avx2) task_fn = task_avx2<T, P>;
   const int64_t count = static_cast<int64_t>(tasks.size());
 #pragma omp parallel for schedule(dynamic, 1) if (count > 1)
   for (int64_t t = 0; t < count; ++t) {
@@ -235,13 +280,24 @@ namespace cpu {
 
 void paged_attention_decode(const Tensor& q, const Tensor& k_pool, const Tensor& v_pool,
                             const Tensor& block_tables, const Tensor& context_lens,
-                            const AttentionOptions& options, Tensor& out) {
-  const PagedShape s = check_paged(q, k_pool, v_pool, block_tables, context_lens, options, out);
+                            const AttentionOptions& options, Tensor& out, const Tensor* k_scale,
+                            const Tensor* v_scale) {
+  const PagedShape s =
+      check_paged(q, k_pool, v_pool, block_tables, context_lens, options, out, k_scale, v_scale);
   OCTET_CHECK(s.head_dim <= 256, "paged_attention: head size ", s.head_dim, " over 256");
-  if (q.dtype() == DType::F32) {
-    paged_typed<float>(s, q, k_pool, v_pool, block_tables, context_lens, options, out);
+  const bool fp8 = k_pool.dtype() == DType::E4M3;
+  if (q.dtype() == DType::F32 && fp8) {
+    paged_typed<float, uint8_t>(s, q, k_pool, v_pool, block_tables, context_lens, options, out,
+                                k_scale, v_scale);
+  } else if (q.dtype() == DType::F32) {
+    paged_typed<float, float>(s, q, k_pool, v_pool, block_tables, context_lens, options, out,
+                              nullptr, nullptr);
+  } else if (fp8) {
+    paged_typed<bfloat16, uint8_t>(s, q, k_pool, v_pool, block_tables, context_lens, options, out,
+                                   k_scale, v_scale);
   } else {
-    paged_typed<bfloat16>(s, q, k_pool, v_pool, block_tables, context_lens, options, out);
+    paged_typed<bfloat16, bfloat16>(s, q, k_pool, v_pool, block_tables, context_lens, options, out,
+                                    nullptr, nullptr);
   }
 }
 
@@ -249,11 +305,31 @@ void paged_attention_decode(const Tensor& q, const Tensor& k_pool, const Tensor&
 
 namespace reference {
 
+namespace {
+
+// A pool's real values: F32/BF16 widened, E4M3 codes times their (token, head) scales.
+std::vector<float> pool_values(const Tensor& pool, const Tensor* scale) {
+  if (pool.dtype() != DType::E4M3) return pool.to_floats();
+  const int64_t D = pool.dim(3);
+  const auto* codes = static_cast<const uint8_t*>(pool.raw());
+  std::vector<float> values(static_cast<size_t>(pool.numel()));
+  for (int64_t i = 0; i < pool.numel(); ++i) {
+    values[static_cast<size_t>(i)] =
+        fp8_to_float(codes[i], DType::E4M3) * scale->data<float>()[i / D];
+  }
+  return values;
+}
+
+}  // namespace
+
 void paged_attention_decode(const Tensor& q, const Tensor& k_pool, const Tensor& v_pool,
                             const Tensor& block_tables, const Tensor& context_lens,
-                            const AttentionOptions& options, Tensor& out) {
-  const PagedShape s = check_paged(q, k_pool, v_pool, block_tables, context_lens, options, out);
-  const std::vector<float> qf = q.to_floats(), kf = k_pool.to_floats(), vf = v_pool.to_floats();
+                            const AttentionOptions& options, Tensor& out, const Tensor* k_scale,
+                            const Tensor* v_scale) {
+  const PagedShape s =
+      check_paged(q, k_pool, v_pool, block_tables, context_lens, options, out, k_scale, v_scale);
+  const std::vector<float> qf = q.to_floats(), kf = pool_values(k_pool, k_scale),
+                           vf = pool_values(v_pool, v_scale);
   const int32_t* lens = context_lens.data<int32_t>();
   const int32_t* tables = block_tables.data<int32_t>();
   std::vector<float> result(qf.size());
@@ -294,11 +370,13 @@ void paged_attention_decode(const Tensor& q, const Tensor& k_pool, const Tensor&
 
 void paged_attention_decode(const Tensor& q, const Tensor& k_pool, const Tensor& v_pool,
                             const Tensor& block_tables, const Tensor& context_lens,
-                            const AttentionOptions& options, Tensor& out) {
+                            const AttentionOptions& options, Tensor& out, const Tensor* k_scale,
+                            const Tensor* v_scale) {
   const Device device = device_of("paged_attention_decode",
                                   {&q, &k_pool, &v_pool, &block_tables, &context_lens, &out});
   if (device == Device::CPU) {
-    return cpu::paged_attention_decode(q, k_pool, v_pool, block_tables, context_lens, options, out);
+    return cpu::paged_attention_decode(q, k_pool, v_pool, block_tables, context_lens, options, out,
+                                       k_scale, v_scale);
   }
   no_kernel("paged_attention_decode", device);
 }
