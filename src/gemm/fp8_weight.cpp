@@ -3,6 +3,7 @@
 // and widens them in registers, so each step reads a quarter of an F32 weight's bytes (half of
 // BF16's). More rows (prefill) widen the weight to BF16 once per call and run the BF16 GEMM:
 // there the product's FLOPs, not the weight's bytes, set the time.
+#include <immintrin.h>
 #include <omp.h>
 
 #include <algorithm>
@@ -39,8 +40,28 @@ struct V {
 // subnormals (exponent 0: m * 2^-9) through an integer conversion.
 template <int W>
 OCTET_FP8W_INLINE typename V<W>::F widen_e4m3(const uint8_t* codes) {
-  typename V<W>::U c;
-  for (int i = 0; i < W; ++i) c[i] = codes[i];
+  // Zero-extend W bytes to W words: one vector load of the W/4 words holding them, spread so
+  // that lane i holds word i/4, a per-lane shift and mask pick byte i%4. (GCC lowers a byte
+  // vector's conversion to scalar inserts, and a partial store then wide load stalls.)
+  typename V<W>::U spread;
+  if constexpr (W == 16) {
+    typedef uint32_t Words __attribute__((vector_size(16)));
+    Words words;
+    std::memcpy(&words, codes, 16);
+    spread = __builtin_shufflevector(words, words, 0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+  } else if constexpr (W == 8) {
+    typedef uint32_t Words __attribute__((vector_size(8)));
+    Words words;
+    std::memcpy(&words, codes, 8);
+    spread = __builtin_shufflevector(words, words, 0, 0, 0, 0, 1, 1, 1, 1);
+  } else {
+    uint32_t word;
+    std::memcpy(&word, codes, 4);
+    spread = typename V<W>::U{} + word;
+  }
+  typename V<W>::U shift;
+  for (int i = 0; i < W; ++i) shift[i] = static_cast<uint32_t>(8 * (i % 4));
+  const typename V<W>::U c = (spread >> shift) & 0xffu;
   const typename V<W>::U magnitude = c & 0x7fu;
   const typename V<W>::U sign = (c & 0x80u) << 24;
   const typename V<W>::U normal = (magnitude << 20) + (120u << 23);
@@ -94,6 +115,59 @@ OCTET_FP8W_AVX2 void small_rows_avx2(const float* a, int64_t M, int64_t K, const
 void small_rows_scalar(const float* a, int64_t M, int64_t K, const uint8_t* codes,
                        const float* scale_inv, int64_t n0, int64_t n1, float* c, int64_t ldc) {
   small_rows<4>(a, M, K, codes, scale_inv, n0, n1, c, ldc);
+}
+
+// E4M3 magnitudes 0..127 as BF16 bits (every E4M3 value is exact in BF16).
+const uint16_t* e4m3_bf16_table() {
+  static const std::vector<uint16_t> table = [] {
+    std::vector<uint16_t> t(128);
+    for (int i = 0; i < 128; ++i) {
+      t[static_cast<size_t>(i)] = float_to_bf16(fp8_to_float(static_cast<uint8_t>(i), DType::E4M3));
+    }
+    return t;
+  }();
+  return table.data();
+}
+
+// BF16 rows of A with AVX-512 BF16: 32 codes at a time looked up as BF16 (two 64-entry word
+// permutes, the sign ORed in), then one VDPBF16PS per row of A: exact products, FP32 sums.
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16"))) void small_rows_bf16dot(
+    const uint16_t* a, int64_t M, int64_t K, const uint8_t* codes, const float* scale_inv,
+    int64_t n0, int64_t n1, float* c, int64_t ldc) {
+  const uint16_t* table = e4m3_bf16_table();
+  const __m512i t0 = _mm512_loadu_si512(table), t1 = _mm512_loadu_si512(table + 32);
+  const __m512i t2 = _mm512_loadu_si512(table + 64), t3 = _mm512_loadu_si512(table + 96);
+  const __m512i bit6 = _mm512_set1_epi16(0x40), bit7 = _mm512_set1_epi16(0x80);
+  const int64_t Kv = K / 32 * 32;
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* w = codes + n * K;
+    __m512 acc[kMaxSmallRows];
+    for (int64_t m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < Kv; k += 32) {
+      const __m512i idx =
+          _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + k)));
+      const __m512i low = _mm512_permutex2var_epi16(t0, idx, t1);
+      const __m512i high = _mm512_permutex2var_epi16(t2, idx, t3);
+      const __m512i magnitude =
+          _mm512_mask_blend_epi16(_mm512_test_epi16_mask(idx, bit6), low, high);
+      const __m512i sign = _mm512_slli_epi16(_mm512_and_si512(idx, bit7), 8);
+      const __m512bh wv = reinterpret_cast<__m512bh>(_mm512_or_si512(magnitude, sign));
+      for (int64_t m = 0; m < M; ++m) {
+        const __m512bh av = reinterpret_cast<__m512bh>(_mm512_loadu_si512(a + m * K + k));
+        acc[m] = _mm512_dpbf16_ps(acc[m], av, wv);
+      }
+    }
+    for (int64_t m = 0; m < M; ++m) {
+      alignas(64) float lanes[16];
+      _mm512_store_ps(lanes, acc[m]);
+      float sum = 0.0f;
+      for (float lane : lanes) sum += lane;
+      for (int64_t k = Kv; k < K; ++k) {
+        sum += bf16_to_float(a[m * K + k]) * fp8_to_float(w[k], DType::E4M3);
+      }
+      c[m * ldc + n] = sum * scale_inv[n];
+    }
+  }
 }
 
 }  // namespace
@@ -158,13 +232,27 @@ void gemm(const Tensor& A, const Fp8WeightOnly& B, Tensor& C, const Epilogue& ep
     gemm(A, widened, C, /*trans_a=*/false, /*trans_b=*/true, 1.0f, 0.0f, epilogue);
     return;
   }
-  const Tensor a32 = A.dtype() == DType::F32 ? A : A.to(DType::F32);
   Tensor c32 = C.dtype() == DType::F32 ? C : Tensor::empty({M, N}, DType::F32);
+  const uint8_t* codes = static_cast<const uint8_t*>(B.codes.raw());
+  const float* scale_inv = B.scale_inv.data<float>();
+  if (A.dtype() == DType::BF16 && active_isa() == Isa::Avx512 && cpu_features().avx512_bf16) {
+    const uint16_t* a = reinterpret_cast<const uint16_t*>(A.raw());
+    float* c = c32.data<float>();
+#pragma omp parallel
+    {
+      const int threads = omp_get_num_threads(), t = omp_get_thread_num();
+      small_rows_bf16dot(a, M, K, codes, scale_inv, N * t / threads, N * (t + 1) / threads, c, N);
+    }
+    if (epilogue.bias != nullptr || epilogue.activation != Activation::None) {
+      gemm_detail::apply_epilogue_only(c32, M, N, 1.0f, epilogue);
+    }
+    if (C.dtype() != DType::F32) C.copy_from(c32.to(C.dtype()));
+    return;
+  }
+  const Tensor a32 = A.dtype() == DType::F32 ? A : A.to(DType::F32);
   auto kernel = small_rows_scalar;
   if (active_isa() == Isa::Avx512) kernel = small_rows_avx512;
   if (active_isa() == Isa::Avx2) kernel = small_rows_avx2;
-  const uint8_t* codes = static_cast<const uint8_t*>(B.codes.raw());
-  const float* scale_inv = B.scale_inv.data<float>();
   const float* a = a32.data<float>();
   float* c = c32.data<float>();
 #pragma omp parallel
