@@ -60,12 +60,15 @@ TEST(Fp8WeightOnly, EveryCodeWidensExactly) {
     for (int i = 0; i < 256; ++i) codes[i] = static_cast<uint8_t>((i & 0x7f) == 0x7f ? 0 : i);
     for (int i = 0; i < 256; ++i) {
       if ((i & 0x7f) == 0x7f) continue;
-      Tensor a = Tensor::zeros({1, 256}, DType::F32);
-      a.data<float>()[i] = 1.0f;
-      Tensor c = Tensor::empty({1, 1}, DType::F32);
-      gemm(a, w, c);
-      ASSERT_EQ(c.data<float>()[0], fp8_to_float(static_cast<uint8_t>(i), DType::E4M3))
-          << isa_name(isa) << " code " << i;
+      for (DType dtype : {DType::F32, DType::BF16}) {  // BF16: the BF16-dot kernel where present
+        std::vector<float> one_hot(256, 0.0f);
+        one_hot[static_cast<size_t>(i)] = 1.0f;
+        Tensor a = Tensor::from_floats({1, 256}, one_hot).to(dtype);
+        Tensor c = Tensor::empty({1, 1}, DType::F32);
+        gemm(a, w, c);
+        ASSERT_EQ(c.data<float>()[0], fp8_to_float(static_cast<uint8_t>(i), DType::E4M3))
+            << isa_name(isa) << " " << dtype_name(dtype) << " code " << i;
+      }
     }
   }
 }
