@@ -11,6 +11,9 @@ packages=(
   libssl-dev                # OpenSSL: SHA-256 of checkpoint files (verified on load)
   libcli11-dev              # the octet command line
   libgtest-dev              # unit tests
+  libcpp-httplib-dev        # octet serve: the HTTP server (and its tests' client)
+  curl                      # tests/reliability/serve.sh asks octet serve over HTTP
+  pkgconf                   # CMake finds cpp-httplib (a shared library on Debian) through pkg-config
   python3-torch python3-numpy  # PyTorch 1.13: reference numerics and the benchmark peer
   clang-format
   libopenmpi-dev openmpi-bin  # MPI: the communicator of data, tensor and pipeline parallelism

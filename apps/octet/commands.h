@@ -15,6 +15,7 @@ void register_info(CLI::App& app);
 void register_demo(CLI::App& app);
 void register_train(CLI::App& app);
 void register_generate(CLI::App& app);
+void register_serve(CLI::App& app);
 void register_tokenize(CLI::App& app);
 void register_learn_bpe(CLI::App& app);
 void register_schedule(CLI::App& app);
@@ -23,6 +24,7 @@ void register_bench_ops(CLI::App& bench);
 void register_bench_train(CLI::App& bench);
 void register_bench_converge(CLI::App& bench);
 void register_bench_parallel(CLI::App& bench);
+void register_bench_infer(CLI::App& bench);
 
 // A model config file, or the name of one installed with octet (share/octet/configs) or in
 // the source tree (configs/): gpt-tiny, gpt-mini, gpt2-124m. Clear error listing the names.

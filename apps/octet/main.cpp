@@ -29,6 +29,7 @@ int main(int argc, char** argv) {
   octet::cli::register_demo(app);
   octet::cli::register_train(app);
   octet::cli::register_generate(app);
+  octet::cli::register_serve(app);
   octet::cli::register_tokenize(app);
   octet::cli::register_learn_bpe(app);
   octet::cli::register_schedule(app);
@@ -39,6 +40,7 @@ int main(int argc, char** argv) {
   octet::cli::register_bench_train(*bench);
   octet::cli::register_bench_converge(*bench);
   octet::cli::register_bench_parallel(*bench);
+  octet::cli::register_bench_infer(*bench);
   int status = 0;
   std::string message;
   try {
