@@ -26,6 +26,10 @@ void register_bench_converge(CLI::App& bench);
 void register_bench_parallel(CLI::App& bench);
 void register_bench_infer(CLI::App& bench);
 
+// The tokenizer directory of generate / serve: --vocab-dir when given, else the tokenizer saved
+// in the checkpoint (octet train --vocab-dir), else GPT-2's.
+std::string checkpoint_vocab_dir(const std::string& given, const std::string& checkpoint);
+
 // A model config file, or the name of one installed with octet (share/octet/configs) or in
 // the source tree (configs/): gpt-tiny, gpt-mini, gpt2-124m. Clear error listing the names.
 std::filesystem::path resolve_config(const std::string& config);

