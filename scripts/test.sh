@@ -29,14 +29,15 @@ bash scripts/build.sh build-sanitize -DOCTET_SANITIZE=ON -DCMAKE_BUILD_TYPE=RelW
   -E '^(train_layouts|bench_converge|GPT.MixedPrecisionCurvesFollowFp32|GPT.Mxfp8CurveFollowsFp32)$')
 isa_paths build-sanitize
 
-# ThreadSanitizer over the communicator, its MPI (progress) thread and roll calls, and the
+# ThreadSanitizer over the communicator, its MPI (progress) thread and roll calls, the
+# inference engine's stepping thread and the HTTP server's workers, and the
 # data-parallel and pipeline suites built on them (one OpenMP thread per rank: libgomp is not
 # instrumented). tests/tsan.supp holds the one report inside Open MPI itself.
-TARGET="test_collectives test_data_parallel test_pipeline" bash scripts/build.sh build-tsan \
+TARGET="test_collectives test_data_parallel test_pipeline test_engine test_server" bash scripts/build.sh build-tsan \
   -DOCTET_TSAN=ON -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O1 -g"
 (cd build-tsan && OMP_NUM_THREADS=1 \
   TSAN_OPTIONS="halt_on_error=1:second_deadlock_stack=1:suppressions=$PWD/../tests/tsan.supp" \
-  ctest --output-on-failure -j 2 -R '^(test_collectives|test_data_parallel|test_pipeline)_np')
+  ctest --output-on-failure -j 2 -R '^(test_collectives|test_data_parallel|test_pipeline)_np|^Engine[.]|^ServerTest[.]')
 
 # libFuzzer under ASan + UBSan: each reader a short budget; kept crash inputs replayed first.
 # A fixed seed: CI explores the same inputs each run (long, random runs are scripts/fuzz.sh's
