@@ -26,7 +26,9 @@ namespace octet {
 
 namespace {
 
-constexpr int64_t kMaxSmallRows = 8;  // rows of A taken by the weight-reading kernel
+constexpr int64_t kMaxSmallRows = 8;  // rows of A taken by the generic weight-reading kernel
+constexpr int64_t kDotRows = 32;      // rows of A per pass of the BF16-dot kernel
+constexpr int64_t kMaxDotRows = 256;  // past this (prefill) the widened GEMM is faster
 
 template <int W>
 struct V {
@@ -141,7 +143,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16"))) void sm
   const int64_t Kv = K / 32 * 32;
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* w = codes + n * K;
-    __m512 acc[kMaxSmallRows];
+    __m512 acc[kDotRows];
     for (int64_t m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
     for (int64_t k = 0; k < Kv; k += 32) {
       const __m512i idx =
@@ -227,7 +229,9 @@ void gemm(const Tensor& A, const Fp8WeightOnly& B, Tensor& C, const Epilogue& ep
                   (C.dtype() == A.dtype() || C.dtype() == DType::F32),
               "gemm (fp8 weight): C expected [", M, ", ", N, "] ", dtype_name(A.dtype()),
               " or f32, got ", shape_str(C.shape()), " ", dtype_name(C.dtype()));
-  if (M > kMaxSmallRows) {  // compute-bound: widen once, BF16 (or F32) GEMM
+  const bool bf16_dot =
+      A.dtype() == DType::BF16 && active_isa() == Isa::Avx512 && cpu_features().avx512_bf16;
+  if (M > (bf16_dot ? kMaxDotRows : kMaxSmallRows)) {  // compute-bound: widen once, GEMM
     const Tensor widened = dequantize_weight_fp8(B, A.dtype());
     gemm(A, widened, C, /*trans_a=*/false, /*trans_b=*/true, 1.0f, 0.0f, epilogue);
     return;
@@ -235,13 +239,17 @@ void gemm(const Tensor& A, const Fp8WeightOnly& B, Tensor& C, const Epilogue& ep
   Tensor c32 = C.dtype() == DType::F32 ? C : Tensor::empty({M, N}, DType::F32);
   const uint8_t* codes = static_cast<const uint8_t*>(B.codes.raw());
   const float* scale_inv = B.scale_inv.data<float>();
-  if (A.dtype() == DType::BF16 && active_isa() == Isa::Avx512 && cpu_features().avx512_bf16) {
+  if (bf16_dot) {
+    // Passes of up to kDotRows rows: each widened weight block serves all rows of a pass.
     const uint16_t* a = reinterpret_cast<const uint16_t*>(A.raw());
     float* c = c32.data<float>();
 #pragma omp parallel
     {
       const int threads = omp_get_num_threads(), t = omp_get_thread_num();
-      small_rows_bf16dot(a, M, K, codes, scale_inv, N * t / threads, N * (t + 1) / threads, c, N);
+      for (int64_t m0 = 0; m0 < M; m0 += kDotRows) {
+        small_rows_bf16dot(a + m0 * K, std::min(kDotRows, M - m0), K, codes, scale_inv,
+                           N * t / threads, N * (t + 1) / threads, c + m0 * N, N);
+      }
     }
     if (epilogue.bias != nullptr || epilogue.activation != Activation::None) {
       gemm_detail::apply_epilogue_only(c32, M, N, 1.0f, epilogue);

@@ -82,7 +82,7 @@ TEST(Fp8WeightOnly, GemmEqualsTheDequantizedProduct) {
   for (Isa isa : testing::available_isas()) {
     testing::IsaGuard guard;
     set_active_isa(isa);
-    for (int64_t M : {1, 3, 8, 9, 20}) {
+    for (int64_t M : {1, 3, 8, 9, 20, 40}) {
       for (DType dtype : {DType::F32, DType::BF16}) {
         for (bool epilogue_on : {false, true}) {
           Epilogue epilogue;
