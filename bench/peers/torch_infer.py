@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The peer of `octet bench infer`: the same GPT generating with its own KV cache in PyTorch 1.13.
 
-The model is torch_gpt.py's (token + learned positions, pre-norm blocks, GELU-tanh MLP, tied
+The model is torch_gpt.py's, subclassed (token + learned positions, pre-norm blocks, GELU-tanh MLP, tied
 output layer) with a per-layer key/value cache that each decode step extends by one position,
 the way Hugging Face's GPT-2 `past_key_values` works. Weights are cast to the precision
 (model.to(torch.bfloat16) for bf16, as a CPU user serving in BF16 would) and every call runs
@@ -25,17 +25,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import torch_gpt  # the same GPT, beside this file
 
-class Block(nn.Module):
-    def __init__(self, hidden, heads, ffn, eps):
-        super().__init__()
-        self.heads = heads
-        self.ln_1 = nn.LayerNorm(hidden, eps=eps)
-        self.c_attn = nn.Linear(hidden, 3 * hidden)
-        self.attn_proj = nn.Linear(hidden, hidden)
-        self.ln_2 = nn.LayerNorm(hidden, eps=eps)
-        self.c_fc = nn.Linear(hidden, ffn)
-        self.mlp_proj = nn.Linear(ffn, hidden)
+
+class Block(torch_gpt.Block):
+    """torch_gpt's block, its attention extended by the cached keys and values."""
 
     def forward(self, x, past):
         b, t, c = x.shape
@@ -56,20 +50,18 @@ class Block(nn.Module):
         return x, (k, v)
 
 
-class GPT(nn.Module):
+class GPT(torch_gpt.GPT):
+    """torch_gpt's model (same parameters and initialization) generating with a KV cache."""
+
     def __init__(self, config):
-        super().__init__()
+        super().__init__(config)
         hidden = config["hidden"]
         ffn = config.get("ffn_hidden", 0) or 4 * hidden
         eps = config.get("layernorm_eps", 1e-5)
-        self.wte = nn.Embedding(config["vocab_size"], hidden)
-        self.wpe = nn.Embedding(config["max_seq_len"], hidden)
-        self.blocks = nn.ModuleList(
+        cached = nn.ModuleList(
             Block(hidden, config["num_heads"], ffn, eps) for _ in range(config["num_layers"]))
-        self.ln_f = nn.LayerNorm(hidden, eps=eps)
-        for p in self.parameters():
-            if p.dim() >= 2:
-                nn.init.normal_(p, 0.0, config.get("init_std", 0.02))
+        cached.load_state_dict(self.blocks.state_dict())
+        self.blocks = cached
 
     def forward(self, ids, past):
         offset = 0 if past is None else past[0][0].shape[2]
@@ -93,10 +85,7 @@ def main():
         torch.set_num_threads(args.threads)
     with open(args.config) as f:
         config = json.load(f)
-    for key, expected in {"normalization": "layernorm", "position_embedding": "learned",
-                          "activation": "gelu", "bias": True, "tied_embeddings": True}.items():
-        if config.get(key, expected) != expected:
-            raise SystemExit(f"torch_infer.py: config {key}={config[key]!r} is not supported")
+    torch_gpt.check_config(config)
     torch.manual_seed(args.seed)
     model = GPT(config).eval()
     if args.precision == "bf16":

@@ -14,26 +14,16 @@
 #include <vector>
 
 #include "octet/engine.h"
-#include "test_util.h"  // also reports the instruction-set paths run
+#include "test_util.h"
+#include "tiny_gpt.h"  // also reports the instruction-set paths run
 
 namespace octet {
 namespace {
 
-struct Variant {
-  std::string name;
-  nlohmann::json config;
-};
+using testing::GptVariant;
 
-void PrintTo(const Variant& variant, std::ostream* out) {
-  *out << variant.name;
-}
-
-GPTConfig tiny_config(const Variant& variant) {
-  nlohmann::json json = {{"name", "tiny"},  {"vocab_size", 97}, {"max_seq_len", 48},
-                         {"num_layers", 2}, {"hidden", 32},     {"num_heads", 4},
-                         {"init_std", 0.2}};  // large weights: clear argmax margins
-  json.update(variant.config);
-  return GPTConfig::from_json(json);
+GPTConfig tiny_config(const GptVariant& variant) {
+  return testing::tiny_gpt_config(variant, 48);
 }
 
 std::vector<int32_t> random_prompt(int64_t length, int64_t vocab, uint32_t seed) {
@@ -43,7 +33,7 @@ std::vector<int32_t> random_prompt(int64_t length, int64_t vocab, uint32_t seed)
   return ids;
 }
 
-class Engines : public ::testing::TestWithParam<Variant> {
+class Engines : public ::testing::TestWithParam<GptVariant> {
  protected:
   Engines() : model_(tiny_config(GetParam()), 5) {}
   int64_t vocab() const { return model_.config().vocab_size; }
@@ -280,17 +270,8 @@ TEST_P(Engines, StopTokensLogprobsAndEarlyStop) {
   EXPECT_EQ(engine.stats().blocks_in_use, 0);
 }
 
-INSTANTIATE_TEST_SUITE_P(Gpt, Engines,
-                         ::testing::Values(Variant{"learned_positions", nlohmann::json::object()},
-                                           Variant{"rope_gqa",
-                                                   {{"position_embedding", "rope"},
-                                                    {"num_gqa_groups", 2},
-                                                    {"normalization", "rmsnorm"},
-                                                    {"activation", "swiglu"},
-                                                    {"bias", false}}}),
-                         [](const ::testing::TestParamInfo<Variant>& param) {
-                           return param.param.name;
-                         });
+INSTANTIATE_TEST_SUITE_P(Gpt, Engines, ::testing::ValuesIn(testing::tiny_gpt_variants()),
+                         testing::gpt_variant_name);
 
 GPT& small_model() {
   static GPT model(tiny_config({"small", nlohmann::json::object()}), 9);

@@ -10,29 +10,19 @@
 #include <vector>
 
 #include "octet/infer.h"
-#include "test_util.h"  // also reports the instruction-set paths run
+#include "test_util.h"
+#include "tiny_gpt.h"  // also reports the instruction-set paths run
 
 namespace octet {
 namespace {
 
-struct Variant {
-  std::string name;
-  nlohmann::json config;
-};
+using testing::GptVariant;
 
-void PrintTo(const Variant& variant, std::ostream* out) {
-  *out << variant.name;
+GPTConfig tiny_config(const GptVariant& variant) {
+  return testing::tiny_gpt_config(variant, 24);
 }
 
-GPTConfig tiny_config(const Variant& variant) {
-  nlohmann::json json = {{"name", "tiny"},  {"vocab_size", 97}, {"max_seq_len", 24},
-                         {"num_layers", 2}, {"hidden", 32},     {"num_heads", 4},
-                         {"init_std", 0.2}};  // large weights: clear argmax margins
-  json.update(variant.config);
-  return GPTConfig::from_json(json);
-}
-
-class Inference : public ::testing::TestWithParam<Variant> {
+class Inference : public ::testing::TestWithParam<GptVariant> {
  protected:
   Inference() : model_(tiny_config(GetParam()), 3) {}
   GPT model_;
@@ -177,17 +167,8 @@ TEST_P(Inference, PenaltiesApplyAlikeCachedAndUncached) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Gpt, Inference,
-                         ::testing::Values(Variant{"learned_positions", nlohmann::json::object()},
-                                           Variant{"rope_gqa",
-                                                   {{"position_embedding", "rope"},
-                                                    {"num_gqa_groups", 2},
-                                                    {"normalization", "rmsnorm"},
-                                                    {"activation", "swiglu"},
-                                                    {"bias", false}}}),
-                         [](const ::testing::TestParamInfo<Variant>& param) {
-                           return param.param.name;
-                         });
+INSTANTIATE_TEST_SUITE_P(Gpt, Inference, ::testing::ValuesIn(testing::tiny_gpt_variants()),
+                         testing::gpt_variant_name);
 
 TEST(InferenceParams, AllocatesEachLayerOnceWithItsShapeAndDtype) {
   InferenceParams cache(2, 16);
