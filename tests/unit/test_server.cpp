@@ -638,14 +638,19 @@ TEST_F(ServerTest, ASecondServerCannotTakeTheSamePort) {
   EXPECT_EQ(get(*serving_, "/health").status, 200);
 }
 
-// The engine stepped by hand, slowly, so that a stream is still going when its client leaves.
+// The engine stepped by hand, slowly, and only while `may_step` says so: the test holds it
+// after the first event until its client has gone, so the stream is still going then however
+// the threads are scheduled (on a loaded machine the client may otherwise close only after the
+// whole answer sat in the socket's buffer).
 class SlowStepper {
  public:
-  explicit SlowStepper(Engine& engine)
-      : thread_([this, &engine] {
+  SlowStepper(Engine& engine, std::function<bool()> may_step)
+      : thread_([this, &engine, may_step = std::move(may_step)] {
           while (!quit_) {
-            engine.step();
-            std::this_thread::sleep_for(std::chrono::milliseconds(3));
+            if (may_step()) engine.step();
+            // One token per 20 ms: each event is its own write, so the write after the
+            // client's reset fails instead of joining a burst the kernel buffers whole.
+            std::this_thread::sleep_for(std::chrono::milliseconds(20));
           }
         }) {}
   ~SlowStepper() {
@@ -661,9 +666,13 @@ class SlowStepper {
 TEST(ServerCancel, ClientLeavingMidStreamCancelsItsRequestAndFreesItsBlocks) {
   ::signal(SIGPIPE, SIG_IGN);
   Serving serving(/*engine_thread=*/false, /*max_seq_len=*/256);
-  SlowStepper stepper(serving.engine());
-  Stream stream = post_stream(serving, greedy("Once upon a time", 240),
-                              [](const Stream& so_far) { return so_far.events.empty(); });
+  std::atomic<bool> first_event{false}, client_gone{false};
+  SlowStepper stepper(serving.engine(), [&] { return !first_event || client_gone; });
+  Stream stream = post_stream(serving, greedy("Once upon a time", 240), [&](const Stream& so_far) {
+    if (!so_far.events.empty()) first_event = true;
+    return so_far.events.empty();
+  });
+  client_gone = true;  // post_stream's client is closed: the next writes fail
   EXPECT_FALSE(stream.done);
   ASSERT_EQ(stream.events.size(), 1u) << "left after the first event";
   EXPECT_TRUE(eventually([&] { return serving.engine().stats().requests_cancelled == 1; }))
