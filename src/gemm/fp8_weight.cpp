@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "gemm/gemm_checks.h"
+#include "gemm/small_m.h"
 #include "octet/cpu_features.h"
 #include "octet/gemm.h"
 
@@ -27,7 +28,6 @@ namespace octet {
 namespace {
 
 constexpr int64_t kMaxSmallRows = 8;  // rows of A taken by the generic weight-reading kernel
-constexpr int64_t kDotRows = 32;      // rows of A per pass of the BF16-dot kernel
 constexpr int64_t kMaxDotRows = 256;  // past this (prefill) the widened GEMM is faster
 
 template <int W>
@@ -119,59 +119,6 @@ void small_rows_scalar(const float* a, int64_t M, int64_t K, const uint8_t* code
   small_rows<4>(a, M, K, codes, scale_inv, n0, n1, c, ldc);
 }
 
-// E4M3 magnitudes 0..127 as BF16 bits (every E4M3 value is exact in BF16).
-const uint16_t* e4m3_bf16_table() {
-  static const std::vector<uint16_t> table = [] {
-    std::vector<uint16_t> t(128);
-    for (int i = 0; i < 128; ++i) {
-      t[static_cast<size_t>(i)] = float_to_bf16(fp8_to_float(static_cast<uint8_t>(i), DType::E4M3));
-    }
-    return t;
-  }();
-  return table.data();
-}
-
-// BF16 rows of A with AVX-512 BF16: 32 codes at a time looked up as BF16 (two 64-entry word
-// permutes, the sign ORed in), then one VDPBF16PS per row of A: exact products, FP32 sums.
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16"))) void small_rows_bf16dot(
-    const uint16_t* a, int64_t M, int64_t K, const uint8_t* codes, const float* scale_inv,
-    int64_t n0, int64_t n1, float* c, int64_t ldc) {
-  const uint16_t* table = e4m3_bf16_table();
-  const __m512i t0 = _mm512_loadu_si512(table), t1 = _mm512_loadu_si512(table + 32);
-  const __m512i t2 = _mm512_loadu_si512(table + 64), t3 = _mm512_loadu_si512(table + 96);
-  const __m512i bit6 = _mm512_set1_epi16(0x40), bit7 = _mm512_set1_epi16(0x80);
-  const int64_t Kv = K / 32 * 32;
-  for (int64_t n = n0; n < n1; ++n) {
-    const uint8_t* w = codes + n * K;
-    __m512 acc[kDotRows];
-    for (int64_t m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
-    for (int64_t k = 0; k < Kv; k += 32) {
-      const __m512i idx =
-          _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + k)));
-      const __m512i low = _mm512_permutex2var_epi16(t0, idx, t1);
-      const __m512i high = _mm512_permutex2var_epi16(t2, idx, t3);
-      const __m512i magnitude =
-          _mm512_mask_blend_epi16(_mm512_test_epi16_mask(idx, bit6), low, high);
-      const __m512i sign = _mm512_slli_epi16(_mm512_and_si512(idx, bit7), 8);
-      const __m512bh wv = reinterpret_cast<__m512bh>(_mm512_or_si512(magnitude, sign));
-      for (int64_t m = 0; m < M; ++m) {
-        const __m512bh av = reinterpret_cast<__m512bh>(_mm512_loadu_si512(a + m * K + k));
-        acc[m] = _mm512_dpbf16_ps(acc[m], av, wv);
-      }
-    }
-    for (int64_t m = 0; m < M; ++m) {
-      alignas(64) float lanes[16];
-      _mm512_store_ps(lanes, acc[m]);
-      float sum = 0.0f;
-      for (float lane : lanes) sum += lane;
-      for (int64_t k = Kv; k < K; ++k) {
-        sum += bf16_to_float(a[m * K + k]) * fp8_to_float(w[k], DType::E4M3);
-      }
-      c[m * ldc + n] = sum * scale_inv[n];
-    }
-  }
-}
-
 }  // namespace
 
 Fp8WeightOnly quantize_weight_fp8(const Tensor& weight) {
@@ -186,6 +133,8 @@ Fp8WeightOnly quantize_weight_fp8(const Tensor& weight) {
   uint8_t* codes = static_cast<uint8_t*>(q.codes.raw());
   float* scale_inv = q.scale_inv.data<float>();
   const float max = fp8_max(DType::E4M3);
+  const int64_t words = (K + 2047) / 2048;
+  q.zero_exponent_blocks.assign(static_cast<size_t>(N * words), 0);
 #pragma omp parallel for
   for (int64_t n = 0; n < N; ++n) {
     float amax = 0.0f;
@@ -195,7 +144,13 @@ Fp8WeightOnly quantize_weight_fp8(const Tensor& weight) {
     const float scale = amax > 0.0f ? max / amax : 1.0f;
     scale_inv[n] = 1.0f / scale;
     for (int64_t k = 0; k < K; ++k) {
-      codes[n * K + k] = float_to_fp8(w[static_cast<size_t>(n * K + k)] * scale, DType::E4M3, true);
+      const uint8_t code =
+          float_to_fp8(w[static_cast<size_t>(n * K + k)] * scale, DType::E4M3, true);
+      codes[n * K + k] = code;
+      if ((code & 0x78) == 0) {
+        q.zero_exponent_blocks[static_cast<size_t>(n * words + k / 2048)] |= uint64_t{1}
+                                                                             << (k / 32 % 64);
+      }
     }
   }
   return q;
@@ -229,34 +184,40 @@ void gemm(const Tensor& A, const Fp8WeightOnly& B, Tensor& C, const Epilogue& ep
                   (C.dtype() == A.dtype() || C.dtype() == DType::F32),
               "gemm (fp8 weight): C expected [", M, ", ", N, "] ", dtype_name(A.dtype()),
               " or f32, got ", shape_str(C.shape()), " ", dtype_name(C.dtype()));
-  const bool bf16_dot =
-      A.dtype() == DType::BF16 && active_isa() == Isa::Avx512 && cpu_features().avx512_bf16;
+  OCTET_CHECK(B.zero_exponent_blocks.empty() ||
+                  static_cast<int64_t>(B.zero_exponent_blocks.size()) == N * ((K + 2047) / 2048),
+              "gemm (fp8 weight): zero_exponent_blocks expected ", N * ((K + 2047) / 2048),
+              " words (ceil(K / 2048) per row) or none, got ", B.zero_exponent_blocks.size());
+  const bool bf16_dot = A.dtype() == DType::BF16 && gemm_detail::small_m_supported();
   if (M > (bf16_dot ? kMaxDotRows : kMaxSmallRows)) {  // compute-bound: widen once, GEMM
     const Tensor widened = dequantize_weight_fp8(B, A.dtype());
     gemm(A, widened, C, /*trans_a=*/false, /*trans_b=*/true, 1.0f, 0.0f, epilogue);
     return;
   }
-  Tensor c32 = C.dtype() == DType::F32 ? C : Tensor::empty({M, N}, DType::F32);
   const uint8_t* codes = static_cast<const uint8_t*>(B.codes.raw());
   const float* scale_inv = B.scale_inv.data<float>();
-  if (bf16_dot) {
-    // Passes of up to kDotRows rows: each widened weight block serves all rows of a pass.
-    const uint16_t* a = reinterpret_cast<const uint16_t*>(A.raw());
-    float* c = c32.data<float>();
-#pragma omp parallel
-    {
-      const int threads = omp_get_num_threads(), t = omp_get_thread_num();
-      for (int64_t m0 = 0; m0 < M; m0 += kDotRows) {
-        small_rows_bf16dot(a + m0 * K, std::min(kDotRows, M - m0), K, codes, scale_inv,
-                           N * t / threads, N * (t + 1) / threads, c + m0 * N, N);
-      }
+  if (bf16_dot) {  // widened in registers, epilogue fused, C written in its own dtype
+    gemm_detail::SmallM p;
+    p.a = static_cast<const uint16_t*>(A.raw());
+    p.b = codes;
+    p.b_e4m3 = true;
+    p.column_scale = scale_inv;
+    if (!B.zero_exponent_blocks.empty()) p.zero_exponent_blocks = B.zero_exponent_blocks.data();
+    p.m = M;
+    p.n = N;
+    p.k = K;
+    p.c = C.raw();
+    p.c_bf16 = C.dtype() == DType::BF16;
+    p.activation = epilogue.activation;
+    std::vector<float> bias;
+    if (epilogue.bias != nullptr) {
+      bias = epilogue.bias->to_floats();
+      p.bias = bias.data();
     }
-    if (epilogue.bias != nullptr || epilogue.activation != Activation::None) {
-      gemm_detail::apply_epilogue_only(c32, M, N, 1.0f, epilogue);
-    }
-    if (C.dtype() != DType::F32) C.copy_from(c32.to(C.dtype()));
+    gemm_detail::run_small_m(p);
     return;
   }
+  Tensor c32 = C.dtype() == DType::F32 ? C : Tensor::empty({M, N}, DType::F32);
   const Tensor a32 = A.dtype() == DType::F32 ? A : A.to(DType::F32);
   auto kernel = small_rows_scalar;
   if (active_isa() == Isa::Avx512) kernel = small_rows_avx512;

@@ -183,6 +183,7 @@ void run_matmul(const MatmulArgs& args) {
       !gemm_bf16_native()) {
     return run_widened(args);
   }
+  if (run_small_m_bf16(args)) return;
   const MatmulKey key{args.m,
                       args.n,
                       args.k,

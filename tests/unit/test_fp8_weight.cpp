@@ -109,6 +109,76 @@ TEST(Fp8WeightOnly, GemmEqualsTheDequantizedProduct) {
   }
 }
 
+// Zero and subnormal codes (zero exponent) cannot be widened by shift and mask: the blocks of
+// 32 codes holding them are flagged at quantization and take the table lookup. Rows with such
+// codes in chosen blocks, K past one 64-block word: flags exact, the product equal to the
+// dequantized one, and equal bit for bit to the same weight read without flags.
+TEST(Fp8WeightOnly, ZeroExponentBlocksAreFlaggedAndWidenedExactly) {
+  const int64_t N = 6, K = 2100;  // two flag words per row, a tail of 20 codes
+  std::vector<float> w(static_cast<size_t>(N * K));
+  std::mt19937 rng(5);
+  std::uniform_real_distribution<float> uniform(0.5f, 1.0f);
+  for (float& v : w) v = (rng() % 2 ? 1.0f : -1.0f) * uniform(rng);          // all normal codes
+  for (int64_t n = 0; n < N; ++n) w[static_cast<size_t>(n * K + 7)] = 1.0f;  // scale 448
+  const std::vector<std::pair<int64_t, int64_t>> irregular = {
+      {0, 0}, {0, 2099}, {1, 31}, {1, 32}, {2, 2048 + 5}, {4, 1000}, {5, 64 * 32 - 1}};
+  for (size_t i = 0; i < irregular.size(); ++i) {
+    const auto [n, k] = irregular[i];
+    // Zero, or -3 * 2^-9 once scaled: the subnormal code with m = 3.
+    w[static_cast<size_t>(n * K + k)] = i % 2 ? 0.0f : -3.0f / 512.0f / 448.0f;
+  }
+  Fp8WeightOnly q = quantize_weight_fp8(Tensor::from_floats({N, K}, w));
+  const uint8_t* codes = static_cast<const uint8_t*>(q.codes.raw());
+  ASSERT_EQ(q.zero_exponent_blocks.size(), static_cast<size_t>(N * 2));
+  int64_t zero_exponent_codes = 0;
+  for (int64_t n = 0; n < N; ++n) {
+    for (int64_t b = 0; b * 32 < K; ++b) {
+      bool any = false;
+      for (int64_t k = b * 32; k < std::min(K, b * 32 + 32); ++k) {
+        any |= (codes[n * K + k] & 0x78) == 0;
+      }
+      const bool flagged =
+          (q.zero_exponent_blocks[static_cast<size_t>(n * 2 + b / 64)] >> (b % 64)) & 1u;
+      EXPECT_EQ(flagged, any) << "row " << n << " block " << b;
+      zero_exponent_codes += any;
+    }
+  }
+  EXPECT_EQ(zero_exponent_codes, 7);  // exactly the chosen blocks
+  EXPECT_EQ(codes[0], 0x83);          // -3 * 2^-9
+  EXPECT_EQ(codes[K + 32], 0x00);
+  Fp8WeightOnly unflagged = q;
+  unflagged.zero_exponent_blocks.clear();
+  const Tensor deq = dequantize_weight_fp8(q, DType::F32);
+  for (int64_t M : {1, 2, 9}) {
+    Tensor a = random_tensor({M, K}, 1.0f, 40 + static_cast<uint32_t>(M), DType::BF16);
+    Tensor c = Tensor::empty({M, N}, DType::F32), c_unflagged = Tensor::empty({M, N}, DType::F32);
+    gemm(a, q, c);
+    gemm(a, unflagged, c_unflagged);
+    Tensor expected = Tensor::empty({M, N}, DType::F32);
+    gemm_reference(a, deq, expected, false, true);
+    const std::vector<float> got = c.to_floats(), again = c_unflagged.to_floats(),
+                             want = expected.to_floats();
+    // FP32 sums in any order: within 2 (K + 2) u sum |a| |w| of the FP64 reference.
+    std::vector<float> abs_a = a.to_floats(), abs_w = deq.to_floats();
+    for (float& v : abs_a) v = std::fabs(v);
+    for (float& v : abs_w) v = std::fabs(v);
+    Tensor bound = Tensor::empty({M, N}, DType::F32);
+    gemm_reference(Tensor::from_floats({M, K}, abs_a), Tensor::from_floats({N, K}, abs_w), bound,
+                   false, true);
+    const std::vector<float> bounds = bound.to_floats();
+    for (size_t i = 0; i < got.size(); ++i) {
+      EXPECT_EQ(got[i], again[i]) << "M " << M << " element " << i;
+      EXPECT_NEAR(got[i], want[i], 2.0 * (K + 2) * std::ldexp(1.0, -24) * bounds[i])
+          << "M " << M << " element " << i;
+    }
+  }
+  Fp8WeightOnly wrong = q;
+  wrong.zero_exponent_blocks.pop_back();
+  Tensor a = random_tensor({1, K}, 1.0f, 50, DType::BF16);
+  Tensor c = Tensor::empty({1, N}, DType::F32);
+  EXPECT_THROW(gemm(a, wrong, c), Error);
+}
+
 TEST(Fp8WeightOnly, GptWithFp8WeightsStaysCloseToBf16) {
   GPTConfig config = GPTConfig::from_json({{"name", "tiny"},
                                            {"vocab_size", 97},

@@ -10,6 +10,7 @@
 
 #include <cmath>
 #include <functional>
+#include <limits>
 #include <random>
 #include <string>
 #include <tuple>
@@ -142,8 +143,9 @@ struct EpilogueCase {
   Activation activation;
 };
 
-void check_epilogue(DType in, DType out, const EpilogueCase& e, const std::string& context) {
-  const int64_t m = 33, n = 65, k = 129;
+void check_epilogue(DType in, DType out, const EpilogueCase& e, const std::string& context,
+                    int64_t m = 33, bool packed = false) {
+  const int64_t n = 65, k = 129;
   const Tensor a = random_tensor({m, k}, 11).to(in);
   const Tensor b = random_tensor({n, k}, 12).to(in);
   const Tensor c_old = random_tensor({m, n}, 13).to(out);
@@ -155,7 +157,12 @@ void check_epilogue(DType in, DType out, const EpilogueCase& e, const std::strin
     epilogue.bias = &bias;
   }
   Tensor c = c_old.clone();
-  gemm(a, b, c, false, true, e.alpha, e.beta, epilogue);
+  if (packed) {
+    PackedWeight w(b, /*trans=*/true);
+    gemm(a, w, c, false, e.alpha, e.beta, epilogue);
+  } else {
+    gemm(a, b, c, false, true, e.alpha, e.beta, epilogue);
+  }
   Tensor expected = c_old.to(DType::F32);
   gemm_reference(a, b, expected, false, true, e.alpha, e.beta, epilogue);
 
@@ -197,6 +204,48 @@ TEST(GemmEpilogue, AllCombinationsMatchReference) {
           }
         }
       }
+    }
+  }
+}
+
+// One and two rows of BF16 take the weight-streaming kernel (gemm/small_m.h) where the
+// processor has AVX-512 BF16: every epilogue, plain and packed weights, K with a tail of 1,
+// N with a remainder past the blocks of 4 columns.
+TEST(GemmSmallRows, EveryEpilogueMatchesReference) {
+  for (int64_t m : {1, 2}) {
+    for (bool packed : {false, true}) {
+      for (DType out : {DType::F32, DType::BF16}) {
+        for (float beta : {0.0f, 0.75f}) {
+          for (Activation activation : {Activation::None, Activation::GeluTanh}) {
+            const std::string context = "m=" + std::to_string(m) + (packed ? " packed" : "") +
+                                        " ->" + std::string(dtype_name(out)) +
+                                        " beta=" + std::to_string(beta) +
+                                        " act=" + std::to_string(static_cast<int>(activation));
+            check_epilogue(DType::BF16, out, {0.5f, beta, DType::BF16, activation}, context, m,
+                           packed);
+          }
+        }
+      }
+    }
+  }
+}
+
+// Large and tiny magnitudes and a long K through the kernel. VDPBF16PS (here as in oneDNN's
+// BF16 kernels) flushes subnormal products and sums to zero: at most FLT_MIN per term.
+TEST(GemmSmallRows, LargeAndTinyMagnitudes) {
+  for (float scale : {1e-18f, 1.0f, 1e18f}) {
+    for (int64_t k : {32, 3000}) {
+      const int64_t n = 67;
+      Tensor a = random_tensor({1, k}, 31, scale).to(DType::BF16);
+      Tensor b = random_tensor({n, k}, 32, scale).to(DType::BF16);
+      Tensor c = Tensor::empty({1, n}, DType::F32);
+      gemm(a, b, c, false, true);
+      Tensor expected = Tensor::empty({1, n}, DType::F32);
+      gemm_reference(a, b, expected, false, true);
+      expect_close(c, expected, magnitude(a, b, false, true, 1, n),
+                   2.0 * (static_cast<double>(k) + 2.0) * kUnitRoundoff, 0.0,
+                   static_cast<double>(k) * std::numeric_limits<float>::min(),
+                   "scale " + std::to_string(scale) + " k=" + std::to_string(k));
     }
   }
 }

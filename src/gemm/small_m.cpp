@@ -1,0 +1,262 @@
+// The few-rows kernel (gemm/small_m.h), and its use for plain BF16 GEMMs: at M = 1 oneDNN's
+// blocked GEMM reached about half of the memory bandwidth, this kernel the bandwidth.
+#include "gemm/small_m.h"
+
+#include <immintrin.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <vector>
+
+#include "gemm/matmul.h"
+#include "gemm/packed_weight.h"
+#include "octet/cpu_features.h"
+
+#pragma GCC diagnostic ignored "-Wpsabi"
+
+#define OCTET_SMALL_M_TARGET \
+  __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
+#define OCTET_SMALL_M_INLINE OCTET_SMALL_M_TARGET inline __attribute__((always_inline))
+
+namespace octet::gemm_detail {
+
+namespace {
+
+constexpr int64_t kPassRows = 8;  // rows of A per pass: their accumulators stay in registers
+
+typedef float F16 __attribute__((vector_size(64)));
+typedef float F8 __attribute__((vector_size(32)));
+typedef float F4 __attribute__((vector_size(16)));
+
+// Sum of 16 lanes by halving (vector extensions: GCC 12's extract intrinsics warn of an
+// undefined operand).
+OCTET_SMALL_M_INLINE float sum_lanes(__m512 v) {
+  const F16 x = reinterpret_cast<F16>(v);
+  const F8 h8 = __builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7) +
+                __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15);
+  const F4 h4 =
+      __builtin_shufflevector(h8, h8, 0, 1, 2, 3) + __builtin_shufflevector(h8, h8, 4, 5, 6, 7);
+  return (h4[0] + h4[2]) + (h4[1] + h4[3]);
+}
+
+// Round to nearest even; a NaN stays a (quiet) NaN.
+OCTET_SMALL_M_INLINE uint16_t to_bf16(float value) {
+  uint32_t bits;
+  __builtin_memcpy(&bits, &value, 4);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40u);
+  return static_cast<uint16_t>((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+
+// E4M3 subnormal magnitudes m * 2^-9 (m = 0..7) times 256 as BF16 bits, in the first 8 of 32
+// words.
+const uint16_t* e4m3_subnormal_bf16() {
+  static const std::vector<uint16_t> table = [] {
+    std::vector<uint16_t> t(32, 0);
+    for (int m = 0; m < 8; ++m) t[static_cast<size_t>(m)] = float_to_bf16(std::ldexp(m, -1));
+    return t;
+  }();
+  return table.data();
+}
+
+// 32 weights of a BF16 row, as they are.
+struct Bf16Weights {
+  struct Row {
+    const uint16_t* w;
+  };
+  static Row row(const SmallM& p, int64_t n) {
+    return {static_cast<const uint16_t*>(p.b) + n * p.k};
+  }
+  static constexpr float kFactor = 1.0f;
+  static constexpr int64_t kBytes = 2;
+  OCTET_SMALL_M_INLINE static __m512bh load(const Row& r, int64_t k, __mmask32 mask, __m512i) {
+    return reinterpret_cast<__m512bh>(_mm512_maskz_loadu_epi16(mask, r.w + k));
+  }
+};
+
+// 32 E4M3 codes widened to BF16 times 256, exactly (the 1/256 is folded into the column's
+// scale). A normal code s.eeee.mmm is BF16's s.(eeee + 128).mmm0000: the code sign-extended
+// to 16 bits, shifted left by 4 (sign to bit 15, exponent and mantissa to bits 4..10), masked
+// and ORed with 128 << 7, one ternary-logic instruction. Codes with a zero exponent (zero and
+// the subnormals m * 2^-9) do not follow the rule; rare in a weight scaled per channel, their
+// blocks are flagged at quantization and take a table lookup behind a branch.
+struct E4m3Weights {
+  struct Row {
+    const uint8_t* w;
+    const uint64_t* flags;  // null: every block checked
+  };
+  static Row row(const SmallM& p, int64_t n) {
+    const int64_t words = (p.k + 2047) / 2048;
+    return {static_cast<const uint8_t*>(p.b) + n * p.k,
+            p.zero_exponent_blocks != nullptr ? p.zero_exponent_blocks + n * words : nullptr};
+  }
+  static constexpr float kFactor = 1.0f / 256.0f;
+  static constexpr int64_t kBytes = 1;
+  OCTET_SMALL_M_INLINE static __m512bh load(const Row& r, int64_t k, __mmask32 mask,
+                                            __m512i subnormals) {
+    const __m512i w = _mm512_cvtepi8_epi16(_mm256_maskz_loadu_epi8(mask, r.w + k));
+    __m512i bits = _mm512_ternarylogic_epi32(_mm512_slli_epi16(w, 4),
+                                             _mm512_set1_epi16(static_cast<short>(0x87f0)),
+                                             _mm512_set1_epi16(128 << 7), 0xea);  // (a & b) | c
+    const int64_t block = k / 32;
+    if (r.flags == nullptr || ((r.flags[block / 64] >> (block % 64)) & 1u) != 0) {
+      const __mmask32 normal = _mm512_test_epi16_mask(w, _mm512_set1_epi16(0x78));
+      const __m512i tiny = _mm512_or_si512(
+          _mm512_permutexvar_epi16(_mm512_and_si512(w, _mm512_set1_epi16(7)), subnormals),
+          _mm512_and_si512(w, _mm512_set1_epi16(static_cast<short>(0x8000))));
+      bits = _mm512_mask_blend_epi16(normal, tiny, bits);
+    }
+    return reinterpret_cast<__m512bh>(bits);
+  }
+};
+
+// Output columns [n, n + C) of rows [m0, m0 + M): C weight rows streamed side by side, one
+// accumulator per (row, column), each weight block loaded (and widened) once for the M rows.
+// Software prefetch distance: the rows of a block are short streams (768 codes of FP8 at
+// K = 768), too short for the hardware prefetcher to run ahead; 8 KiB ahead measured best
+// (GPT-2 124M's layer weights cycled beyond the cache, M = 1: FP8 12.2 -> 7.8 ms, BF16
+// 14.2 -> 12.5 ms).
+constexpr int64_t kPrefetchBytes = 8192;
+
+template <class W, int M, int C>
+OCTET_SMALL_M_INLINE void block(const SmallM& p, int64_t m0, int64_t n, __m512i subnormals) {
+  const int64_t K = p.k, K32 = K / 32 * 32;
+  const uint16_t* a = p.a + m0 * K;
+  typename W::Row rows[C];
+  for (int c = 0; c < C; ++c) rows[c] = W::row(p, n + c);
+  __m512 acc[M][C];
+  for (int m = 0; m < M; ++m) {
+    for (int c = 0; c < C; ++c) acc[m][c] = _mm512_setzero_ps();
+  }
+  // One loop, the mask computed per block (passing the accumulators to a helper by reference
+  // made GCC store them to the stack at every block).
+  const auto tail = static_cast<__mmask32>((uint64_t{1} << (K - K32)) - 1);
+  for (int64_t k = 0; k < K; k += 32) {
+    const __mmask32 mask = k < K32 ? static_cast<__mmask32>(~0u) : tail;
+    __m512bh wv[C];
+    for (int c = 0; c < C; ++c) wv[c] = W::load(rows[c], k, mask, subnormals);
+    if (W::kBytes * k % 64 == 0) {
+      for (int c = 0; c < C; ++c) {
+        _mm_prefetch(reinterpret_cast<const char*>(rows[c].w + k) + kPrefetchBytes, _MM_HINT_T0);
+      }
+    }
+    for (int m = 0; m < M; ++m) {
+      const __m512bh av = reinterpret_cast<__m512bh>(_mm512_maskz_loadu_epi16(mask, a + m * K + k));
+      for (int c = 0; c < C; ++c) acc[m][c] = _mm512_dpbf16_ps(acc[m][c], av, wv[c]);
+    }
+  }
+  float sums[M][C];
+  for (int m = 0; m < M; ++m) {
+    for (int c = 0; c < C; ++c) sums[m][c] = sum_lanes(acc[m][c]);
+  }
+  for (int m = 0; m < M; ++m) {
+    for (int c = 0; c < C; ++c) {
+      float value = p.alpha * W::kFactor * sums[m][c];
+      if (p.column_scale != nullptr) value *= p.column_scale[n + c];
+      const int64_t at = (m0 + m) * p.n + n + c;
+      if (p.beta != 0.0f) {
+        const float old = p.c_bf16 ? bf16_to_float(static_cast<uint16_t*>(p.c)[at])
+                                   : static_cast<float*>(p.c)[at];
+        value += p.beta * old;
+      }
+      if (p.bias != nullptr) value += p.bias[n + c];
+      if (p.activation != Activation::None) value = apply_activation(p.activation, value);
+      if (p.c_bf16) {
+        static_cast<uint16_t*>(p.c)[at] = to_bf16(value);
+      } else {
+        static_cast<float*>(p.c)[at] = value;
+      }
+    }
+  }
+}
+
+// Columns [n0, n1) of rows [m0, m0 + M): blocks of 4 columns (2 past 4 rows, to keep the
+// accumulators in registers), then single columns.
+template <class W, int M>
+OCTET_SMALL_M_TARGET void columns(const SmallM& p, int64_t m0, int64_t n0, int64_t n1) {
+  constexpr int C = M <= 4 ? 4 : 2;
+  const __m512i subnormals = _mm512_loadu_si512(e4m3_subnormal_bf16());
+  int64_t n = n0;
+  for (; n + C <= n1; n += C) block<W, M, C>(p, m0, n, subnormals);
+  for (; n < n1; ++n) block<W, M, 1>(p, m0, n, subnormals);
+}
+
+using ColumnsFn = void (*)(const SmallM&, int64_t, int64_t, int64_t);
+template <class W>
+constexpr ColumnsFn kColumns[kPassRows] = {columns<W, 1>, columns<W, 2>, columns<W, 3>,
+                                           columns<W, 4>, columns<W, 5>, columns<W, 6>,
+                                           columns<W, 7>, columns<W, 8>};
+
+// Rows up to which plain BF16 GEMMs take the kernel (OCTET_GEMM_SMALL_M=R, 0: never). Two by
+// default: with the weights beyond the cache, 1 and 2 rows measured faster than oneDNN's GEMM
+// (11.8 vs 14.4 ms, 14.0 vs 16.3 ms over GPT-2 124M's layers), 4 rows even.
+int64_t max_rows() {
+  static const int64_t rows = [] {
+    const char* set = std::getenv("OCTET_GEMM_SMALL_M");
+    if (set == nullptr || *set == '\0') return int64_t{2};
+    char* end = nullptr;
+    const long value = std::strtol(set, &end, 10);
+    OCTET_CHECK(*end == '\0' && value >= 0 && value <= 64,
+                "OCTET_GEMM_SMALL_M expected rows 0..64 (0: never), got '", set, "'");
+    return static_cast<int64_t>(value);
+  }();
+  return rows;
+}
+
+}  // namespace
+
+bool small_m_supported() {
+  return active_isa() == Isa::Avx512 && cpu_features().avx512_bf16;
+}
+
+void run_small_m(const SmallM& p) {
+  OCTET_CHECK(small_m_supported(), "run_small_m: needs AVX-512 BF16");
+  if (p.m == 0 || p.n == 0) return;
+  const ColumnsFn* table = p.b_e4m3 ? kColumns<E4m3Weights> : kColumns<Bf16Weights>;
+  // Threads take contiguous column ranges (each weight row read by one thread, once per pass
+  // of 8 rows); a weight under 256 Ki elements is not worth waking them for.
+  const bool parallel = p.n * p.k >= (int64_t{1} << 18);
+#pragma omp parallel if (parallel)
+  {
+    const int threads = omp_get_num_threads(), t = omp_get_thread_num();
+    const int64_t n0 = p.n * t / threads, n1 = p.n * (t + 1) / threads;
+    for (int64_t m0 = 0; m0 < p.m; m0 += kPassRows) {
+      table[std::min(kPassRows, p.m - m0) - 1](p, m0, n0, n1);
+    }
+  }
+}
+
+bool run_small_m_bf16(const MatmulArgs& args) {
+  if (args.m > max_rows() || args.a_dtype != DType::BF16 || args.b_dtype != DType::BF16 ||
+      args.trans_a || args.k == 0 || !small_m_supported()) {
+    return false;
+  }
+  const void* b = args.b;
+  if (args.packed != nullptr) {
+    if (args.packed->is_fp8 || !args.packed->trans) return false;
+    b = args.packed->tensor.raw();
+  } else if (!args.trans_b) {
+    return false;
+  }
+  SmallM p;
+  p.a = static_cast<const uint16_t*>(args.a);
+  p.b = b;
+  p.m = args.m;
+  p.n = args.n;
+  p.k = args.k;
+  p.c = args.c;
+  p.c_bf16 = args.c_dtype == DType::BF16;
+  p.alpha = args.output_scale;
+  p.beta = args.beta;
+  p.activation = args.activation;
+  std::vector<float> bias;
+  if (args.bias != nullptr) {
+    bias = args.bias->to_floats();
+    p.bias = bias.data();
+  }
+  run_small_m(p);
+  return true;
+}
+
+}  // namespace octet::gemm_detail

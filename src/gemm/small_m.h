@@ -1,0 +1,32 @@
+// Few rows of BF16 A against a weight stored [N, K] row-major, BF16 or E4M3 codes with one
+// scale per output channel (decode's matrix-vector products). There the weight's bytes set
+// the time: each weight row is streamed once and serves every row of A.
+#pragma once
+
+#include <cstdint>
+
+#include "octet/gemm.h"
+
+namespace octet::gemm_detail {
+
+struct SmallM {
+  const uint16_t* a = nullptr;  // [M, K] BF16
+  const void* b = nullptr;      // [N, K] BF16, or E4M3 codes with `column_scale`
+  bool b_e4m3 = false;
+  const float* column_scale = nullptr;             // [N], E4M3 only: each column's sum times it
+  const uint64_t* zero_exponent_blocks = nullptr;  // E4M3: Fp8WeightOnly's (null: check all)
+  int64_t m = 0, n = 0, k = 0;
+  void* c = nullptr;  // [M, N] F32 or BF16
+  bool c_bf16 = false;
+  float alpha = 1.0f, beta = 0.0f;
+  const float* bias = nullptr;  // [N] F32 or null
+  Activation activation = Activation::None;
+};
+
+// Whether the kernel runs on this processor (AVX-512 BF16, and OCTET_ISA allows AVX-512).
+bool small_m_supported();
+// C = act(alpha * column_scale * A B^T + beta * C + bias), exact products and FP32 sums
+// (VDPBF16PS, as oneDNN's BF16 kernels), any M (passes of 8 rows).
+void run_small_m(const SmallM& p);
+
+}  // namespace octet::gemm_detail
