@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -108,14 +109,58 @@ const float* e4m3_table() {
   return table.data();
 }
 
-OCTET_ALWAYS_INLINE float load_kv(float x, const float*) {
+// W elements of a pool row as floats: F32 as they are, BF16 widened in registers (16-bit
+// words zero-extended and shifted, one vector conversion), E4M3 codes through the table.
+template <int W>
+OCTET_ALWAYS_INLINE vec::F<W> load_kv(const float* p, const float*) {
+  return vec::load<W>(p);
+}
+template <int W>
+struct WordTypes {
+  typedef uint16_t H __attribute__((vector_size(sizeof(uint16_t) * W)));
+  typedef uint32_t U __attribute__((vector_size(sizeof(uint32_t) * W)));
+};
+template <int W>
+OCTET_ALWAYS_INLINE vec::F<W> load_kv(const bfloat16* p, const float*) {
+  using H = typename WordTypes<W>::H;
+  using U = typename WordTypes<W>::U;
+  H h;
+  std::memcpy(&h, p, sizeof h);
+  const U bits = __builtin_convertvector(h, U) << 16;
+  vec::F<W> v;
+  std::memcpy(&v, &bits, sizeof v);
+  return v;
+}
+template <int W>
+OCTET_ALWAYS_INLINE vec::F<W> load_kv(const uint8_t* p, const float* table) {
+  vec::F<W> v;
+  for (int i = 0; i < W; ++i) v[i] = table[p[i]];
+  return v;
+}
+OCTET_ALWAYS_INLINE float load_kv1(float x, const float*) {
   return x;
 }
-OCTET_ALWAYS_INLINE float load_kv(bfloat16 x, const float*) {
+OCTET_ALWAYS_INLINE float load_kv1(bfloat16 x, const float*) {
   return simd::load(x);
 }
-OCTET_ALWAYS_INLINE float load_kv(uint8_t code, const float* table) {
+OCTET_ALWAYS_INLINE float load_kv1(uint8_t code, const float* table) {
   return table[code];
+}
+
+// Sum of the lanes by halving: log2(W) shuffles and adds.
+template <int W>
+OCTET_ALWAYS_INLINE float sum_lanes(vec::F<W> v) {
+  if constexpr (W == 16) {
+    const vec::F<8> h = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+                        __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+    return sum_lanes<8>(h);
+  } else if constexpr (W == 8) {
+    const vec::F<4> h =
+        __builtin_shufflevector(v, v, 0, 1, 2, 3) + __builtin_shufflevector(v, v, 4, 5, 6, 7);
+    return sum_lanes<4>(h);
+  } else {
+    return vec::reduce_sum<W>(v);
+  }
 }
 
 // T: q and out; P: the pools' elements (T, or E4M3 codes with per-(token, head) scales).
@@ -132,7 +177,9 @@ struct PagedArgs {
 };
 
 // One (sequence, head, keys [begin, end)) task: max, sum of exp(score - max), and the
-// weighted sum of values, into part[0], part[1], part[2 .. 2 + D).
+// weighted sum of values, into part[0], part[1], part[2 .. 2 + D). Keys in chunks of kChunk:
+// their rows located by walking the block table (no division per key), their scores, one
+// rescale of the running sums per chunk, then the chunk's values.
 template <int W, typename T, typename P>
 OCTET_ALWAYS_INLINE void partition_task(const PagedArgs<T, P>& a, int64_t seq, int64_t h,
                                         int64_t begin, int64_t end, float* part) {
@@ -141,34 +188,44 @@ OCTET_ALWAYS_INLINE void partition_task(const PagedArgs<T, P>& a, int64_t seq, i
   const int64_t row = s.kv_heads * D;  // elements per token in a pool
   const T* q = a.q + (seq * s.heads + h) * D;
   const int32_t* table = a.tables + seq * s.table_width;
-  float qf[256];
-  for (int64_t d = 0; d < D; ++d) qf[d] = simd::load(q[d]);
+  alignas(64) float qf[256];
+  for (int64_t d = 0; d < D; ++d) qf[d] = simd::load(q[d]) * s.scale;
   float* acc = part + 2;
   for (int64_t d = 0; d < D; ++d) acc[d] = 0.0f;
   const int64_t Dv = D / W * W;
   float max = -std::numeric_limits<float>::infinity(), sum = 0.0f;
-  float scores[kChunk];
-  auto slot_of = [&](int64_t j) {
-    return static_cast<int64_t>(table[j / s.block_size]) * s.block_size + j % s.block_size;
-  };
+  alignas(64) float scores[kChunk];
+  int64_t slots[kChunk];
+  int64_t block = begin / s.block_size, offset = begin % s.block_size;
   for (int64_t c0 = begin; c0 < end; c0 += kChunk) {
-    const int64_t c1 = std::min(end, c0 + kChunk);
+    const int64_t n = std::min(end - c0, kChunk);
+    for (int64_t j = 0; j < n; ++j) {
+      slots[j] = static_cast<int64_t>(table[block]) * s.block_size + offset;
+      if (++offset == s.block_size) {
+        offset = 0;
+        ++block;
+      }
+    }
+    // One head's rows lie a token's row apart: too sparse for the hardware prefetcher, and the
+    // step's weights have pushed them out of the cache. Ask for the chunk's rows at once.
+    for (int64_t j = 0; j < n; ++j) {
+      const char* kj = reinterpret_cast<const char*>(a.k + slots[j] * row + hk * D);
+      const char* vj = reinterpret_cast<const char*>(a.v + slots[j] * row + hk * D);
+      for (int64_t byte = 0; byte < D * static_cast<int64_t>(sizeof(P)); byte += 64) {
+        __builtin_prefetch(kj + byte);
+        __builtin_prefetch(vj + byte);
+      }
+    }
     float chunk_max = -std::numeric_limits<float>::infinity();
-    for (int64_t j = c0; j < c1; ++j) {
-      const int64_t slot = slot_of(j);
-      const P* kj = a.k + slot * row + hk * D;
+    for (int64_t j = 0; j < n; ++j) {
+      const P* kj = a.k + slots[j] * row + hk * D;
       vec::F<W> dot = vec::splat<W>(0.0f);
       int64_t d = 0;
-      for (; d < Dv; d += W) {
-        vec::F<W> kv;
-        for (int i = 0; i < W; ++i) kv[i] = load_kv(kj[d + i], a.table);
-        dot += vec::load<W>(qf + d) * kv;
-      }
-      float score = vec::reduce_sum<W>(dot);
-      for (; d < D; ++d) score += qf[d] * load_kv(kj[d], a.table);
-      if (a.k_scale != nullptr) score *= a.k_scale[slot * s.kv_heads + hk];
-      score *= s.scale;
-      scores[j - c0] = score;
+      for (; d < Dv; d += W) dot += vec::load<W>(qf + d) * load_kv<W>(kj + d, a.table);
+      float score = sum_lanes<W>(dot);
+      for (; d < D; ++d) score += qf[d] * load_kv1(kj[d], a.table);
+      if (a.k_scale != nullptr) score *= a.k_scale[slots[j] * s.kv_heads + hk];
+      scores[j] = score;
       chunk_max = std::max(chunk_max, score);
     }
     // Subtract the maximum before scaling into base 2: exact at any magnitude.
@@ -177,20 +234,22 @@ OCTET_ALWAYS_INLINE void partition_task(const PagedArgs<T, P>& a, int64_t seq, i
     max = new_max;
     sum *= rescale;
     for (int64_t d = 0; d < D; ++d) acc[d] *= rescale;
-    for (int64_t j = c0; j < c1; ++j) {
-      float p = std::exp2((scores[j - c0] - max) * kLog2e);
+    for (int64_t j = 0; j < n; ++j) scores[j] = (scores[j] - max) * kLog2e;
+    for (int64_t j = n; j < kChunk; ++j) scores[j] = -std::numeric_limits<float>::infinity();
+    for (int64_t j = 0; j < kChunk; j += W) {
+      vec::store<W>(scores + j, vec::exp2<W>(vec::load<W>(scores + j)));
+    }
+    for (int64_t j = 0; j < n; ++j) {
+      float p = scores[j];
       sum += p;
-      const int64_t slot = slot_of(j);
-      const P* vj = a.v + slot * row + hk * D;
-      if (a.v_scale != nullptr) p *= a.v_scale[slot * s.kv_heads + hk];  // after the sum
+      const P* vj = a.v + slots[j] * row + hk * D;
+      if (a.v_scale != nullptr) p *= a.v_scale[slots[j] * s.kv_heads + hk];  // after the sum
       const vec::F<W> pv = vec::splat<W>(p);
       int64_t d = 0;
       for (; d < Dv; d += W) {
-        vec::F<W> vv;
-        for (int i = 0; i < W; ++i) vv[i] = load_kv(vj[d + i], a.table);
-        vec::store<W>(acc + d, vec::load<W>(acc + d) + pv * vv);
+        vec::store<W>(acc + d, vec::load<W>(acc + d) + pv * load_kv<W>(vj + d, a.table));
       }
-      for (; d < D; ++d) acc[d] += p * load_kv(vj[d], a.table);
+      for (; d < D; ++d) acc[d] += p * load_kv1(vj[d], a.table);
     }
   }
   part[0] = max;
