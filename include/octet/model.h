@@ -127,6 +127,7 @@ class GPT : public TrainableModel {
   // bytes by the decode GEMMs (Linear::set_inference_fp8_weight). Training is refused while
   // on; off frees them. Returns the bytes of the FP8 weights.
   size_t set_inference_fp8_weights(bool on);
+  bool inference_fp8_weights() const { return wte_fp8_.has_value(); }
   // Bytes of the weights the inference GEMMs read per token in `dtype` (FP8 when on).
   size_t inference_weight_bytes(DType dtype);
 

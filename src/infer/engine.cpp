@@ -164,6 +164,7 @@ struct Engine::Impl {
   InferenceParams cache = InferenceParams(1, 1);
   std::unique_ptr<BlockManager> blocks;
   size_t kv_bytes_per_token = 0, weight_bytes = 0;
+  size_t read_weight_bytes = 0;  // what the decode GEMMs read per step (BF16 copies, FP8 codes)
 
   // Shared with other threads, under `mutex`.
   mutable std::mutex mutex;
@@ -480,6 +481,7 @@ Engine::Engine(GPT& model, const EngineOptions& options)
   m.cache.fp8_kv = o.fp8_kv;
   m.blocks = std::make_unique<BlockManager>(blocks);
   for (Parameter* p : model.parameters()) m.weight_bytes += p->value.nbytes();
+  m.read_weight_bytes = model.inference_weight_bytes(o.dtype);
   m.publish_stats();
 }
 
@@ -612,7 +614,15 @@ std::string Engine::memory_report() const {
   std::ostringstream out;
   out.setf(std::ios::fixed);
   out.precision(1);
-  out << "memory: weights " << mib(static_cast<double>(m.weight_bytes)) << " MiB (F32 master)\n"
+  // The F32 master weights stay; the GEMMs read BF16 copies or FP8 codes made from them.
+  const bool fp8 = m.model.inference_fp8_weights();
+  out << "memory: weights " << mib(static_cast<double>(m.weight_bytes))
+      << " MiB (F32 master); each decode step reads "
+      << mib(static_cast<double>(m.read_weight_bytes)) << " MiB ("
+      << (fp8                     ? "e4m3 codes + scales"
+          : o.dtype == DType::F32 ? "the master"
+                                  : std::string(dtype_name(o.dtype)) + " copies")
+      << ")\n"
       << "memory: KV cache " << o.num_blocks << " blocks x " << o.block_size << " tokens x "
       << m.kv_bytes_per_token << " B/token = " << mib(kv_block * static_cast<double>(o.num_blocks))
       << " MiB (" << o.num_blocks * o.block_size << " tokens, "

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstdio>
 #include <ostream>
 #include <random>
 #include <string>
@@ -436,6 +437,10 @@ TEST(Engine, BadRequestsAreRefusedBeforeQueuing) {
   EXPECT_THROW(Engine(model, no_room), Error);
   EXPECT_NE(engine.memory_report().find("KV cache 8 blocks x 4 tokens"), std::string::npos)
       << engine.memory_report();
+  char reads[64];
+  std::snprintf(reads, sizeof reads, "each decode step reads %.1f MiB",
+                static_cast<double>(model.inference_weight_bytes(options.dtype)) / 1048576.0);
+  EXPECT_NE(engine.memory_report().find(reads), std::string::npos) << engine.memory_report();
 }
 
 }  // namespace
