@@ -58,27 +58,34 @@ double percentile(std::vector<double> values, double p) {
 
 // Streaming read bandwidth: the best of a few sums over a buffer far larger than the caches
 // (integer sums: they vectorize without reassociation flags, so the loop is memory-bound).
-double measure_bandwidth_gbs() {
-  const int64_t count = int64_t{512} << 20 >> 2;  // 512 MiB of 32-bit words
-  std::vector<uint32_t> buffer(static_cast<size_t>(count), 1u);
-  std::vector<uint32_t> partial(256, 0);
-  double best = 0.0;
-  for (int rep = 0; rep < 5; ++rep) {
-    const auto start = Clock::now();
-    bench::parallel_for(count, [&](int64_t begin, int64_t end, int thread) OCTET_BENCH_INLINE {
-      uint32_t sum = 0;
-      const uint32_t* data = buffer.data();
-      for (int64_t i = begin; i < end; ++i) sum += data[i];
-      partial[static_cast<size_t>(thread)] = sum;
-    });
-    const double s = seconds_since(start);
-    uint32_t total = 0;
-    for (uint32_t p : partial) total += p;
-    if (total == 1) std::printf("?");  // keeps the sums alive
-    best = std::max(best, static_cast<double>(count) * 4.0 / s / 1e9);
+// Measured again in every round, beside the decode it is the roofline of: on a shared
+// machine the bandwidth moves from minute to minute.
+class Bandwidth {
+ public:
+  double measure_gbs(int reps = 3) {
+    double best = 0.0;
+    for (int rep = 0; rep < reps; ++rep) {
+      const auto start = Clock::now();
+      bench::parallel_for(count_, [&](int64_t begin, int64_t end, int thread) OCTET_BENCH_INLINE {
+        uint32_t sum = 0;
+        const uint32_t* data = buffer_.data();
+        for (int64_t i = begin; i < end; ++i) sum += data[i];
+        partial_[static_cast<size_t>(thread)] = sum;
+      });
+      const double s = seconds_since(start);
+      uint32_t total = 0;
+      for (uint32_t p : partial_) total += p;
+      if (total == 1) std::printf("?");  // keeps the sums alive
+      best = std::max(best, static_cast<double>(count_) * 4.0 / s / 1e9);
+    }
+    return best;
   }
-  return best;
-}
+
+ private:
+  int64_t count_ = int64_t{512} << 20 >> 2;  // 512 MiB of 32-bit words
+  std::vector<uint32_t> buffer_ = std::vector<uint32_t>(static_cast<size_t>(count_), 1u);
+  std::vector<uint32_t> partial_ = std::vector<uint32_t>(256, 0);
+};
 
 std::vector<int32_t> random_ids(int64_t count, int64_t vocab, std::mt19937& rng) {
   std::vector<int32_t> ids(static_cast<size_t>(count));
@@ -196,94 +203,92 @@ Latency run_latency(GPT& model, const Options& o, DType dtype, std::mt19937& rng
 struct Series {
   std::vector<double> ours_prefill, ours_decode, peer_prefill, peer_decode, ratio_decode,
       ratio_prefill, waste, fp8_decode, fp8_ratio;
+  std::vector<double> bandwidth, roofline_share, fp8_roofline_share;  // batch 1 only
 };
 
-void run_bench(const Options& o) {
-  const std::filesystem::path config_path = resolve_config(o.config);
-  GPTConfig config = GPTConfig::load(config_path.string());
-  for (int64_t b : o.batches) {
-    OCTET_CHECK(b >= 1 && b <= 1024, "bench infer: --batches expected in [1, 1024], got ", b);
-  }
-  OCTET_CHECK(o.prompt + o.steps + 2 <= config.max_seq_len, "bench infer: --prompt ", o.prompt,
-              " + --steps ", o.steps, " + 2 exceed ", config.name, "'s max_seq_len ",
-              config.max_seq_len);
-  const DType dtype = o.precision == "bf16" ? DType::BF16 : DType::F32;
-  GPT model(config, o.seed);
-  std::mt19937 rng(static_cast<uint32_t>(o.seed));
+std::string median_range(const std::vector<double>& v, const char* format = "%.2fx") {
+  if (v.empty()) return "-";
+  char median[32], low[32], high[32], text[112];
+  std::snprintf(median, sizeof median, format, bench::median(v));
+  std::snprintf(low, sizeof low, "%.2f", *std::min_element(v.begin(), v.end()));
+  std::snprintf(high, sizeof high, "%.2f", *std::max_element(v.begin(), v.end()));
+  std::snprintf(text, sizeof text, "%s (%s..%s)", median, low, high);
+  return text;
+}
 
-  const double bandwidth = measure_bandwidth_gbs();
-  // Bytes read per decoded token at batch 1: every GEMM weight once (the tied output layer is
-  // wte), in the compute dtype; position rows, norms and biases are noise.
-  const double weight_bytes = static_cast<double>(model.inference_weight_bytes(dtype));
-  const double roofline = bandwidth * 1e9 / weight_bytes;
-  std::printf(
-      "bench infer: %s (%.1fM parameters), %s, prompt %lld, %lld decode steps, %d "
-      "rounds, %d threads\n",
-      config.name.c_str(), static_cast<double>(config.num_parameters()) / 1e6, o.precision.c_str(),
-      static_cast<long long>(o.prompt), static_cast<long long>(o.steps), o.rounds,
-      omp_get_max_threads());
-  std::printf(
-      "memory bandwidth %.1f GB/s (streaming read); weights read per token %.1f MB -> "
-      "batch-1 decode roofline %.1f tokens/s\n",
-      bandwidth, weight_bytes / 1e6, roofline);
-
-  bench::PeerProcess peer;
-  bool have_peer = false;
-  if (!o.no_torch) {
+// The PyTorch peer, asked for one case at a time; 0 when it is absent or stopped.
+class Peer {
+ public:
+  Peer(const Options& o, const std::filesystem::path& config_path) : o_(o) {
+    if (o.no_torch) return;
     const auto script = bench::find_peer_script("torch_infer.py");
     if (script.empty()) {
       std::printf("peer: bench/peers/torch_infer.py not found, skipped\n");
-    } else {
-      have_peer = peer.start({"/usr/bin/python3", script.string(), "--config", config_path.string(),
-                              "--precision", o.precision, "--threads",
-                              std::to_string(omp_get_max_threads())});
-      if (!have_peer) std::printf("peer: PyTorch did not start, skipped\n");
+      return;
     }
+    running_ = process_.start({"/usr/bin/python3", script.string(), "--config",
+                               config_path.string(), "--precision", o.precision, "--threads",
+                               std::to_string(omp_get_max_threads())});
+    if (!running_) std::printf("peer: PyTorch did not start, skipped\n");
   }
-  auto ask_peer = [&](const char* op, int64_t batch) -> double {
-    if (!have_peer) return 0;
-    nlohmann::json c = {{"op", op}, {"batch", batch}, {"prompt", o.prompt}, {"steps", o.steps}};
-    auto answer = peer.ask(c.dump());
+  // Milliseconds: prefill of `batch` prompts, or the median decode step of `batch` sequences.
+  double ask(const char* op, int64_t batch) {
+    if (!running_) return 0;
+    nlohmann::json c = {{"op", op}, {"batch", batch}, {"prompt", o_.prompt}, {"steps", o_.steps}};
+    auto answer = process_.ask(c.dump());
     if (!answer) {
-      have_peer = false;
+      running_ = false;
       std::printf("peer: PyTorch stopped answering, skipped from here\n");
       return 0;
     }
     return answer->value("ms", 0.0);
-  };
+  }
 
+ private:
+  const Options& o_;
+  bench::PeerProcess process_;
+  bool running_ = false;
+};
+
+// Every round runs each batch size: ours (BF16 or F32 weights), ours with FP8 weights, the
+// peer (first or last, alternating), and for batch 1 the bandwidth just before.
+std::vector<Series> run_rounds(GPT& model, const Options& o, DType dtype, Peer& peer,
+                               Bandwidth& bandwidth, std::mt19937& rng, double weight_bytes,
+                               double fp8_bytes) {
   // Warm-up, untimed: weights converted and packed, primitives created, pages touched.
   run_ours(model, o, dtype, 1, rng);
-  ask_peer("decode", 1);
-
+  peer.ask("decode", 1);
   std::vector<Series> series(o.batches.size());
   for (int round = 0; round < o.rounds; ++round) {
     for (size_t i = 0; i < o.batches.size(); ++i) {
       const int64_t batch = o.batches[i];
-      // Alternate who goes first, round by round.
-      CaseResult ours;
+      Series& s = series[i];
       double peer_decode = 0, peer_prefill = 0;
       auto run_peer = [&] {
-        peer_decode = ask_peer("decode", batch);
-        peer_prefill = ask_peer("prefill", batch);
+        peer_decode = peer.ask("decode", batch);
+        peer_prefill = peer.ask("prefill", batch);
       };
-      if (round % 2 == 1) run_peer();
-      ours = run_ours(model, o, dtype, batch, rng);
-      CaseResult fp8;
-      if (o.fp8_weights) {
-        model.set_inference_fp8_weights(true);
-        fp8 = run_ours(model, o, dtype, batch, rng);
-        model.set_inference_fp8_weights(false);
-      }
-      if (round % 2 == 0) run_peer();
-      Series& s = series[i];
-      if (o.fp8_weights) {
-        s.fp8_decode.push_back(static_cast<double>(batch) / fp8.decode_ms * 1e3);
-        s.fp8_ratio.push_back(ours.decode_ms / fp8.decode_ms);
-      }
+      if (round % 2 == 1) run_peer();  // alternate who goes first, round by round
+      const double gbs = batch == 1 ? bandwidth.measure_gbs() : 0.0;
+      const CaseResult ours = run_ours(model, o, dtype, batch, rng);
       s.ours_prefill.push_back(static_cast<double>(batch * o.prompt) / ours.prefill_ms * 1e3);
       s.ours_decode.push_back(static_cast<double>(batch) / ours.decode_ms * 1e3);
       s.waste.push_back(ours.kv_waste);
+      if (batch == 1) {
+        s.bandwidth.push_back(gbs);
+        s.roofline_share.push_back(s.ours_decode.back() / (gbs * 1e9 / weight_bytes));
+      }
+      if (o.fp8_weights) {
+        model.set_inference_fp8_weights(true);
+        const CaseResult fp8 = run_ours(model, o, dtype, batch, rng);
+        model.set_inference_fp8_weights(false);
+        s.fp8_decode.push_back(static_cast<double>(batch) / fp8.decode_ms * 1e3);
+        s.fp8_ratio.push_back(ours.decode_ms / fp8.decode_ms);
+        if (batch == 1) {
+          s.fp8_roofline_share.push_back(s.fp8_decode.back() / (gbs * 1e9 / fp8_bytes));
+        }
+      }
+      if (round % 2 == 0) run_peer();
       if (peer_decode > 0 && peer_prefill > 0) {
         s.peer_prefill.push_back(static_cast<double>(batch * o.prompt) / peer_prefill * 1e3);
         s.peer_decode.push_back(static_cast<double>(batch) / peer_decode * 1e3);
@@ -297,75 +302,127 @@ void run_bench(const Options& o) {
                        : "");
     }
   }
+  return series;
+}
 
+void print_cases(const Options& o, const std::vector<Series>& series) {
   std::printf(
       "\n| batch | prefill tok/s ours | peer | ratio | decode tok/s ours | peer | ratio "
       "(median, min..max) | KV waste |\n|---|---|---|---|---|---|---|---|\n");
   for (size_t i = 0; i < o.batches.size(); ++i) {
     const Series& s = series[i];
     const bool peer_ran = !s.ratio_decode.empty();
-    auto range = [](const std::vector<double>& v) {
-      char text[64];
-      std::snprintf(text, sizeof(text), "%.2fx (%.2f..%.2f)", bench::median(v),
-                    *std::min_element(v.begin(), v.end()), *std::max_element(v.begin(), v.end()));
-      return std::string(text);
-    };
     std::printf("| %lld | %.0f | %s | %s | %.1f | %s | %s | %.1f%% |\n",
                 static_cast<long long>(o.batches[i]), bench::median(s.ours_prefill),
                 peer_ran
                     ? std::to_string(static_cast<int64_t>(bench::median(s.peer_prefill))).c_str()
                     : "-",
-                peer_ran ? range(s.ratio_prefill).c_str() : "-", bench::median(s.ours_decode),
+                median_range(s.ratio_prefill).c_str(), bench::median(s.ours_decode),
                 peer_ran ? std::to_string(bench::median(s.peer_decode)).substr(0, 6).c_str() : "-",
-                peer_ran ? range(s.ratio_decode).c_str() : "-", 100.0 * bench::median(s.waste));
+                median_range(s.ratio_decode).c_str(), 100.0 * bench::median(s.waste));
     if (o.json) {
       nlohmann::json line = {{"batch", o.batches[i]},
                              {"prefill_tokens_per_s", bench::median(s.ours_prefill)},
                              {"decode_tokens_per_s", bench::median(s.ours_decode)},
-                             {"kv_waste", bench::median(s.waste)},
-                             {"bandwidth_gbs", bandwidth},
-                             {"roofline_tokens_per_s", roofline}};
+                             {"kv_waste", bench::median(s.waste)}};
+      if (!s.roofline_share.empty()) {
+        line["bandwidth_gbs"] = bench::median(s.bandwidth);
+        line["roofline_share"] = bench::median(s.roofline_share);
+      }
       if (peer_ran) {
         line["peer_prefill_tokens_per_s"] = bench::median(s.peer_prefill);
         line["peer_decode_tokens_per_s"] = bench::median(s.peer_decode);
         line["decode_ratio"] = bench::median(s.ratio_decode);
         line["prefill_ratio"] = bench::median(s.ratio_prefill);
       }
+      if (!s.fp8_ratio.empty()) {
+        line["fp8_decode_tokens_per_s"] = bench::median(s.fp8_decode);
+        line["fp8_ratio"] = bench::median(s.fp8_ratio);
+      }
       std::printf("%s\n", line.dump().c_str());
     }
   }
-  if (o.fp8_weights) {
-    const double fp8_bytes = static_cast<double>(model.set_inference_fp8_weights(true));
-    model.set_inference_fp8_weights(false);
+}
+
+void print_fp8(const Options& o, const std::vector<Series>& series, double fp8_bytes) {
+  std::printf(
+      "\nweight-only FP8 (E4M3, per-channel scales; %.1f MB read per token):\n"
+      "| batch | decode tok/s FP8 | vs BF16 weights (median, min..max) |\n|---|---|---|\n",
+      fp8_bytes / 1e6);
+  for (size_t i = 0; i < o.batches.size(); ++i) {
+    const Series& s = series[i];
+    std::printf("| %lld | %.1f | %s |\n", static_cast<long long>(o.batches[i]),
+                bench::median(s.fp8_decode), median_range(s.fp8_ratio).c_str());
+  }
+}
+
+// Batch-1 decode against weight bytes / bandwidth, both measured in the same round.
+void print_roofline(const Options& o, const std::vector<Series>& series, double weight_bytes,
+                    double fp8_bytes) {
+  for (size_t i = 0; i < o.batches.size(); ++i) {
+    const Series& s = series[i];
+    if (o.batches[i] != 1) continue;
+    const double gbs = bench::median(s.bandwidth);
     std::printf(
-        "\nweight-only FP8 (E4M3, per-channel scales; %.1f MB read per token, roofline "
-        "%.1f tokens/s):\n| batch | decode tok/s FP8 | vs BF16 weights (median, "
-        "min..max) |\n|---|---|---|\n",
-        fp8_bytes / 1e6, bandwidth * 1e9 / fp8_bytes);
-    for (size_t i = 0; i < o.batches.size(); ++i) {
-      const Series& s = series[i];
-      std::printf("| %lld | %.1f | %.2fx (%.2f..%.2f) |\n", static_cast<long long>(o.batches[i]),
-                  bench::median(s.fp8_decode), bench::median(s.fp8_ratio),
-                  *std::min_element(s.fp8_ratio.begin(), s.fp8_ratio.end()),
-                  *std::max_element(s.fp8_ratio.begin(), s.fp8_ratio.end()));
+        "batch-1 decode: %.1f tokens/s; bandwidth %.1f GB/s (median of rounds) -> roofline "
+        "%.1f tokens/s; share of the roofline per round %s\n",
+        bench::median(s.ours_decode), gbs, gbs * 1e9 / weight_bytes,
+        median_range(s.roofline_share, "%.2f").c_str());
+    if (!s.fp8_roofline_share.empty()) {
+      std::printf(
+          "batch-1 decode, FP8 weights: %.1f tokens/s; roofline %.1f tokens/s; share per "
+          "round %s\n",
+          bench::median(s.fp8_decode), gbs * 1e9 / fp8_bytes,
+          median_range(s.fp8_roofline_share, "%.2f").c_str());
     }
   }
-  for (size_t i = 0; i < o.batches.size(); ++i) {
-    if (o.batches[i] != 1) continue;
-    std::printf("batch-1 decode: %.1f tokens/s = %.0f%% of the roofline %.1f tokens/s\n",
-                bench::median(series[i].ours_decode),
-                100.0 * bench::median(series[i].ours_decode) / roofline, roofline);
+}
+
+void print_latency(GPT& model, const Options& o, DType dtype, std::mt19937& rng) {
+  const Latency l = run_latency(model, o, dtype, rng);
+  std::printf(
+      "%lld concurrent requests (prompt %lld, %lld tokens each): %.1f tokens/s; "
+      "time to first token p50 %.0f ms p99 %.0f ms; inter-token latency p50 %.0f ms "
+      "p99 %.0f ms\n",
+      static_cast<long long>(o.clients), static_cast<long long>(o.prompt),
+      static_cast<long long>(o.steps), static_cast<double>(l.tokens) / l.seconds, l.ttft_p50 * 1e3,
+      l.ttft_p99 * 1e3, l.itl_p50 * 1e3, l.itl_p99 * 1e3);
+}
+
+void run_bench(const Options& o) {
+  const std::filesystem::path config_path = resolve_config(o.config);
+  GPTConfig config = GPTConfig::load(config_path.string());
+  for (int64_t b : o.batches) {
+    OCTET_CHECK(b >= 1 && b <= 1024, "bench infer: --batches expected in [1, 1024], got ", b);
   }
-  if (o.clients > 0) {
-    const Latency l = run_latency(model, o, dtype, rng);
-    std::printf(
-        "%lld concurrent requests (prompt %lld, %lld tokens each): %.1f tokens/s; "
-        "time to first token p50 %.0f ms p99 %.0f ms; inter-token latency p50 %.0f ms "
-        "p99 %.0f ms\n",
-        static_cast<long long>(o.clients), static_cast<long long>(o.prompt),
-        static_cast<long long>(o.steps), static_cast<double>(l.tokens) / l.seconds,
-        l.ttft_p50 * 1e3, l.ttft_p99 * 1e3, l.itl_p50 * 1e3, l.itl_p99 * 1e3);
+  OCTET_CHECK(o.prompt + o.steps + 2 <= config.max_seq_len, "bench infer: --prompt ", o.prompt,
+              " + --steps ", o.steps, " + 2 exceed ", config.name, "'s max_seq_len ",
+              config.max_seq_len);
+  const DType dtype = o.precision == "bf16" ? DType::BF16 : DType::F32;
+  GPT model(config, o.seed);
+  std::mt19937 rng(static_cast<uint32_t>(o.seed));
+  Bandwidth bandwidth;
+  // Bytes read per decoded token at batch 1: every GEMM weight once (the tied output layer is
+  // wte), in the compute dtype; position rows, norms and biases are noise.
+  const double weight_bytes = static_cast<double>(model.inference_weight_bytes(dtype));
+  double fp8_bytes = 0;
+  if (o.fp8_weights) {
+    fp8_bytes = static_cast<double>(model.set_inference_fp8_weights(true));
+    model.set_inference_fp8_weights(false);
   }
+  std::printf(
+      "bench infer: %s (%.1fM parameters), %s, prompt %lld, %lld decode steps, %d "
+      "rounds, %d threads; weights read per token %.1f MB\n",
+      config.name.c_str(), static_cast<double>(config.num_parameters()) / 1e6, o.precision.c_str(),
+      static_cast<long long>(o.prompt), static_cast<long long>(o.steps), o.rounds,
+      omp_get_max_threads(), weight_bytes / 1e6);
+  Peer peer(o, config_path);
+  const std::vector<Series> series =
+      run_rounds(model, o, dtype, peer, bandwidth, rng, weight_bytes, fp8_bytes);
+  print_cases(o, series);
+  if (o.fp8_weights) print_fp8(o, series, fp8_bytes);
+  print_roofline(o, series, weight_bytes, fp8_bytes);
+  if (o.clients > 0) print_latency(model, o, dtype, rng);
 }
 
 }  // namespace
