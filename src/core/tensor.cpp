@@ -1,6 +1,8 @@
 // Tensor storage (64-byte aligned, counted), views, copies and conversions.
 #include "octet/tensor.h"
 
+#include <sys/mman.h>
+
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
@@ -59,7 +61,17 @@ Storage::Storage(size_t bytes, Device device) : bytes_(bytes), device_(device) {
   size_t rounded =
       (bytes + kTensorAlignmentBytes - 1) / kTensorAlignmentBytes * kTensorAlignmentBytes;
   if (rounded == 0) rounded = kTensorAlignmentBytes;
-  data_ = std::aligned_alloc(kTensorAlignmentBytes, rounded);
+  // Large tensors (weights, activations) in 2 MiB pages where the kernel gives them on request
+  // (transparent huge pages in "madvise" mode): streaming a decode step's weights through
+  // 4 KiB pages costs a page walk every 4 KiB.
+  constexpr size_t kHugePage = size_t{2} << 20;
+  if (rounded >= 2 * kHugePage) {
+    rounded = (rounded + kHugePage - 1) / kHugePage * kHugePage;
+    data_ = std::aligned_alloc(kHugePage, rounded);
+    if (data_ != nullptr) madvise(data_, rounded, MADV_HUGEPAGE);  // advice: failure is harmless
+  } else {
+    data_ = std::aligned_alloc(kTensorAlignmentBytes, rounded);
+  }
   OCTET_CHECK(data_ != nullptr, "out of memory allocating ", bytes, " bytes");
   count_allocation(static_cast<int64_t>(bytes));
 }
