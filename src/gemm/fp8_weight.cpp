@@ -28,7 +28,9 @@ namespace octet {
 namespace {
 
 constexpr int64_t kMaxSmallRows = 8;  // rows of A taken by the generic weight-reading kernel
-constexpr int64_t kMaxDotRows = 256;  // past this (prefill) the widened GEMM is faster
+// Past this (prefill) B is widened once and oneDNN's GEMM runs: the crossover measured with
+// the previous (table-lookup) kernel, not again with gemm/small_m.h's.
+constexpr int64_t kMaxDotRows = 256;
 
 template <int W>
 struct V {

@@ -41,14 +41,6 @@ OCTET_SMALL_M_INLINE float sum_lanes(__m512 v) {
   return (h4[0] + h4[2]) + (h4[1] + h4[3]);
 }
 
-// Round to nearest even; a NaN stays a (quiet) NaN.
-OCTET_SMALL_M_INLINE uint16_t to_bf16(float value) {
-  uint32_t bits;
-  __builtin_memcpy(&bits, &value, 4);
-  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40u);
-  return static_cast<uint16_t>((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
-}
-
 // E4M3 subnormal magnitudes m * 2^-9 (m = 0..7) times 256 as BF16 bits, in the first 8 of 32
 // words.
 const uint16_t* e4m3_subnormal_bf16() {
@@ -163,7 +155,7 @@ OCTET_SMALL_M_INLINE void block(const SmallM& p, int64_t m0, int64_t n, __m512i 
       if (p.bias != nullptr) value += p.bias[n + c];
       if (p.activation != Activation::None) value = apply_activation(p.activation, value);
       if (p.c_bf16) {
-        static_cast<uint16_t*>(p.c)[at] = to_bf16(value);
+        static_cast<uint16_t*>(p.c)[at] = float_to_bf16(value);
       } else {
         static_cast<float*>(p.c)[at] = value;
       }
