@@ -22,7 +22,7 @@ set(below_infer core fp8 gemm ops data comm modules parallel models)
 set(below_cli core fp8 gemm ops data comm modules parallel models train infer)
 
 # Public headers (include/octet/NAME) by layer; private ones are src/<layer>/...
-set(public_core cpu_features.h dtype.h error.h files.h rng.h safetensors.h tensor.h)
+set(public_core cpu_features.h dtype.h error.h files.h profile.h rng.h safetensors.h tensor.h)
 set(public_fp8 fp4.h fp8.h recipe.h)
 set(public_gemm gemm.h)
 set(public_ops ops/activation.h ops/attention.h ops/dropout.h ops/embedding.h ops/fp8_store.h

@@ -34,6 +34,18 @@ inline double median(std::vector<double> values) {
   return values.size() % 2 == 1 ? values[mid] : 0.5 * (values[mid - 1] + values[mid]);
 }
 
+// "median (min..max)" of per-round figures, the form every ratio of `octet bench` takes (the
+// machine's load moves single runs up to 2x; a round times both sides within the same minute).
+inline std::string median_range(const std::vector<double>& v, const char* format = "%.2fx") {
+  if (v.empty()) return "-";
+  char median_text[32], low[32], high[32], text[112];
+  std::snprintf(median_text, sizeof median_text, format, median(v));
+  std::snprintf(low, sizeof low, "%.2f", *std::min_element(v.begin(), v.end()));
+  std::snprintf(high, sizeof high, "%.2f", *std::max_element(v.begin(), v.end()));
+  std::snprintf(text, sizeof text, "%s (%s..%s)", median_text, low, high);
+  return text;
+}
+
 inline double elapsed_ms(std::chrono::steady_clock::time_point since) {
   return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - since)
       .count();

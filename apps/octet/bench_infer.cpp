@@ -206,16 +206,6 @@ struct Series {
   std::vector<double> bandwidth, roofline_share, fp8_roofline_share;  // batch 1 only
 };
 
-std::string median_range(const std::vector<double>& v, const char* format = "%.2fx") {
-  if (v.empty()) return "-";
-  char median[32], low[32], high[32], text[112];
-  std::snprintf(median, sizeof median, format, bench::median(v));
-  std::snprintf(low, sizeof low, "%.2f", *std::min_element(v.begin(), v.end()));
-  std::snprintf(high, sizeof high, "%.2f", *std::max_element(v.begin(), v.end()));
-  std::snprintf(text, sizeof text, "%s (%s..%s)", median, low, high);
-  return text;
-}
-
 // The PyTorch peer, asked for one case at a time; 0 when it is absent or stopped.
 class Peer {
  public:
@@ -317,9 +307,9 @@ void print_cases(const Options& o, const std::vector<Series>& series) {
                 peer_ran
                     ? std::to_string(static_cast<int64_t>(bench::median(s.peer_prefill))).c_str()
                     : "-",
-                median_range(s.ratio_prefill).c_str(), bench::median(s.ours_decode),
+                bench::median_range(s.ratio_prefill).c_str(), bench::median(s.ours_decode),
                 peer_ran ? std::to_string(bench::median(s.peer_decode)).substr(0, 6).c_str() : "-",
-                median_range(s.ratio_decode).c_str(), 100.0 * bench::median(s.waste));
+                bench::median_range(s.ratio_decode).c_str(), 100.0 * bench::median(s.waste));
     if (o.json) {
       nlohmann::json line = {{"batch", o.batches[i]},
                              {"prefill_tokens_per_s", bench::median(s.ours_prefill)},
@@ -352,7 +342,7 @@ void print_fp8(const Options& o, const std::vector<Series>& series, double fp8_b
   for (size_t i = 0; i < o.batches.size(); ++i) {
     const Series& s = series[i];
     std::printf("| %lld | %.1f | %s |\n", static_cast<long long>(o.batches[i]),
-                bench::median(s.fp8_decode), median_range(s.fp8_ratio).c_str());
+                bench::median(s.fp8_decode), bench::median_range(s.fp8_ratio).c_str());
   }
 }
 
@@ -367,13 +357,13 @@ void print_roofline(const Options& o, const std::vector<Series>& series, double 
         "batch-1 decode: %.1f tokens/s; bandwidth %.1f GB/s (median of rounds) -> roofline "
         "%.1f tokens/s; share of the roofline per round %s\n",
         bench::median(s.ours_decode), gbs, gbs * 1e9 / weight_bytes,
-        median_range(s.roofline_share, "%.2f").c_str());
+        bench::median_range(s.roofline_share, "%.2f").c_str());
     if (!s.fp8_roofline_share.empty()) {
       std::printf(
           "batch-1 decode, FP8 weights: %.1f tokens/s; roofline %.1f tokens/s; share per "
           "round %s\n",
           bench::median(s.fp8_decode), gbs * 1e9 / fp8_bytes,
-          median_range(s.fp8_roofline_share, "%.2f").c_str());
+          bench::median_range(s.fp8_roofline_share, "%.2f").c_str());
     }
   }
 }

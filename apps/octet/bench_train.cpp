@@ -1,8 +1,11 @@
 // `octet bench train`: timed training steps of a GPT on mock tokens — tokens/s, MFU against
 // the measured BF16 GEMM peak, peak memory, saved activations — beside the same GPT in eager
-// PyTorch 1.13 (bench/peers/torch_gpt.py: fp32, and bf16 autocast) run in the same
-// invocation, back to back with ours, with the ratios the goals speak of.
+// PyTorch 1.13 (bench/peers/torch_gpt.py: fp32, and bf16 autocast) kept running beside ours.
+// Both sides take their steps in rounds (ours then the peer's, the peer's then ours, ...) and
+// the ratios the goals speak of are the medians of per-round ratios, with their spread: on a
+// shared machine one side timed after the other can be 2x off.
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -18,6 +21,7 @@
 #include "commands.h"
 #include "octet/cpu_features.h"
 #include "octet/model.h"
+#include "octet/profile.h"
 #include "octet/recipe.h"
 #include "octet/train.h"
 
@@ -27,9 +31,10 @@ namespace {
 struct Options {
   std::string config = "gpt-mini";
   std::string precision = "bf16,fp8";
-  int steps = 5;
+  int rounds = 3;
+  int steps = 3;  // per round and precision
   int warmup = 1;
-  int torch_steps = 2;  // a torch bf16 gpt-mini step takes ~10 s on two cores
+  int torch_steps = 2;  // per round; a torch bf16 gpt-mini step takes ~3 s on two cores
   int64_t micro_batch_size = 8;
   // Debian's torch runs FP32 GEMMs on a generic BLAS (~2 GFLOP/s): a full gpt-mini micro-batch
   // would take minutes per step, so torch fp32 times fewer sequences (tokens/s is per token).
@@ -56,6 +61,12 @@ struct Result {
   int64_t step_peak_bytes = 0;  // octet: peak during train_step above what it started with
   int64_t saved_activation_bytes = 0;
   double loss = NAN;
+  // Where the step goes: mean ms per step in each profile::Category over the timed steps
+  // (torch: one step under its profiler, its ops mapped to the same categories), and the mean
+  // step those come from; the rest of the step is "other".
+  bool has_breakdown = false;
+  std::array<double, profile::kCategories> breakdown_ms{};
+  double breakdown_step_ms = 0;
 };
 
 std::vector<std::string> split_list(const std::string& text) {
@@ -143,7 +154,6 @@ class OctetRun {
     result_.impl = "octet";
     result_.precision = precision;
     result_.micro_batch_size = o.micro_batch_size;
-    result_.steps = o.steps;
     result_.warmup = o.warmup;
     held_bytes_ = memory_stats().current_bytes - constructed_from_bytes_;
   }
@@ -155,6 +165,7 @@ class OctetRun {
     reset_peak_memory();
     const auto start = std::chrono::steady_clock::now();
     const double cpu_start = process_cpu_seconds();
+    if (!warmup) profile::start();
     model_.zero_grad();
     float loss = 0;
     {
@@ -167,6 +178,11 @@ class OctetRun {
     const double elapsed =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     const double cpu_elapsed = process_cpu_seconds() - cpu_start;
+    if (!warmup) {
+      const profile::Totals totals = profile::totals();
+      profile::stop();
+      for (int c = 0; c < profile::kCategories; ++c) category_seconds_[c] += totals.seconds[c];
+    }
     // The other precisions' models are alive too: count only this run's bytes.
     const int64_t others_bytes = start_bytes - held_bytes_;
     const int64_t peak = memory_stats().peak_bytes - others_bytes;
@@ -179,11 +195,28 @@ class OctetRun {
     result_.loss = loss;
   }
 
+  void begin_round() { round_start_ = seconds_.size(); }
+  // Tokens per second of the steps taken since begin_round (their median step).
+  double round_tokens_per_s(int64_t B, int64_t T) const {
+    const std::vector<double> round(seconds_.begin() + static_cast<std::ptrdiff_t>(round_start_),
+                                    seconds_.end());
+    return static_cast<double>(B * T) / bench::median(round);
+  }
+
   Result finish(int64_t B, int64_t T) {
+    result_.steps = static_cast<int>(seconds_.size());
     result_.step_ms = bench::median(seconds_) * 1e3;
     result_.cpu_ms = bench::median(cpu_seconds_) * 1e3;
     result_.tokens_per_s = static_cast<double>(B * T) / (result_.step_ms / 1e3);
     result_.saved_activation_bytes = saved_activation_bytes(model_, B, T, dtype_, fp8_, recipe_);
+    const double steps = static_cast<double>(seconds_.size());
+    result_.has_breakdown = true;
+    for (int c = 0; c < profile::kCategories; ++c) {
+      result_.breakdown_ms[c] = category_seconds_[c] / steps * 1e3;
+    }
+    double total = 0;
+    for (double s : seconds_) total += s;
+    result_.breakdown_step_ms = total / steps * 1e3;
     return result_;
   }
 
@@ -198,72 +231,103 @@ class OctetRun {
   std::vector<std::pair<Tensor, Tensor>> batches_;
   Result result_;
   std::vector<double> seconds_, cpu_seconds_;
+  size_t round_start_ = 0;
+  std::array<double, profile::kCategories> category_seconds_{};  // over the timed steps
   int step_ = 0;
 };
 
-// Every octet precision, their steps interleaved (bf16 step, fp8 step, bf16 step ...), so
-// that load from other work on the machine falls on all of them alike and their ratios hold.
-std::vector<Result> measure_octet(const GPTConfig& config,
-                                  const std::vector<std::string>& precisions, const Options& o) {
-  std::vector<std::unique_ptr<OctetRun>> runs;
-  for (const std::string& precision : precisions) {
-    runs.push_back(std::make_unique<OctetRun>(config, precision, o));
+// The peer: one torch_gpt.py process per precision (so that its resident-memory high-water
+// mark is that precision's), kept running and asked for a few steps each round.
+class TorchPeer {
+ public:
+  TorchPeer(const std::filesystem::path& config_path, const std::string& precision,
+            const Options& o)
+      : seq_length_(o.seq_length) {
+    result_.impl = "torch_" + precision;
+    result_.precision = precision;
+    result_.micro_batch_size = precision == "fp32"
+                                   ? std::min(o.torch_fp32_micro_batch_size, o.micro_batch_size)
+                                   : o.micro_batch_size;
+    result_.warmup = o.warmup;
+    const std::filesystem::path script = bench::find_peer_script("torch_gpt.py");
+    if (script.empty()) {
+      std::fprintf(stderr, "bench train: bench/peers/torch_gpt.py not found; no torch figures\n");
+      return;
+    }
+    running_ = process_.start(
+        {"/usr/bin/python3", script.string(), "--config", config_path.string(), "--precision",
+         precision, "--micro-batch-size", std::to_string(result_.micro_batch_size), "--seq-length",
+         std::to_string(o.seq_length), "--warmup", std::to_string(o.warmup), "--threads",
+         std::to_string(num_threads()), "--seed", std::to_string(o.seed)});
+    if (!running_) std::fprintf(stderr, "bench train: torch %s did not start\n", precision.c_str());
   }
-  for (int i = 0; i < o.warmup + o.steps; ++i) {
-    for (auto& run : runs) run->step(i < o.warmup);
-  }
-  std::vector<Result> results;
-  for (auto& run : runs) results.push_back(run->finish(o.micro_batch_size, o.seq_length));
-  return results;
-}
+  bool running() const { return running_; }
+  const std::string& impl() const { return result_.impl; }
 
-// One peer process per precision, so that its resident-memory high-water mark is that
-// precision's. Returns nothing (with a note) when the peer cannot run.
-std::optional<Result> measure_torch(const std::filesystem::path& config_path,
-                                    const std::string& precision, const Options& o) {
-  const int64_t micro_batch = precision == "fp32"
-                                  ? std::min(o.torch_fp32_micro_batch_size, o.micro_batch_size)
-                                  : o.micro_batch_size;
-  const std::filesystem::path script = bench::find_peer_script("torch_gpt.py");
-  if (script.empty()) {
-    std::fprintf(stderr, "bench train: bench/peers/torch_gpt.py not found; no torch figures\n");
-    return std::nullopt;
+  // `steps` timed steps; the round's tokens/s (NaN once the peer has stopped).
+  double round(int steps) {
+    if (!running_) return NAN;
+    const auto answer = process_.ask(nlohmann::json{{"steps", steps}}.dump());
+    if (!answer || !answer->contains("seconds")) return stopped();
+    const auto seconds = answer->at("seconds").get<std::vector<double>>();
+    const auto cpu = answer->at("cpu_seconds").get<std::vector<double>>();
+    seconds_.insert(seconds_.end(), seconds.begin(), seconds.end());
+    cpu_seconds_.insert(cpu_seconds_.end(), cpu.begin(), cpu.end());
+    const auto& loss = answer->at("loss");
+    result_.loss = loss.is_number() ? loss.get<double>() : NAN;
+    return static_cast<double>(result_.micro_batch_size * seq_length_) / bench::median(seconds);
   }
-  const std::string command =
-      "/usr/bin/python3 '" + script.string() + "' --config '" + config_path.string() +
-      "' --precision " + precision + " --micro-batch-size " + std::to_string(micro_batch) +
-      " --seq-length " + std::to_string(o.seq_length) + " --steps " +
-      std::to_string(o.torch_steps) + " --warmup " + std::to_string(o.warmup) + " --threads " +
-      std::to_string(num_threads()) + " --seed " + std::to_string(o.seed);
-  std::fflush(nullptr);
-  FILE* pipe = popen(command.c_str(), "r");
-  if (pipe == nullptr) return std::nullopt;
-  std::optional<Result> result;
-  char line[4096];
-  while (std::fgets(line, sizeof(line), pipe) != nullptr) {
-    const auto parsed = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
-    if (parsed.is_discarded() || !parsed.contains("tokens_per_s")) continue;
-    Result r;
-    r.impl = parsed.at("impl").get<std::string>();
-    r.precision = precision;
-    r.micro_batch_size = micro_batch;
-    r.steps = parsed.at("steps").get<int>();
-    r.warmup = parsed.at("warmup").get<int>();
-    r.step_ms = parsed.at("step_ms").get<double>();
-    r.cpu_ms = parsed.at("cpu_ms").get<double>();
-    r.tokens_per_s = parsed.at("tokens_per_s").get<double>();
-    r.peak_bytes = parsed.at("peak_bytes").get<int64_t>();
-    r.saved_activation_bytes = parsed.at("saved_activation_bytes").get<int64_t>();
-    r.loss = parsed.at("loss").get<double>();
-    result = r;
+
+  std::optional<Result> finish() {
+    if (seconds_.empty()) return std::nullopt;
+    if (running_) {
+      const auto answer = process_.ask(R"({"op": "report"})");
+      if (answer && answer->contains("peak_bytes")) {
+        result_.peak_bytes = answer->at("peak_bytes").get<int64_t>();
+        result_.saved_activation_bytes = answer->at("saved_activation_bytes").get<int64_t>();
+      }
+      // One step under torch.profiler, its ops' self times by octet's categories.
+      const auto profiled = process_.ask(R"({"op": "profile"})");
+      if (profiled && profiled->contains("categories")) {
+        const auto& categories = profiled->at("categories");
+        for (int c = 0; c < profile::kCategories; ++c) {
+          const char* name = profile::category_name(static_cast<profile::Category>(c));
+          result_.breakdown_ms[c] = categories.value(name, 0.0);
+        }
+        result_.breakdown_step_ms = profiled->at("step_ms").get<double>();
+        result_.has_breakdown = true;
+      }
+    }
+    result_.steps = static_cast<int>(seconds_.size());
+    result_.step_ms = bench::median(seconds_) * 1e3;
+    result_.cpu_ms = bench::median(cpu_seconds_) * 1e3;
+    result_.tokens_per_s =
+        static_cast<double>(result_.micro_batch_size * seq_length_) / (result_.step_ms / 1e3);
+    return result_;
   }
-  const int status = pclose(pipe);
-  if (status != 0 || !result) {
-    std::fprintf(stderr, "bench train: '%s' failed (status %d); no torch %s figures\n",
-                 command.c_str(), status, precision.c_str());
-    return std::nullopt;
+
+ private:
+  double stopped() {
+    running_ = false;
+    std::fprintf(stderr, "bench train: %s stopped answering; its figures end here\n",
+                 result_.impl.c_str());
+    return NAN;
   }
-  return result;
+
+  int64_t seq_length_;
+  bench::PeerProcess process_;
+  bool running_ = false;
+  Result result_;
+  std::vector<double> seconds_, cpu_seconds_;
+};
+
+// Per-round ratios (the same round's medians on both sides), NaN where a side is missing.
+struct RoundRatios {
+  std::vector<double> fp32_vs_torch, bf16_vs_torch, fp8_vs_torch_bf16, fp8_vs_bf16;
+};
+
+void push_finite(std::vector<double>& v, double value) {
+  if (std::isfinite(value)) v.push_back(value);
 }
 
 const Result* find(const std::vector<Result>& results, const std::string& impl,
@@ -278,28 +342,29 @@ double tokens_per_cpu_second(const Result& r) {
   return r.cpu_ms > 0 ? r.tokens_per_s * r.step_ms / r.cpu_ms : NAN;  // tokens/step / CPU s
 }
 
-// Ratios the goals speak of, NaN where a side is missing.
+// Ratios the goals speak of: tokens/s as medians of the per-round ratios, NaN where a side
+// is missing.
 struct Ratios {
   double fp32_vs_torch = NAN, bf16_vs_torch = NAN, fp8_vs_torch_bf16 = NAN;
   double fp8_vs_bf16_tokens = NAN, fp8_vs_bf16_saved = NAN;
-  // The same, per CPU-second (what a loaded machine disturbs least).
+  // Over all timed steps, per CPU-second (what a loaded machine disturbs least).
   double bf16_vs_torch_cpu = NAN, fp8_vs_bf16_cpu = NAN;
 };
 
-Ratios ratios(const std::vector<Result>& results) {
-  auto tokens = [&](const char* impl, const char* precision) {
-    const Result* r = find(results, impl, precision);
-    return r ? r->tokens_per_s : NAN;
-  };
+double median_or_nan(const std::vector<double>& v) {
+  return v.empty() ? NAN : bench::median(v);
+}
+
+Ratios ratios(const std::vector<Result>& results, const RoundRatios& rounds) {
   auto saved = [&](const char* impl, const char* precision) {
     const Result* r = find(results, impl, precision);
     return r ? static_cast<double>(r->saved_activation_bytes) : NAN;
   };
   Ratios q;
-  q.fp32_vs_torch = tokens("octet", "fp32") / tokens("torch_fp32", "fp32");
-  q.bf16_vs_torch = tokens("octet", "bf16") / tokens("torch_bf16", "bf16");
-  q.fp8_vs_torch_bf16 = tokens("octet", "fp8") / tokens("torch_bf16", "bf16");
-  q.fp8_vs_bf16_tokens = tokens("octet", "fp8") / tokens("octet", "bf16");
+  q.fp32_vs_torch = median_or_nan(rounds.fp32_vs_torch);
+  q.bf16_vs_torch = median_or_nan(rounds.bf16_vs_torch);
+  q.fp8_vs_torch_bf16 = median_or_nan(rounds.fp8_vs_torch_bf16);
+  q.fp8_vs_bf16_tokens = median_or_nan(rounds.fp8_vs_bf16);
   q.fp8_vs_bf16_saved = saved("octet", "fp8") / saved("octet", "bf16");
   auto per_cpu = [&](const char* impl, const char* precision) {
     const Result* r = find(results, impl, precision);
@@ -314,9 +379,23 @@ nlohmann::json json_number(double value) {
   return std::isfinite(value) ? nlohmann::json(value) : nlohmann::json(nullptr);
 }
 
-void print_json(const std::vector<Result>& results, const GPTConfig& config, const Options& o,
-                double peak_gflops) {
-  const Ratios q = ratios(results);
+// Each category's ms per step, then "other" (the step's remainder: embeddings' gathers, residual
+// copies, dtype conversions, the framework's own work) and the step.
+nlohmann::json breakdown_json(const Result& r) {
+  nlohmann::json out = nlohmann::json::object();
+  double named = 0;
+  for (int c = 0; c < profile::kCategories; ++c) {
+    out[profile::category_name(static_cast<profile::Category>(c))] = r.breakdown_ms[c];
+    named += r.breakdown_ms[c];
+  }
+  out["other"] = std::max(0.0, r.breakdown_step_ms - named);
+  out["step"] = r.breakdown_step_ms;
+  return out;
+}
+
+void print_json(const std::vector<Result>& results, const RoundRatios& rounds,
+                const GPTConfig& config, const Options& o, double peak_gflops) {
+  const Ratios q = ratios(results, rounds);
   for (const Result& r : results) {
     nlohmann::json line = {{"impl", r.impl},
                            {"config", config.name},
@@ -324,6 +403,7 @@ void print_json(const std::vector<Result>& results, const GPTConfig& config, con
                            {"micro_batch_size", r.micro_batch_size},
                            {"seq_length", o.seq_length},
                            {"steps", r.steps},
+                           {"rounds", o.rounds},
                            {"warmup", r.warmup},
                            {"step_ms", r.step_ms},
                            {"cpu_ms", r.cpu_ms},
@@ -334,13 +414,23 @@ void print_json(const std::vector<Result>& results, const GPTConfig& config, con
                            {"saved_activation_bytes", r.saved_activation_bytes},
                            {"loss", json_number(r.loss)},
                            {"threads", num_threads()}};
+    if (r.has_breakdown) line["breakdown_ms"] = breakdown_json(r);
     if (r.impl == "octet") {
       line["train_step_peak_bytes"] = r.step_peak_bytes;
-      if (r.precision == "fp32") line["ratio_vs_torch"] = json_number(q.fp32_vs_torch);
-      if (r.precision == "bf16") line["ratio_vs_torch"] = json_number(q.bf16_vs_torch);
+      // Medians of the per-round ratios; the per-round values beside them.
+      if (r.precision == "fp32") {
+        line["ratio_vs_torch"] = json_number(q.fp32_vs_torch);
+        line["ratio_vs_torch_rounds"] = rounds.fp32_vs_torch;
+      }
+      if (r.precision == "bf16") {
+        line["ratio_vs_torch"] = json_number(q.bf16_vs_torch);
+        line["ratio_vs_torch_rounds"] = rounds.bf16_vs_torch;
+      }
       if (r.precision == "fp8") {
         line["ratio_vs_torch_bf16"] = json_number(q.fp8_vs_torch_bf16);
+        line["ratio_vs_torch_bf16_rounds"] = rounds.fp8_vs_torch_bf16;
         line["ratio_vs_bf16_tokens"] = json_number(q.fp8_vs_bf16_tokens);
+        line["ratio_vs_bf16_tokens_rounds"] = rounds.fp8_vs_bf16;
         line["ratio_vs_bf16_saved_activations"] = json_number(q.fp8_vs_bf16_saved);
       }
     }
@@ -348,13 +438,55 @@ void print_json(const std::vector<Result>& results, const GPTConfig& config, con
   }
 }
 
+void print_breakdown(const std::vector<Result>& results, const GPTConfig& config, const Options& o,
+                     double peak_gflops) {
+  std::vector<const Result*> shown;
+  for (const Result& r : results) {
+    if (r.has_breakdown && r.breakdown_step_ms > 0) shown.push_back(&r);
+  }
+  if (shown.empty()) return;
+  std::printf("\nwhere the step goes (ms per step, share of the step):\n%-18s", "");
+  for (const Result* r : shown) {
+    std::printf(" %18s", (r->impl + " " + r->precision).c_str());
+  }
+  std::printf("\n");
+  std::vector<nlohmann::json> rows;
+  for (const Result* r : shown) rows.push_back(breakdown_json(*r));
+  std::vector<std::string> names;
+  for (int c = 0; c < profile::kCategories; ++c) {
+    names.emplace_back(profile::category_name(static_cast<profile::Category>(c)));
+  }
+  names.emplace_back("other");
+  names.emplace_back("step");
+  for (const std::string& name : names) {
+    std::printf("%-18s", name.c_str());
+    for (size_t i = 0; i < shown.size(); ++i) {
+      const double ms = rows[i].at(name).get<double>();
+      std::printf(" %10.1f %6.1f%%", ms, 100.0 * ms / shown[i]->breakdown_step_ms);
+    }
+    std::printf("\n");
+  }
+  // The model's FLOPs at the measured GEMM peak: the step every category but GEMMs would have
+  // to vanish to reach (and GEMMs run at the peak).
+  const double at_peak_ms = config.train_flops_per_token(o.seq_length) *
+                            static_cast<double>(o.micro_batch_size * o.seq_length) /
+                            (peak_gflops * 1e9) * 1e3;
+  std::printf(
+      "octet: each operator's entry point timed (exclusive of the operators it calls; FP8\n"
+      "  casts include the GEMMs' widening of FP8 operands), mean over the timed steps. torch:\n"
+      "  one step under torch.profiler (its overhead included), ops' self CPU time mapped to\n"
+      "  the same categories (its attention is explicit: bmm, softmax, masking). The step's\n"
+      "  FLOPs at the measured BF16 GEMM peak take %.1f ms (B=%lld).\n",
+      at_peak_ms, (long long)o.micro_batch_size);
+}
+
 const char* verdict(double value, double goal, bool at_least) {
   if (!std::isfinite(value)) return "n/a";
   return (at_least ? value >= goal : value <= goal) ? "met" : "NOT met";
 }
 
-void print_table(const std::vector<Result>& results, const GPTConfig& config, const Options& o,
-                 double peak_gflops) {
+void print_table(const std::vector<Result>& results, const RoundRatios& rounds,
+                 const GPTConfig& config, const Options& o, double peak_gflops) {
   const double mb = 1024.0 * 1024.0;
   std::printf(
       "octet bench train: %s (%.1fM parameters), micro-batch %lld x seq %lld = %lld "
@@ -373,7 +505,7 @@ void print_table(const std::vector<Result>& results, const GPTConfig& config, co
                 r.step_ms, r.tokens_per_s, 100 * r.mfu, tokens_per_cpu_second(r), r.peak_bytes / mb,
                 step_mb, r.saved_activation_bytes / mb, r.loss);
   }
-  const Ratios q = ratios(results);
+  const Ratios q = ratios(results, rounds);
   double best_mfu = NAN;
   for (const Result& r : results) {
     if (r.impl == "octet" && r.precision != "fp32") {
@@ -381,11 +513,15 @@ void print_table(const std::vector<Result>& results, const GPTConfig& config, co
     }
   }
   std::printf(
-      "ratios: octet/torch fp32 %.2f, bf16 %.2f, fp8/torch_bf16 %.2f; "
-      "octet fp8/bf16: tokens/s %.2f, saved activations %.2f\n"
-      "  per CPU-second: octet/torch bf16 %.2f, octet fp8/bf16 %.2f\n",
-      q.fp32_vs_torch, q.bf16_vs_torch, q.fp8_vs_torch_bf16, q.fp8_vs_bf16_tokens,
-      q.fp8_vs_bf16_saved, q.bf16_vs_torch_cpu, q.fp8_vs_bf16_cpu);
+      "ratios of tokens/s over %d rounds, median (min..max) of per-round ratios:\n"
+      "  octet/torch fp32 %s, bf16 %s, fp8/torch_bf16 %s; octet fp8/bf16 %s\n"
+      "  octet fp8/bf16 saved activations %.2f; per CPU-second over all steps: octet/torch "
+      "bf16 %.2f, octet fp8/bf16 %.2f\n",
+      o.rounds, bench::median_range(rounds.fp32_vs_torch).c_str(),
+      bench::median_range(rounds.bf16_vs_torch).c_str(),
+      bench::median_range(rounds.fp8_vs_torch_bf16).c_str(),
+      bench::median_range(rounds.fp8_vs_bf16).c_str(), q.fp8_vs_bf16_saved, q.bf16_vs_torch_cpu,
+      q.fp8_vs_bf16_cpu);
   std::printf(
       "goals: bf16 >= 6x torch bf16: %s; fp8 >= 0.9x bf16 tokens/s: %s; fp8 saved "
       "activations <= 0.6x bf16: %s; MFU >= 40%% (best of bf16/fp8 %.1f%%): %s\n",
@@ -393,25 +529,26 @@ void print_table(const std::vector<Result>& results, const GPTConfig& config, co
       verdict(q.fp8_vs_bf16_saved, 0.6, false), 100 * best_mfu, verdict(best_mfu, 0.4, true));
   std::printf(
       "step: zero_grad + train_step (forward, fused chunked cross-entropy, backward) + AdamW\n"
-      "  (clip 1.0) + on_parameters_updated. octet's precisions take their steps in turn (one\n"
-      "  of each), so the load of other work falls on all alike; step_ms: median over the\n"
+      "  (clip 1.0) + on_parameters_updated. Each round: octet's precisions take %d steps\n"
+      "  each in turn (one of each), and each torch peer (a process kept running) %d steps,\n"
+      "  octet first in even rounds, the peer first in odd ones; step_ms: median over all\n"
       "  timed steps after %d warm-up; tok/cpu_s: tokens per second of process CPU time (2\n"
-      "  busy threads count twice), steadier than wall time on a shared machine. torch times\n"
-      "  %d steps; torch fp32 runs B=%lld sequences (Debian's torch has a generic-BLAS FP32\n"
-      "  GEMM, ~2 GFLOP/s): tokens/s is per token. fp8: DelayedScaling HYBRID, amax history\n"
-      "  16. MFU: train_flops_per_token x tokens/s over the best of the BF16 GEMM peaks\n"
-      "  measured before and after the octet runs.\n"
+      "  busy threads count twice). torch fp32 runs B=%lld sequences (Debian's torch has a\n"
+      "  generic-BLAS FP32 GEMM, ~2 GFLOP/s): tokens/s is per token. fp8: DelayedScaling\n"
+      "  HYBRID, amax history 16. MFU: train_flops_per_token x tokens/s over the best of the\n"
+      "  BF16 GEMM peaks measured before and after the rounds.\n"
       "peak_MB: octet: Tensor storage (params, grads, AdamW state, activations, workspaces);\n"
       "  torch: the peer process's resident-memory growth from before the model was built.\n"
       "step_MB: octet's peak during train_step above the bytes held before it.\n"
       "saved_MB: octet: what the layer stack's contexts hold after one forward (the BF16 or\n"
       "  FP8 weight copies, made once per optimizer step, are not counted); torch: the\n"
       "  distinct storages autograd saved in one forward (parameters excluded).\n",
-      o.warmup, o.torch_steps,
+      o.steps, o.torch_steps, o.warmup,
       (long long)std::min(o.torch_fp32_micro_batch_size, o.micro_batch_size));
 }
 
 void run_bench(const Options& o) {
+  OCTET_CHECK(o.rounds >= 1, "bench train: --rounds expected >= 1, got ", o.rounds);
   OCTET_CHECK(o.steps >= 1, "bench train: --steps expected >= 1, got ", o.steps);
   OCTET_CHECK(o.torch_steps >= 1, "bench train: --torch-steps expected >= 1, got ", o.torch_steps);
   OCTET_CHECK(o.warmup >= 0, "bench train: --warmup expected >= 0, got ", o.warmup);
@@ -436,28 +573,78 @@ void run_bench(const Options& o) {
     if (o.peak_gflops <= 0) peak_gflops = std::max(peak_gflops, measure_bf16_peak_gflops());
   };
   measure_peak();
-  if (!o.json)
-    std::fprintf(stderr, "bench train: octet %s, steps interleaved ...\n", o.precision.c_str());
-  std::vector<Result> results = measure_octet(config, precisions, o);
-  measure_peak();
-  // Then each torch precision once (bf16 for fp8).
-  std::vector<std::string> torch_done;
+  std::vector<std::unique_ptr<OctetRun>> runs;
+  for (const std::string& precision : precisions) {
+    runs.push_back(std::make_unique<OctetRun>(config, precision, o));
+  }
+  // One peer per torch precision: bf16 stands beside fp8.
+  std::vector<std::unique_ptr<TorchPeer>> peers;
   for (const std::string& precision : precisions) {
     const std::string peer = precision == "fp8" ? "bf16" : precision;
-    if (o.no_torch || std::find(torch_done.begin(), torch_done.end(), peer) != torch_done.end()) {
-      continue;
+    const bool started = std::any_of(peers.begin(), peers.end(),
+                                     [&](const auto& p) { return p->impl() == "torch_" + peer; });
+    if (o.no_torch || started) continue;
+    if (!o.json) std::fprintf(stderr, "bench train: starting torch %s ...\n", peer.c_str());
+    peers.push_back(std::make_unique<TorchPeer>(config_path, peer, o));
+  }
+  for (int i = 0; i < o.warmup; ++i) {
+    for (auto& run : runs) run->step(/*warmup=*/true);
+  }
+  RoundRatios rounds;
+  const int64_t B = o.micro_batch_size, T = o.seq_length;
+  for (int round = 0; round < o.rounds; ++round) {
+    std::vector<double> peer_tokens(peers.size(), NAN);
+    auto run_peers = [&] {
+      for (size_t i = 0; i < peers.size(); ++i) peer_tokens[i] = peers[i]->round(o.torch_steps);
+    };
+    if (round % 2 == 1) run_peers();  // who goes first alternates round by round
+    for (auto& run : runs) run->begin_round();
+    for (int i = 0; i < o.steps; ++i) {  // octet's precisions in turn, one step each
+      for (auto& run : runs) run->step(/*warmup=*/false);
     }
-    torch_done.push_back(peer);
-    if (!o.json) std::fprintf(stderr, "bench train: torch %s ...\n", peer.c_str());
-    if (auto r = measure_torch(config_path, peer, o)) results.push_back(*r);
+    if (round % 2 == 0) run_peers();
+    auto ours = [&](const char* precision) -> double {
+      for (size_t i = 0; i < runs.size(); ++i) {
+        if (precisions[i] == precision) return runs[i]->round_tokens_per_s(B, T);
+      }
+      return NAN;
+    };
+    auto theirs = [&](const char* precision) -> double {
+      for (size_t i = 0; i < peers.size(); ++i) {
+        if (peers[i]->impl() == std::string("torch_") + precision) return peer_tokens[i];
+      }
+      return NAN;
+    };
+    push_finite(rounds.fp32_vs_torch, ours("fp32") / theirs("fp32"));
+    push_finite(rounds.bf16_vs_torch, ours("bf16") / theirs("bf16"));
+    push_finite(rounds.fp8_vs_torch_bf16, ours("fp8") / theirs("bf16"));
+    push_finite(rounds.fp8_vs_bf16, ours("fp8") / ours("bf16"));
+    if (!o.json) {
+      std::fprintf(stderr, "bench train: round %d/%d tokens/s:", round + 1, o.rounds);
+      for (size_t i = 0; i < runs.size(); ++i) {
+        std::fprintf(stderr, " octet %s %.0f", precisions[i].c_str(),
+                     runs[i]->round_tokens_per_s(B, T));
+      }
+      for (size_t i = 0; i < peers.size(); ++i) {
+        std::fprintf(stderr, " %s %.0f", peers[i]->impl().c_str(), peer_tokens[i]);
+      }
+      std::fprintf(stderr, "\n");
+    }
+  }
+  measure_peak();
+  std::vector<Result> results;
+  for (auto& run : runs) results.push_back(run->finish(B, T));
+  for (auto& peer : peers) {
+    if (auto r = peer->finish()) results.push_back(*r);
   }
   const double flops_per_token = config.train_flops_per_token(o.seq_length);
   for (Result& r : results) r.mfu = flops_per_token * r.tokens_per_s / (peak_gflops * 1e9);
 
   if (o.json) {
-    print_json(results, config, o, peak_gflops);
+    print_json(results, rounds, config, o, peak_gflops);
   } else {
-    print_table(results, config, o, peak_gflops);
+    print_table(results, rounds, config, o, peak_gflops);
+    print_breakdown(results, config, o, peak_gflops);
   }
 }
 
@@ -471,15 +658,18 @@ void register_bench_train(CLI::App& bench) {
       ->capture_default_str();
   cmd->add_option("--precision", o->precision, "fp32 | bf16 | fp8, comma-separated")
       ->capture_default_str();
-  cmd->add_option("--steps", o->steps, "Timed steps (median)")
+  cmd->add_option("--rounds", o->rounds, "Rounds, each timing octet and the peer in turn")
+      ->capture_default_str()
+      ->check(at_least(1));
+  cmd->add_option("--steps", o->steps, "Timed steps per precision and round")
       ->capture_default_str()
       ->check(at_least(1));
   cmd->add_option("--warmup", o->warmup, "Untimed steps first")
       ->capture_default_str()
       ->check(at_least(0));
-  cmd->add_option("--torch-steps", o->torch_steps, "Timed PyTorch steps")
+  cmd->add_option("--torch-steps", o->torch_steps, "Timed PyTorch steps per round")
       ->capture_default_str()
-      ->check(at_least(0));
+      ->check(at_least(1));
   cmd->add_option("--torch-fp32-micro-batch-size", o->torch_fp32_micro_batch_size,
                   "Sequences per torch fp32 step (its generic-BLAS GEMMs are slow)")
       ->capture_default_str()

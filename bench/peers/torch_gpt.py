@@ -7,19 +7,24 @@ LayerNorm and the output layer tied to the token embedding; AdamW (betas 0.9/0.9
 decay 0.1 on matrices only, foreach off as torch 1.13's CPU default) with global-norm clipping
 at 1.0, as octet's trainer does. torch 1.13 has no fused attention: softmax(QK^T)V is explicit.
 
-Each precision (fp32 eager, bf16 = torch.autocast("cpu", bfloat16) over FP32 weights) prints
-one JSON line: {"impl": "torch_fp32"|"torch_bf16", "precision", "tokens_per_s", "step_ms"
-and "cpu_ms" (medians over the timed steps of wall and process CPU time), "steps", "warmup", "loss", "saved_activation_bytes" (unique
-storages autograd saved during one forward, parameters excluded), "peak_bytes" (the process's
-resident-memory high-water mark above its resident memory before the model was built; run one
-precision per process to make this figure that precision's), "threads"}.
+One process per precision (fp32 eager, or bf16 = torch.autocast("cpu", bfloat16) over FP32
+weights), kept running beside octet so that both take their steps in the same minute: after the
+warm-up steps it prints {"ready": true, "impl": "torch_fp32"|"torch_bf16", ...}, then answers one
+JSON line per request line on stdin:
+  {"steps": N}      -> {"seconds": [...], "cpu_seconds": [...], "loss"}: N timed steps, wall
+                       and process CPU time each;
+  {"op": "report"}  -> {"peak_bytes": the process's resident-memory high-water mark above its
+                       resident memory before the model was built, "saved_activation_bytes":
+                       unique storages autograd saved during one forward, parameters excluded};
+  {"op": "profile"} -> {"categories": {"GEMMs": ms, "attention": ms, ...}, "step_ms"}: one
+                       step under torch.profiler, its ops' self CPU time by octet's categories.
 Run it with Debian's /usr/bin/python3 (torch 1.13).
 """
 import argparse
+import contextlib
 import json
 import math
 import resource
-import statistics
 import sys
 import time
 
@@ -121,11 +126,10 @@ def saved_activation_bytes(model, ids, targets, autocast):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", required=True, help="octet model config JSON")
-    parser.add_argument("--precision", default="bf16", help="fp32 | bf16 (comma-separated)")
+    parser.add_argument("--precision", default="bf16", help="fp32 | bf16")
     parser.add_argument("--micro-batch-size", type=int, default=8)
     parser.add_argument("--seq-length", type=int, default=0, help="0 = the config's max_seq_len")
-    parser.add_argument("--steps", type=int, default=3, help="timed steps")
-    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--warmup", type=int, default=1, help="untimed steps before ready")
     parser.add_argument("--threads", type=int, default=0, help="0 keeps torch's default")
     parser.add_argument("--seed", type=int, default=1234)
     args = parser.parse_args()
@@ -135,53 +139,97 @@ def main():
         config = json.load(f)
     check_config(config)
     batch, seq = args.micro_batch_size, args.seq_length or config["max_seq_len"]
-    for precision in args.precision.split(","):
-        if precision not in ("fp32", "bf16"):
-            raise SystemExit(f"torch_gpt.py: --precision expected fp32 or bf16, got {precision!r}")
-        torch.manual_seed(args.seed)
-        baseline = resident_bytes()
-        model = GPT(config)
-        decay = [p for p in model.parameters() if p.dim() >= 2]
-        no_decay = [p for p in model.parameters() if p.dim() < 2]
-        optimizer = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=6e-4, betas=(0.9, 0.95), eps=1e-8)
-        batches = [torch.randint(0, config["vocab_size"], (batch, seq + 1)) for _ in range(4)]
+    precision = args.precision
+    if precision not in ("fp32", "bf16"):
+        raise SystemExit(f"torch_gpt.py: --precision expected fp32 or bf16, got {precision!r}")
+    torch.manual_seed(args.seed)
+    baseline = resident_bytes()
+    model = GPT(config)
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=6e-4, betas=(0.9, 0.95), eps=1e-8)
+    batches = [torch.randint(0, config["vocab_size"], (batch, seq + 1)) for _ in range(4)]
 
-        def autocast():
-            return torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16")
+    def autocast():
+        return torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16")
 
-        def step(index):
-            tokens = batches[index % len(batches)]
-            optimizer.zero_grad(set_to_none=True)
-            with autocast():
-                loss = model(tokens[:, :-1], tokens[:, 1:])
-            loss.backward()
+    taken = 0
+
+    def step(optimizer_range=contextlib.nullcontext):
+        nonlocal taken
+        tokens = batches[taken % len(batches)]
+        taken += 1
+        optimizer.zero_grad(set_to_none=True)
+        with autocast():
+            loss = model(tokens[:, :-1], tokens[:, 1:])
+        loss.backward()
+        with optimizer_range():
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             optimizer.step()
-            return loss.item()
+        return loss.item()
 
-        for i in range(args.warmup):
-            step(i)
+    for _ in range(args.warmup):
+        step()
+    answer({"ready": True, "impl": "torch_" + precision, "micro_batch_size": batch,
+            "seq_length": seq, "threads": torch.get_num_threads()})
+    for line in sys.stdin:
+        request = json.loads(line)
+        if request.get("op") == "report":
+            peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - baseline
+            tokens = batches[0]
+            saved = saved_activation_bytes(model, tokens[:, :-1], tokens[:, 1:], autocast)
+            answer({"peak_bytes": peak, "saved_activation_bytes": saved})
+            continue
+        if request.get("op") == "profile":
+            answer(profile_step(step))
+            continue
         seconds, cpu_seconds, loss = [], [], float("nan")
-        for i in range(args.steps):
+        for _ in range(int(request["steps"])):
             start, cpu_start = time.perf_counter(), time.process_time()
-            loss = step(args.warmup + i)
+            loss = step()
             seconds.append(time.perf_counter() - start)
             cpu_seconds.append(time.process_time() - cpu_start)
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - baseline
-        tokens = batches[0]
-        saved = saved_activation_bytes(model, tokens[:, :-1], tokens[:, 1:], autocast)
-        step_s = statistics.median(seconds)
-        print(json.dumps({"impl": "torch_" + precision, "precision": precision,
-                          "config": config.get("name", "gpt"), "micro_batch_size": batch,
-                          "seq_length": seq, "tokens_per_s": batch * seq / step_s,
-                          "step_ms": step_s * 1e3,
-                          "cpu_ms": statistics.median(cpu_seconds) * 1e3, "steps": args.steps, "warmup": args.warmup,
-                          "loss": loss, "saved_activation_bytes": saved, "peak_bytes": peak,
-                          "threads": torch.get_num_threads()}), flush=True)
-        del model, optimizer
+        answer({"seconds": seconds, "cpu_seconds": cpu_seconds,
+                "loss": loss if math.isfinite(loss) else None})
     return 0
+
+
+# torch ops (self CPU time) by octet's profile categories; the rest of the step is "other".
+CATEGORIES = {
+    "GEMMs": ("aten::addmm", "aten::mm"),
+    "attention": ("aten::bmm", "aten::_softmax", "aten::_softmax_backward_data",
+                  "aten::masked_fill", "aten::masked_fill_"),
+    "norms+activations": ("aten::native_layer_norm", "aten::native_layer_norm_backward",
+                          "aten::gelu", "aten::gelu_backward", "aten::embedding_dense_backward",
+                          "aten::index_select", "aten::embedding"),
+    "cross-entropy": ("aten::_log_softmax", "aten::_log_softmax_backward_data",
+                      "aten::nll_loss_forward", "aten::nll_loss_backward"),
+}
+
+
+def profile_step(step):
+    """One training step under torch.profiler: ms per category and the step's wall ms."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        start = time.perf_counter()
+        step(optimizer_range=lambda: record_function("optimizer"))
+        step_ms = (time.perf_counter() - start) * 1e3
+    self_us = {}
+    optimizer_us = 0.0
+    for event in prof.key_averages():
+        self_us[event.key] = self_us.get(event.key, 0.0) + event.self_cpu_time_total
+        if event.key == "optimizer":
+            optimizer_us += event.cpu_time_total
+    categories = {name: sum(self_us.get(op, 0.0) for op in ops) / 1e3
+                  for name, ops in CATEGORIES.items()}
+    categories["optimizer"] = optimizer_us / 1e3
+    return {"categories": categories, "step_ms": step_ms}
+
+
+def answer(value):
+    print(json.dumps(value), flush=True)
 
 
 if __name__ == "__main__":

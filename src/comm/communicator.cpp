@@ -8,6 +8,7 @@
 
 #include "comm/work.h"
 #include "octet/error.h"
+#include "octet/profile.h"
 
 namespace octet {
 
@@ -58,6 +59,7 @@ void Work::wait() {
 
 void Work::wait(double timeout_seconds) {
   if (!state_) return;
+  const profile::Scope scope(profile::Category::Communication);
   const auto start = detail::WorkState::Clock::now();
   std::unique_lock<std::mutex> lock(state_->mutex);
   if (timeout_seconds > 0) {

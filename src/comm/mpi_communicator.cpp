@@ -7,6 +7,7 @@
 #include "comm/mpi_engine.h"
 #include "comm/self_communicator.h"
 #include "octet/error.h"
+#include "octet/profile.h"
 
 namespace octet {
 
@@ -257,6 +258,7 @@ class MpiCommunicator final : public Communicator {
   }
 
   double all_reduce_scalar(double value, ReduceOp op) override {
+    const profile::Scope scope(profile::Category::Communication);
     if (size_ == 1) return value;
     // Non-blocking on the MPI thread, so that a wait for a stopped peer times out like any other.
     auto result = std::make_shared<double>(value);

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "octet/error.h"
+#include "octet/profile.h"
 #include "octet/rng.h"
 
 namespace octet {
@@ -138,6 +139,7 @@ Fp4Recipe parse_fp4_recipe(const std::string& name) {
 }
 
 Float4Tensor quantize_fp4(const Tensor& x, const Fp4Options& options) {
+  const profile::Scope scope(profile::Category::Fp8Cast);
   const char* op = "quantize_fp4";
   Float4Tensor t;
   const F32Rows values(x, op);
@@ -261,6 +263,7 @@ void expand_fp4(const Float4Tensor& t, Out* out, Convert convert) {
 }  // namespace
 
 Tensor Float4Tensor::dequantize() const {
+  const profile::Scope scope(profile::Category::Fp8Cast);
   Tensor out = Tensor::empty({rows, cols}, DType::F32);
   const float global = global_scale_inv;
   expand_fp4(*this, out.data<float>(), [global](float v) { return v * global; });
@@ -268,6 +271,7 @@ Tensor Float4Tensor::dequantize() const {
 }
 
 Tensor Float4Tensor::widen_bf16() const {
+  const profile::Scope scope(profile::Category::Fp8Cast);
   Tensor out = Tensor::empty({rows, cols}, DType::BF16);
   expand_fp4(*this, out.data<bfloat16>(), [](float v) {
     bfloat16 b;

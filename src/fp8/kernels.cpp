@@ -20,6 +20,7 @@
 #include "octet/cpu_features.h"
 #include "octet/error.h"
 #include "octet/fp8.h"
+#include "octet/profile.h"
 
 #define OCTET_TARGET_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c")))
 #define OCTET_TARGET_AVX2 __attribute__((target("avx2,fma,f16c")))
@@ -501,14 +502,17 @@ float cast_transpose_impl(const In* x, int64_t rows, int64_t cols, float scale, 
 }  // namespace
 
 float quantize_fp8(const float* x, size_t n, float scale, DType format, uint8_t* codes) {
+  const profile::Scope scope(profile::Category::Fp8Cast);
   return quantize_impl(x, n, scale, format, codes);
 }
 
 float quantize_fp8(const bfloat16* x, size_t n, float scale, DType format, uint8_t* codes) {
+  const profile::Scope scope(profile::Category::Fp8Cast);
   return quantize_impl(x, n, scale, format, codes);
 }
 
 void dequantize_fp8(const uint8_t* codes, size_t n, DType format, float scale_inv, float* out) {
+  const profile::Scope scope(profile::Category::Fp8Cast);
   check_format(format, "dequantize_fp8");
   const bool e4m3 = format == DType::E4M3;
   DequantizeKernel kernel = dequantize_scalar;
@@ -524,6 +528,7 @@ void dequantize_fp8(const uint8_t* codes, size_t n, DType format, float scale_in
 }
 
 void fp8_to_bf16(const uint8_t* codes, size_t n, DType format, bfloat16* out) {
+  const profile::Scope scope(profile::Category::Fp8Cast);
   check_format(format, "fp8_to_bf16");
   const bool e4m3 = format == DType::E4M3;
   WidenKernel kernel = widen_scalar;
@@ -539,19 +544,23 @@ void fp8_to_bf16(const uint8_t* codes, size_t n, DType format, bfloat16* out) {
 }
 
 float amax_of(const float* x, size_t n) {
+  const profile::Scope scope(profile::Category::Fp8Cast);
   return amax_impl(x, n);
 }
 float amax_of(const bfloat16* x, size_t n) {
+  const profile::Scope scope(profile::Category::Fp8Cast);
   return amax_impl(x, n);
 }
 
 float cast_transpose_fp8(const float* x, int64_t rows, int64_t cols, float scale, DType format,
                          uint8_t* codes, uint8_t* codes_t) {
+  const profile::Scope scope(profile::Category::Fp8Cast);
   return cast_transpose_impl(x, rows, cols, scale, format, codes, codes_t);
 }
 
 float cast_transpose_fp8(const bfloat16* x, int64_t rows, int64_t cols, float scale, DType format,
                          uint8_t* codes, uint8_t* codes_t) {
+  const profile::Scope scope(profile::Category::Fp8Cast);
   return cast_transpose_impl(x, rows, cols, scale, format, codes, codes_t);
 }
 

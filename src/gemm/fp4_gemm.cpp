@@ -1,6 +1,7 @@
 // FP4 GEMM by exact widening to BF16 (include/octet/gemm.h).
 #include "octet/error.h"
 #include "octet/gemm.h"
+#include "octet/profile.h"
 
 namespace octet {
 namespace {
@@ -17,6 +18,7 @@ void check_blocks_along_k(const Float4Tensor& x, bool k_is_cols, const char* nam
 
 void gemm(const Float4Tensor& A, const Float4Tensor& B, Tensor& C, bool trans_a, bool trans_b,
           float alpha, float beta, const Epilogue& epilogue) {
+  const profile::Scope scope(profile::Category::Gemm);
   check_blocks_along_k(A, !trans_a, "A");
   check_blocks_along_k(B, trans_b, "B");
   gemm(A.widen_bf16(), B.widen_bf16(), C, trans_a, trans_b,

@@ -15,6 +15,7 @@
 #include "gemm/small_m.h"
 #include "octet/cpu_features.h"
 #include "octet/gemm.h"
+#include "octet/profile.h"
 
 #pragma GCC diagnostic ignored "-Wpsabi"
 
@@ -172,6 +173,7 @@ Tensor dequantize_weight_fp8(const Fp8WeightOnly& weight, DType dtype) {
 }
 
 void gemm(const Tensor& A, const Fp8WeightOnly& B, Tensor& C, const Epilogue& epilogue) {
+  const profile::Scope scope(profile::Category::Gemm);
   OCTET_CHECK(B.codes.ndim() == 2 && B.codes.dtype() == DType::E4M3 && B.scale_inv.ndim() == 1 &&
                   B.scale_inv.dim(0) == B.codes.dim(0),
               "gemm (fp8 weight): B expected [N, K] e4m3 codes and [N] scales, got ",

@@ -8,6 +8,7 @@
 #include "gemm/matmul.h"
 #include "gemm/packed_weight.h"
 #include "gemm/workspace.h"
+#include "octet/profile.h"
 
 namespace octet {
 
@@ -41,6 +42,7 @@ void check_float8(const Float8Tensor& x, std::string_view what) {
 
 void gemm(const Tensor& A, const Tensor& B, Tensor& C, bool trans_a, bool trans_b, float alpha,
           float beta, const Epilogue& epilogue) {
+  const profile::Scope scope(profile::Category::Gemm);
   gemm_detail::check_matrix(A, "gemm: A");
   gemm_detail::check_matrix(B, "gemm: B");
   check_dtype_in(A, {DType::F32, DType::BF16}, "gemm: A");
@@ -73,6 +75,7 @@ void gemm(const Tensor& A, const Tensor& B, Tensor& C, bool trans_a, bool trans_
 
 void gemm(const Tensor& A, PackedWeight& B, Tensor& C, bool trans_a, float alpha, float beta,
           const Epilogue& epilogue) {
+  const profile::Scope scope(profile::Category::Gemm);
   gemm_detail::PackedWeightState& weight = PackedWeightAccess::state(B);
   gemm_detail::check_matrix(A, "gemm: A");
   check_dtype_in(A, {DType::F32, DType::BF16}, "gemm: A");
@@ -130,6 +133,7 @@ class F32OutputFor {
 
 void gemm(const Float8Tensor& A, const Float8Tensor& B, Tensor& C, bool trans_a, bool trans_b,
           float alpha, float beta, const Epilogue& epilogue) {
+  const profile::Scope scope(profile::Category::Gemm);
   check_float8(A, "gemm: FP8 A");
   check_float8(B, "gemm: FP8 B");
   check_fp8_pair(A.format, B.format);
@@ -172,6 +176,7 @@ void gemm(const Float8Tensor& A, const Float8Tensor& B, Tensor& C, bool trans_a,
 
 void gemm(const Float8Tensor& A, PackedWeight& B, Tensor& C, bool trans_a, float alpha, float beta,
           const Epilogue& epilogue) {
+  const profile::Scope scope(profile::Category::Gemm);
   gemm_detail::PackedWeightState& weight = PackedWeightAccess::state(B);
   check_float8(A, "gemm: FP8 A");
   OCTET_CHECK(weight.is_fp8, "gemm: FP8 A expected an FP8 PackedWeight, got one holding ",

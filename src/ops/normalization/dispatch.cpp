@@ -2,6 +2,7 @@
 // device's kernels (ops::cpu, which picks the instruction set; a CUDA build adds ops::cuda
 // here without touching a caller).
 #include "octet/ops/normalization.h"
+#include "octet/profile.h"
 #include "ops/device_dispatch.h"
 
 namespace octet::ops {
@@ -9,6 +10,7 @@ namespace octet::ops {
 void layernorm_forward(const Tensor& x, const Tensor& gamma, const Tensor* beta, float eps,
                        bool zero_centered_gamma, Tensor& y, Tensor& mean, Tensor& rstd,
                        Fp8Store* fp8) {
+  const profile::Scope scope(profile::Category::NormActivation);
   const Device device = device_of("layernorm_forward", {&x, &gamma, beta, &y, &mean, &rstd});
   if (device == Device::CPU)
     return cpu::layernorm_forward(x, gamma, beta, eps, zero_centered_gamma, y, mean, rstd, fp8);
@@ -18,6 +20,7 @@ void layernorm_forward(const Tensor& x, const Tensor& gamma, const Tensor* beta,
 void layernorm_backward(const Tensor& dy, const Tensor& x, const Tensor& mean, const Tensor& rstd,
                         const Tensor& gamma, bool zero_centered_gamma, Tensor& dx, Tensor& dgamma,
                         Tensor* dbeta) {
+  const profile::Scope scope(profile::Category::NormActivation);
   const Device device =
       device_of("layernorm_backward", {&dy, &x, &mean, &rstd, &gamma, &dx, &dgamma, dbeta});
   if (device == Device::CPU)
@@ -28,6 +31,7 @@ void layernorm_backward(const Tensor& dy, const Tensor& x, const Tensor& mean, c
 
 void rmsnorm_forward(const Tensor& x, const Tensor& gamma, float eps, bool zero_centered_gamma,
                      Tensor& y, Tensor& rstd, Fp8Store* fp8) {
+  const profile::Scope scope(profile::Category::NormActivation);
   const Device device = device_of("rmsnorm_forward", {&x, &gamma, &y, &rstd});
   if (device == Device::CPU)
     return cpu::rmsnorm_forward(x, gamma, eps, zero_centered_gamma, y, rstd, fp8);
@@ -36,6 +40,7 @@ void rmsnorm_forward(const Tensor& x, const Tensor& gamma, float eps, bool zero_
 
 void rmsnorm_backward(const Tensor& dy, const Tensor& x, const Tensor& rstd, const Tensor& gamma,
                       bool zero_centered_gamma, Tensor& dx, Tensor& dgamma) {
+  const profile::Scope scope(profile::Category::NormActivation);
   const Device device = device_of("rmsnorm_backward", {&dy, &x, &rstd, &gamma, &dx, &dgamma});
   if (device == Device::CPU)
     return cpu::rmsnorm_backward(dy, x, rstd, gamma, zero_centered_gamma, dx, dgamma);

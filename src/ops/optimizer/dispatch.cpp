@@ -2,6 +2,7 @@
 // device's kernels (ops::cpu, which picks the instruction set; a CUDA build adds ops::cuda
 // here without touching a caller).
 #include "octet/ops/optimizer.h"
+#include "octet/profile.h"
 #include "ops/device_dispatch.h"
 
 #include <vector>
@@ -24,18 +25,21 @@ std::vector<Tensor> tensor_list(std::span<AdamWTensor> tensors) {
 }  // namespace
 
 void adamw_step(std::span<AdamWTensor> tensors, const AdamWHyper& hyper) {
+  const profile::Scope scope(profile::Category::Optimizer);
   const Device device = device_of("adamw_step", std::span<const Tensor>(tensor_list(tensors)));
   if (device == Device::CPU) return cpu::adamw_step(tensors, hyper);
   no_kernel("adamw_step", device);
 }
 
 double global_grad_norm(std::span<const Tensor> grads) {
+  const profile::Scope scope(profile::Category::Optimizer);
   const Device device = device_of("global_grad_norm", grads);
   if (device == Device::CPU) return cpu::global_grad_norm(grads);
   no_kernel("global_grad_norm", device);
 }
 
 double clip_grad_norm(std::span<Tensor> grads, double max_norm) {
+  const profile::Scope scope(profile::Category::Optimizer);
   const Device device = device_of("clip_grad_norm", grads);
   if (device == Device::CPU) return cpu::clip_grad_norm(grads, max_norm);
   no_kernel("clip_grad_norm", device);
