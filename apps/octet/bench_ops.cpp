@@ -52,9 +52,10 @@ struct Options {
   std::string hidden = "384,768";
   std::string seq = "256,1024,2048";
   std::string dtypes = "bf16";
+  int rounds = 3;
   int repeats = 5;
   int warmup = 1;
-  double min_ms = 250.0;
+  double min_ms = 100.0;
   int64_t ce_rows = 512;
   bool json = false;
   bool no_torch = false;
@@ -84,6 +85,9 @@ struct Measured {
   // max |fused - unfused| over a forward output and a gradient, on the same inputs: the
   // baseline does the same work (NaN where the inputs differ by layout).
   double unfused_max_diff = NAN;
+  // Per round: the same round's ratios (unfused / ours, torch / ours); the timings above are
+  // medians over the rounds.
+  std::vector<double> vs_unfused, vs_torch;
 };
 
 // ---- inputs --------------------------------------------------------------------------------
@@ -1034,6 +1038,22 @@ double ratio(double numerator, double denominator) {
   return denominator > 0.0 ? numerator / denominator : NAN;
 }
 
+// Each figure's median over the rounds; the repeats they add up to.
+FwdBwdTiming median_timing(const std::vector<FwdBwdTiming>& rounds) {
+  std::vector<double> fwd, bwd, ms;
+  FwdBwdTiming out;
+  for (const FwdBwdTiming& t : rounds) {
+    fwd.push_back(t.fwd_ms);
+    bwd.push_back(t.bwd_ms);
+    ms.push_back(t.ms);
+    out.repeats += t.repeats;
+  }
+  out.fwd_ms = bench::median(fwd);
+  out.bwd_ms = bench::median(bwd);
+  out.ms = bench::median(ms);
+  return out;
+}
+
 nlohmann::json json_line(const Case& c, const Measured& m, const Options& options) {
   nlohmann::json line = {{"op", c.op},
                          {"T", c.T},
@@ -1047,7 +1067,8 @@ nlohmann::json json_line(const Case& c, const Measured& m, const Options& option
                          {"unfused_ms", m.unfused.ms},
                          {"unfused_fwd_ms", m.unfused.fwd_ms},
                          {"unfused_bwd_ms", m.unfused.bwd_ms},
-                         {"vs_unfused", ratio(m.unfused.ms, m.ours.ms)},
+                         {"vs_unfused", bench::median(m.vs_unfused)},
+                         {"vs_unfused_rounds", m.vs_unfused},
                          {"repeats", m.ours.repeats},
                          {"unfused_repeats", m.unfused.repeats},
                          {"threads", num_threads()}};
@@ -1055,7 +1076,8 @@ nlohmann::json json_line(const Case& c, const Measured& m, const Options& option
     line["torch_ms"] = m.torch->ms;
     line["torch_fwd_ms"] = m.torch->fwd_ms;
     line["torch_bwd_ms"] = m.torch->bwd_ms;
-    line["vs_torch"] = ratio(m.torch->ms, m.ours.ms);
+    line["vs_torch"] = bench::median(m.vs_torch);
+    line["vs_torch_rounds"] = m.vs_torch;
     line["torch_repeats"] = m.torch->repeats;
   } else {
     line["torch_ms"] = nullptr;
@@ -1084,16 +1106,18 @@ void print_row(const Case& c, const Measured& m) {
       c.op.c_str(), static_cast<long long>(c.T), static_cast<long long>(c.hidden),
       std::string(dtype_name(c.dtype)).c_str(), m.ours.fwd_ms, m.ours.bwd_ms, m.ours.ms,
       m.unfused.fwd_ms, m.unfused.bwd_ms, m.unfused.ms, torch_fwd, torch_bwd, torch_ms,
-      ratio(m.unfused.ms, m.ours.ms), ratio(torch_ms, m.ours.ms));
+      bench::median(m.vs_unfused), m.vs_torch.empty() ? NAN : bench::median(m.vs_torch));
   std::fflush(stdout);
 }
 
 void print_header(const Options& options) {
   std::printf(
       "octet bench ops: ms per call, %d threads; median of >= %d repeats (more, up to 50, until "
-      "%.0f ms)\nafter %d warm-up; B*T = %lld tokens, head dim 64\n",
+      "%.0f ms)\nafter %d warm-up; B*T = %lld tokens, head dim 64. %d rounds per case (ours and "
+      "torch in turn,\nwho goes first alternating): ms are medians over the rounds, vs_unf and "
+      "vs_t medians of per-round ratios\n",
       num_threads(), options.repeats, options.min_ms, options.warmup,
-      static_cast<long long>(kTokens));
+      static_cast<long long>(kTokens), options.rounds);
   std::printf("%-16s %5s %6s %-4s | %8s %8s %9s | %8s %8s %9s | %8s %8s %9s | %6s %6s\n", "op", "T",
               "hidden", "type", "fwd", "bwd", "fwd+bwd", "unf_fwd", "unf_bwd", "unfused", "t_fwd",
               "t_bwd", "torch", "vs_unf", "vs_t");
@@ -1121,7 +1145,7 @@ void print_footer(const Options& options, const std::vector<Case>& cases,
   int fused_met = 0;
   std::string below;
   for (size_t i = 0; i < cases.size(); ++i) {
-    const double r = ratio(results[i].unfused.ms, results[i].ours.ms);
+    const double r = bench::median(results[i].vs_unfused);
     if (r >= 1.5) {
       ++fused_met;
     } else {
@@ -1134,13 +1158,13 @@ void print_footer(const Options& options, const std::vector<Case>& cases,
               cases.size(), below.empty() ? "" : "; below:", below.c_str());
   for (size_t i = 0; i < cases.size(); ++i) {
     if (cases[i].op != "attention" || cases[i].T != 1024 || cases[i].dtype != DType::BF16) continue;
-    const double r = results[i].torch ? ratio(results[i].torch->ms, results[i].ours.ms) : NAN;
-    std::printf(
-        "goal: attention fwd+bwd >= 3x torch explicit at T=1024 bf16, hidden %lld: %.2fx %s\n",
-        static_cast<long long>(cases[i].hidden), r,
-        std::isnan(r) ? "(no torch figure)"
-        : r >= 3.0    ? "met"
-                      : "not met");
+    const double r = results[i].vs_torch.empty() ? NAN : bench::median(results[i].vs_torch);
+    std::printf("goal: attention fwd+bwd >= 3x torch explicit at T=1024 bf16, hidden %lld: %s %s\n",
+                static_cast<long long>(cases[i].hidden),
+                bench::median_range(results[i].vs_torch).c_str(),
+                std::isnan(r) ? "(no torch figure)"
+                : r >= 3.0    ? "met"
+                              : "not met");
   }
   std::printf(
       "\nours: octet's fused op. unfused: the same work as separate passes with octet's own pieces "
@@ -1159,6 +1183,7 @@ void print_footer(const Options& options, const std::vector<Case>& cases,
 }
 
 void run_bench(const Options& options) {
+  OCTET_CHECK(options.rounds >= 1, "bench ops: --rounds expected >= 1, got ", options.rounds);
   OCTET_CHECK(options.repeats >= 1, "bench ops: --repeats expected >= 1, got ", options.repeats);
   OCTET_CHECK(options.warmup >= 0, "bench ops: --warmup expected >= 0, got ", options.warmup);
   OCTET_CHECK(options.ce_rows >= 1, "bench ops: --ce-rows expected >= 1, got ", options.ce_rows);
@@ -1180,23 +1205,51 @@ void run_bench(const Options& options) {
   }
   if (!options.json) print_header(options);
   std::vector<Measured> results;
-  for (const Case& c : cases) {
-    std::optional<FwdBwdTiming> torch;
-    if (have_peer) {
-      const auto answer = peer.ask(c.peer_line());
-      if (!answer) {
-        std::fprintf(stderr, "bench ops: the torch peer stopped; no more torch figures\n");
-        have_peer = false;
-      } else if (answer->contains("error")) {
-        std::fprintf(stderr, "bench ops: torch %s: %s\n", c.peer_line().c_str(),
-                     (*answer)["error"].get<std::string>().c_str());
-      } else {
-        torch = FwdBwdTiming{(*answer)["fwd_ms"].get<double>(), (*answer)["bwd_ms"].get<double>(),
-                             (*answer)["ms"].get<double>(), (*answer)["repeats"].get<int>()};
-      }
+  auto ask_peer = [&](const Case& c) -> std::optional<FwdBwdTiming> {
+    if (!have_peer) return std::nullopt;
+    const auto answer = peer.ask(c.peer_line());
+    if (!answer) {
+      std::fprintf(stderr, "bench ops: the torch peer stopped; no more torch figures\n");
+      have_peer = false;
+      return std::nullopt;
     }
-    Measured m = measure(c, options);
-    m.torch = torch;
+    if (answer->contains("error")) {
+      std::fprintf(stderr, "bench ops: torch %s: %s\n", c.peer_line().c_str(),
+                   (*answer)["error"].get<std::string>().c_str());
+      return std::nullopt;
+    }
+    return FwdBwdTiming{(*answer)["fwd_ms"].get<double>(), (*answer)["bwd_ms"].get<double>(),
+                        (*answer)["ms"].get<double>(), (*answer)["repeats"].get<int>()};
+  };
+  for (const Case& c : cases) {
+    // Rounds: ours (fused and unfused) and the peer in turn, who goes first alternating, so
+    // that the machine's load in a minute falls on both sides of each round's ratio.
+    std::vector<Measured> rounds;
+    std::vector<FwdBwdTiming> torch_rounds;
+    for (int round = 0; round < options.rounds; ++round) {
+      std::optional<FwdBwdTiming> torch;
+      if (round % 2 == 1) torch = ask_peer(c);
+      Measured m = measure(c, options);
+      if (round % 2 == 0) torch = ask_peer(c);
+      if (torch) {
+        torch_rounds.push_back(*torch);
+        m.vs_torch.push_back(ratio(torch->ms, m.ours.ms));
+      }
+      rounds.push_back(std::move(m));
+    }
+    Measured m = rounds.front();
+    m.vs_torch.clear();
+    std::vector<FwdBwdTiming> ours, unfused;
+    for (const Measured& r : rounds) {
+      ours.push_back(r.ours);
+      unfused.push_back(r.unfused);
+      m.vs_unfused.push_back(ratio(r.unfused.ms, r.ours.ms));
+      // A round whose peer answered gives a torch ratio (the peer may stop mid-way).
+      m.vs_torch.insert(m.vs_torch.end(), r.vs_torch.begin(), r.vs_torch.end());
+    }
+    m.ours = median_timing(ours);
+    m.unfused = median_timing(unfused);
+    if (!torch_rounds.empty()) m.torch = median_timing(torch_rounds);
     results.push_back(m);
     if (options.json) {
       std::printf("%s\n", json_line(c, m, options).dump().c_str());
@@ -1222,6 +1275,11 @@ void register_bench_ops(CLI::App& bench) {
       ->capture_default_str();
   command->add_option("--dtype", options->dtypes, "bf16, f32, or both: bf16,f32")
       ->capture_default_str();
+  command
+      ->add_option("--rounds", options->rounds,
+                   "rounds per case, ours and torch in turn (ratios: median of per-round ratios)")
+      ->capture_default_str()
+      ->check(at_least(1));
   command
       ->add_option("--repeats", options->repeats,
                    "timed runs per case (median; fewer for big cases)")
