@@ -6,6 +6,9 @@
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
+#include <mutex>
+#include <string>
+#include <vector>
 
 #include "core/convert.h"
 
@@ -24,7 +27,109 @@ void count_allocation(int64_t bytes) {
   g_allocations.fetch_add(1);
 }
 
+constexpr size_t kHugePage = size_t{2} << 20;
+
+// Freed storages of 4 MiB and more, kept for the next storage of the same (2 MiB-rounded)
+// size: a training step allocates the same activations, gradients and weight copies every
+// step, and a fresh block costs a page fault and the kernel's zeroing of every page on first
+// touch (gpt-tiny's step spent 30% of its time in clear_page before). At most
+// OCTET_STORAGE_CACHE_MB (default 1024) are kept, the oldest freed first; 0 keeps none. Off
+// under AddressSanitizer, which must see every block freed.
+class BlockCache {
+ public:
+  BlockCache() {
+    const char* text = std::getenv("OCTET_STORAGE_CACHE_MB");
+    if (text != nullptr && *text != '\0') {
+      char* end = nullptr;
+      const long long mb = std::strtoll(text, &end, 10);
+      OCTET_CHECK(end != nullptr && *end == '\0' && mb >= 0,
+                  "OCTET_STORAGE_CACHE_MB expected a number of MiB >= 0, got '", text, "'");
+      limit_ = static_cast<size_t>(mb) << 20;
+    }
+  }
+  void* take(size_t bytes) {
+    const std::lock_guard<std::mutex> lock(mutex_);
+    for (size_t i = blocks_.size(); i-- > 0;) {  // the most recently freed first
+      if (blocks_[i].bytes != bytes) continue;
+      void* data = blocks_[i].data;
+      blocks_.erase(blocks_.begin() + static_cast<std::ptrdiff_t>(i));
+      total_ -= bytes;
+      return data;
+    }
+    return nullptr;
+  }
+  void give(void* data, size_t bytes) {
+    std::vector<void*> evicted;
+    {
+      const std::lock_guard<std::mutex> lock(mutex_);
+      if (bytes > limit_) {
+        evicted.push_back(data);
+      } else {
+        blocks_.push_back({data, bytes});
+        total_ += bytes;
+        while (total_ > limit_) {
+          evicted.push_back(blocks_.front().data);
+          total_ -= blocks_.front().bytes;
+          blocks_.erase(blocks_.begin());
+        }
+      }
+    }
+    for (void* block : evicted) std::free(block);
+  }
+  void release() {
+    std::vector<Block> blocks;
+    {
+      const std::lock_guard<std::mutex> lock(mutex_);
+      blocks.swap(blocks_);
+      total_ = 0;
+    }
+    for (const Block& block : blocks) std::free(block.data);
+  }
+  size_t bytes() {
+    const std::lock_guard<std::mutex> lock(mutex_);
+    return total_;
+  }
+
+ private:
+  struct Block {
+    void* data;
+    size_t bytes;
+  };
+  std::mutex mutex_;
+  std::vector<Block> blocks_;  // oldest first
+  size_t total_ = 0;
+  size_t limit_ = size_t{1024} << 20;
+};
+
+BlockCache* block_cache() {
+#if defined(__SANITIZE_ADDRESS__)
+  return nullptr;
+#else
+  // Never destroyed: storages freed by other static objects' destructors still find it.
+  static BlockCache* const cache = new BlockCache;
+  return cache;
+#endif
+}
+
+// The bytes a storage of `bytes` takes: 64-byte multiples, 2 MiB multiples from 4 MiB.
+size_t storage_capacity(size_t bytes) {
+  size_t rounded =
+      (bytes + kTensorAlignmentBytes - 1) / kTensorAlignmentBytes * kTensorAlignmentBytes;
+  if (rounded == 0) rounded = kTensorAlignmentBytes;
+  if (rounded >= 2 * kHugePage) rounded = (rounded + kHugePage - 1) / kHugePage * kHugePage;
+  return rounded;
+}
+
 }  // namespace
+
+int64_t cached_storage_bytes() {
+  BlockCache* cache = block_cache();
+  return cache != nullptr ? static_cast<int64_t>(cache->bytes()) : 0;
+}
+
+void release_cached_storage() {
+  if (BlockCache* cache = block_cache()) cache->release();
+}
 
 std::string shape_str(const Shape& shape) {
   std::string text = "[";
@@ -58,17 +163,21 @@ void reset_peak_memory() {
 Storage::Storage(size_t bytes, Device device) : bytes_(bytes), device_(device) {
   OCTET_CHECK(device == Device::CPU, "storage on device ", device_name(device),
               " needs a build with that backend");
-  size_t rounded =
-      (bytes + kTensorAlignmentBytes - 1) / kTensorAlignmentBytes * kTensorAlignmentBytes;
-  if (rounded == 0) rounded = kTensorAlignmentBytes;
+  const size_t rounded = storage_capacity(bytes);
   // Large tensors (weights, activations) in 2 MiB pages where the kernel gives them on request
   // (transparent huge pages in "madvise" mode): streaming a decode step's weights through
-  // 4 KiB pages costs a page walk every 4 KiB.
-  constexpr size_t kHugePage = size_t{2} << 20;
+  // 4 KiB pages costs a page walk every 4 KiB. A block freed earlier is reused first.
   if (rounded >= 2 * kHugePage) {
-    rounded = (rounded + kHugePage - 1) / kHugePage * kHugePage;
-    data_ = std::aligned_alloc(kHugePage, rounded);
-    if (data_ != nullptr) madvise(data_, rounded, MADV_HUGEPAGE);  // advice: failure is harmless
+    BlockCache* cache = block_cache();
+    if (cache != nullptr) data_ = cache->take(rounded);
+    if (data_ == nullptr) {
+      data_ = std::aligned_alloc(kHugePage, rounded);
+      if (data_ == nullptr && cache != nullptr) {  // out of memory: give the cache back, retry
+        cache->release();
+        data_ = std::aligned_alloc(kHugePage, rounded);
+      }
+      if (data_ != nullptr) madvise(data_, rounded, MADV_HUGEPAGE);  // advice: failure harmless
+    }
   } else {
     data_ = std::aligned_alloc(kTensorAlignmentBytes, rounded);
   }
@@ -77,7 +186,13 @@ Storage::Storage(size_t bytes, Device device) : bytes_(bytes), device_(device) {
 }
 
 Storage::~Storage() {
-  std::free(data_);
+  const size_t rounded = storage_capacity(bytes_);
+  BlockCache* cache = rounded >= 2 * kHugePage ? block_cache() : nullptr;
+  if (cache != nullptr) {
+    cache->give(data_, rounded);
+  } else {
+    std::free(data_);
+  }
   g_current_bytes.fetch_sub(static_cast<int64_t>(bytes_));
 }
 

@@ -3,6 +3,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <string>
 
@@ -49,6 +50,43 @@ TEST(Tensor, AlignedAndCounted) {
     EXPECT_GE(memory_stats().peak_bytes, before.current_bytes + 210);
   }
   EXPECT_EQ(memory_stats().current_bytes, before.current_bytes);
+}
+
+// Storages of 4 MiB and more: 2 MiB-aligned, and a freed one is reused by the next storage of
+// the same rounded size (not counted as in use while kept), except under AddressSanitizer.
+TEST(Tensor, LargeStoragesAreKeptAndReusedBySize) {
+  release_cached_storage();
+  const MemoryStats before = memory_stats();
+  const size_t bytes = (size_t{5} << 20) + 100;  // rounds to 6 MiB
+  void* first = nullptr;
+  {
+    Tensor a = Tensor::empty({static_cast<int64_t>(bytes)}, DType::U8);
+    first = a.raw();
+    EXPECT_EQ(reinterpret_cast<uintptr_t>(first) % (size_t{2} << 20), 0u);
+    std::memset(a.raw(), 0x5a, bytes);
+  }
+  EXPECT_EQ(memory_stats().current_bytes, before.current_bytes);
+#if defined(__SANITIZE_ADDRESS__)
+  EXPECT_EQ(cached_storage_bytes(), 0);
+#else
+  EXPECT_EQ(cached_storage_bytes(), int64_t{6} << 20);
+  {
+    // Another size does not take it; the same rounded size does (contents unspecified).
+    Tensor other = Tensor::empty({int64_t{9} << 20}, DType::U8);
+    EXPECT_NE(other.raw(), first);
+    EXPECT_EQ(cached_storage_bytes(), int64_t{6} << 20);
+    Tensor again = Tensor::empty({int64_t{6} << 20}, DType::U8);
+    EXPECT_EQ(again.raw(), first);
+    EXPECT_EQ(cached_storage_bytes(), 0);
+    Tensor zeros = Tensor::zeros({int64_t{1} << 20}, DType::F32);  // 4 MiB, fresh and zeroed
+    EXPECT_EQ(zeros.data<float>()[12345], 0.0f);
+  }
+  EXPECT_EQ(cached_storage_bytes(), (int64_t{6} + 10 + 4) << 20);
+  Tensor reused_zeros = Tensor::zeros({int64_t{1} << 20}, DType::F32);  // reuses, zeroes again
+  EXPECT_EQ(reused_zeros.data<float>()[12345], 0.0f);
+  release_cached_storage();
+  EXPECT_EQ(cached_storage_bytes(), 0);
+#endif
 }
 
 TEST(Tensor, ZerosReshapeSliceShareStorage) {
