@@ -1,5 +1,7 @@
 // `octet bench gemm`: GFLOP/s of every GEMM precision beside PyTorch's torch.matmul, measured
-// in the same invocation (bench/peers/torch_gemm.py), with the ratios the goals speak of.
+// in the same invocation (bench/peers/torch_gemm.py, kept running), shape by shape in rounds
+// (ours then the peer's, the peer's then ours, ...), with the ratios the goals speak of as
+// medians of per-round ratios.
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -31,7 +33,8 @@ constexpr double kTorchF32SliceGflop = 2.0;
 
 struct Options {
   std::string shapes = kDefaultShapes;
-  int repeats = 5;
+  int rounds = 3;
+  int repeats = 3;
   int warmup = 1;
   bool json = false;
   bool no_torch = false;
@@ -52,8 +55,20 @@ struct Result {
   int64_t rows = 0;  // rows of M timed (less than M for sliced baselines)
 };
 
-// results[shape name][dtype]
+// results[shape name][dtype]: medians over the rounds
 using Results = std::map<std::string, std::map<std::string, Result>>;
+// ratios[shape name][ratio name]: one per round ("b/tb": bf16 / torch_bf16, ...)
+using Ratios = std::map<std::string, std::map<std::string, std::vector<double>>>;
+
+// Ratios of one round's figures: numerator dtype / denominator dtype.
+struct RatioSpec {
+  const char* name;
+  const char* numerator;
+  const char* denominator;
+};
+constexpr RatioSpec kRatios[] = {{"b/tb", "bf16", "torch_bf16"},  {"f/tf", "f32", "torch_f32"},
+                                 {"dl/b", "fp8_delayed", "bf16"}, {"mx/b", "fp8_mxfp8", "bf16"},
+                                 {"bk/b", "fp8_block", "bf16"},   {"b/naive", "bf16", "naive_f32"}};
 
 std::vector<GemmSize> parse_shapes(const std::string& text) {
   std::vector<GemmSize> sizes;
@@ -131,13 +146,13 @@ float max_abs(const Tensor& t) {
   return amax;
 }
 
-void measure_ours(const GemmSize& size, const Options& options, Results& results) {
+std::map<std::string, Result> measure_ours(const GemmSize& size, const Options& options) {
   const int repeats = repeats_for(size, options.repeats);
   const double flops = size.flops();
   const Tensor a = random_matrix(size.m, size.k, 1);
   const Tensor w = random_matrix(size.n, size.k, 2);  // a Linear weight [out, in] = [N, K]
   Tensor c = Tensor::empty({size.m, size.n}, DType::F32);
-  auto& row = results[size.name()];
+  std::map<std::string, Result> row;
 
   row["f32"] = time_median([&] { gemm(a, w, c, false, true); }, options.warmup, repeats, flops);
   {
@@ -181,51 +196,53 @@ void measure_ours(const GemmSize& size, const Options& options, Results& results
   for (auto& [dtype, result] : row) {
     if (result.rows == 0) result.rows = size.m;
   }
+  return row;
 }
 
-// Runs the PyTorch peer once for all shapes; returns false (with a note) when it cannot.
-bool measure_torch(const std::vector<GemmSize>& sizes, const Options& options, Results& results) {
-  const std::filesystem::path script = bench::find_peer_script("torch_gemm.py");
-  if (script.empty()) {
-    std::fprintf(stderr, "bench gemm: bench/peers/torch_gemm.py not found; no torch figures\n");
-    return false;
+// The PyTorch peer, asked for one shape at a time; nothing once it is absent or stopped.
+class TorchPeer {
+ public:
+  explicit TorchPeer(const Options& options) {
+    if (options.no_torch) return;
+    const std::filesystem::path script = bench::find_peer_script("torch_gemm.py");
+    if (script.empty()) {
+      std::fprintf(stderr, "bench gemm: bench/peers/torch_gemm.py not found; no torch figures\n");
+      return;
+    }
+    running_ =
+        process_.start({"/usr/bin/python3", script.string(), "--warmup",
+                        std::to_string(options.warmup), "--threads", std::to_string(num_threads()),
+                        "--f32-max-gflop", std::to_string(kTorchF32SliceGflop)});
+    if (!running_) std::fprintf(stderr, "bench gemm: the torch peer did not start\n");
   }
-  std::string shapes;
-  for (const GemmSize& size : sizes) {
-    shapes += (shapes.empty() ? "" : ",") + size.name() + ":" +
-              std::to_string(repeats_for(size, options.repeats));
+
+  std::map<std::string, Result> measure(const GemmSize& size, int repeats) {
+    std::map<std::string, Result> row;
+    if (!running_) return row;
+    const nlohmann::json request = {
+        {"m", size.m}, {"n", size.n}, {"k", size.k}, {"repeats", repeats}};
+    const auto answer = process_.ask(request.dump());
+    if (!answer || !answer->is_object()) {
+      running_ = false;
+      std::fprintf(stderr, "bench gemm: the torch peer stopped; no more torch figures\n");
+      return row;
+    }
+    for (const auto& [dtype, r] : answer->items()) {
+      row[dtype] = {r.at("gflops").get<double>(), r.at("median_ms").get<double>(),
+                    r.at("repeats").get<int>(), r.value("rows", size.m)};
+    }
+    return row;
   }
-  const std::string command = "/usr/bin/python3 '" + script.string() + "' --shapes " + shapes +
-                              " --warmup " + std::to_string(options.warmup) + " --threads " +
-                              std::to_string(num_threads()) + " --f32-max-gflop " +
-                              std::to_string(kTorchF32SliceGflop);
-  FILE* pipe = popen(command.c_str(), "r");
-  if (pipe == nullptr) return false;
-  char line[4096];
-  int lines = 0;
-  while (std::fgets(line, sizeof(line), pipe) != nullptr) {
-    const auto parsed = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
-    if (parsed.is_discarded() || !parsed.contains("gflops")) continue;
-    const GemmSize size{parsed["m"].get<int64_t>(), parsed["n"].get<int64_t>(),
-                        parsed["k"].get<int64_t>()};
-    results[size.name()][parsed["dtype"].get<std::string>()] = {
-        parsed["gflops"].get<double>(), parsed["median_ms"].get<double>(),
-        parsed["repeats"].get<int>(), parsed.value("rows", size.m)};
-    ++lines;
-  }
-  const int status = pclose(pipe);
-  if (status != 0 || lines == 0) {
-    std::fprintf(stderr, "bench gemm: '%s' failed (status %d); no torch figures\n", command.c_str(),
-                 status);
-    return false;
-  }
-  return true;
-}
+
+ private:
+  bench::PeerProcess process_;
+  bool running_ = false;
+};
 
 const char* const kDtypes[] = {"f32",       "bf16",      "fp8_delayed", "fp8_mxfp8",
                                "fp8_block", "naive_f32", "torch_f32",   "torch_bf16"};
 
-void print_json(const std::vector<GemmSize>& sizes, Results& results) {
+void print_json(const std::vector<GemmSize>& sizes, Results& results, Ratios& ratios) {
   for (const GemmSize& size : sizes) {
     for (const char* dtype : kDtypes) {
       auto& row = results[size.name()];
@@ -237,18 +254,36 @@ void print_json(const std::vector<GemmSize>& sizes, Results& results) {
           {"repeats", r.repeats}, {"rows_timed", r.rows}, {"threads", num_threads()}};
       std::printf("%s\n", line.dump().c_str());
     }
+    // The ratios: medians of the per-round ratios, and the rounds'.
+    for (const RatioSpec& spec : kRatios) {
+      const std::vector<double>& rounds = ratios[size.name()][spec.name];
+      if (rounds.empty()) continue;
+      const nlohmann::json line = {{"m", size.m},
+                                   {"n", size.n},
+                                   {"k", size.k},
+                                   {"ratio", spec.name},
+                                   {"median", bench::median(rounds)},
+                                   {"rounds", rounds}};
+      std::printf("%s\n", line.dump().c_str());
+    }
   }
 }
 
-void print_table(const std::vector<GemmSize>& sizes, Results& results) {
+void print_table(const std::vector<GemmSize>& sizes, Results& results, Ratios& ratios,
+                 const Options& options) {
   auto value = [&](const GemmSize& size, const char* dtype) {
     auto& row = results[size.name()];
     return row.count(dtype) ? row[dtype].gflops : NAN;
   };
+  auto ratio = [&](const GemmSize& size, const char* name) {
+    const std::vector<double>& rounds = ratios[size.name()][name];
+    return rounds.empty() ? NAN : bench::median(rounds);
+  };
   std::printf(
-      "GFLOP/s, %d threads (median of repeats after warmup; fewer repeats above 4 "
-      "GFLOP)\n",
-      num_threads());
+      "GFLOP/s, %d threads: median over %d rounds (ours and torch in turn, who goes first\n"
+      "alternating) of the median of repeats after warmup (fewer repeats above 4 GFLOP);\n"
+      "ratios: medians of per-round ratios\n",
+      num_threads(), options.rounds);
   std::printf("%-18s %7s %7s %7s %7s %7s %6s %7s %7s | %6s %6s %6s %6s %6s %7s\n", "MxNxK", "f32",
               "bf16", "fp8_dl", "fp8_mx", "fp8_bk", "naive", "t_f32", "t_bf16", "b/tb", "f/tf",
               "dl/b", "mx/b", "bk/b", "b/naive");
@@ -265,11 +300,19 @@ void print_table(const std::vector<GemmSize>& sizes, Results& results) {
         "%7.0f\n",
         size.name().c_str(), value(size, "f32"), bf16, value(size, "fp8_delayed"),
         value(size, "fp8_mxfp8"), value(size, "fp8_block"), value(size, "naive_f32"),
-        value(size, "torch_f32"), value(size, "torch_bf16"), bf16 / value(size, "torch_bf16"),
-        value(size, "f32") / value(size, "torch_f32"), value(size, "fp8_delayed") / bf16,
-        value(size, "fp8_mxfp8") / bf16, value(size, "fp8_block") / bf16,
-        bf16 / value(size, "naive_f32"));
+        value(size, "torch_f32"), value(size, "torch_bf16"), ratio(size, "b/tb"),
+        ratio(size, "f/tf"), ratio(size, "dl/b"), ratio(size, "mx/b"), ratio(size, "bk/b"),
+        ratio(size, "b/naive"));
   }
+  // The spread of the headline ratio, shape by shape.
+  std::printf("b/tb per shape, median (min..max) over rounds:");
+  for (const GemmSize& size : sizes) {
+    const std::vector<double>& rounds = ratios[size.name()]["b/tb"];
+    if (!rounds.empty()) {
+      std::printf(" %s %s;", size.name().c_str(), bench::median_range(rounds).c_str());
+    }
+  }
+  std::printf("\n");
   std::printf("measured BF16 peak: %.1f GFLOP/s (%s)\n", peak, peak_shape.c_str());
   std::printf(
       "f32: gemm(A, W^T), plain weight. bf16: A bf16 x PackedWeight bf16 -> f32.\n"
@@ -283,19 +326,52 @@ void print_table(const std::vector<GemmSize>& sizes, Results& results) {
 }
 
 void run_bench(const Options& options) {
+  OCTET_CHECK(options.rounds >= 1, "bench gemm: --rounds expected >= 1, got ", options.rounds);
   OCTET_CHECK(options.repeats >= 1, "bench gemm: --repeats expected >= 1, got ", options.repeats);
   OCTET_CHECK(options.warmup >= 0, "bench gemm: --warmup expected >= 0, got ", options.warmup);
   const std::vector<GemmSize> sizes = parse_shapes(options.shapes);
   Results results;
-  if (!options.no_torch) measure_torch(sizes, options, results);
+  Ratios ratios;
+  TorchPeer peer(options);
   for (const GemmSize& size : sizes) {
-    measure_ours(size, options, results);
+    std::map<std::string, std::vector<Result>> rounds;  // by dtype
+    for (int round = 0; round < options.rounds; ++round) {
+      std::map<std::string, Result> row;
+      auto run_peer = [&] {
+        for (auto& [dtype, r] : peer.measure(size, repeats_for(size, options.repeats))) {
+          row[dtype] = r;
+        }
+      };
+      if (round % 2 == 1) run_peer();
+      for (auto& [dtype, r] : measure_ours(size, options)) row[dtype] = r;
+      if (round % 2 == 0) run_peer();
+      for (const RatioSpec& spec : kRatios) {
+        if (row.count(spec.numerator) && row.count(spec.denominator)) {
+          ratios[size.name()][spec.name].push_back(row[spec.numerator].gflops /
+                                                   row[spec.denominator].gflops);
+        }
+      }
+      for (auto& [dtype, r] : row) rounds[dtype].push_back(r);
+    }
+    for (auto& [dtype, list] : rounds) {  // each figure's median over the rounds
+      std::vector<double> gflops, ms;
+      Result median = list.front();
+      median.repeats = 0;
+      for (const Result& r : list) {
+        gflops.push_back(r.gflops);
+        ms.push_back(r.median_ms);
+        median.repeats += r.repeats;
+      }
+      median.gflops = bench::median(gflops);
+      median.median_ms = bench::median(ms);
+      results[size.name()][dtype] = median;
+    }
     if (!options.json) std::fprintf(stderr, "measured %s\n", size.name().c_str());
   }
   if (options.json) {
-    print_json(sizes, results);
+    print_json(sizes, results, ratios);
   } else {
-    print_table(sizes, results);
+    print_table(sizes, results, ratios, options);
   }
 }
 
@@ -306,7 +382,10 @@ void register_bench_gemm(CLI::App& bench) {
       bench.add_subcommand("gemm", "GEMM GFLOP/s: f32, bf16, fp8 recipes, naive, PyTorch");
   auto options = std::make_shared<Options>();
   gemm_command->add_option("--shapes", options->shapes, "MxNxK[,MxNxK...]")->capture_default_str();
-  gemm_command->add_option("--repeats", options->repeats, "timed runs per case (median)")
+  gemm_command->add_option("--rounds", options->rounds, "rounds per shape, ours and torch in turn")
+      ->capture_default_str()
+      ->check(at_least(1));
+  gemm_command->add_option("--repeats", options->repeats, "timed runs per case and round (median)")
       ->capture_default_str()
       ->check(at_least(1));
   gemm_command->add_option("--warmup", options->warmup, "untimed runs first")

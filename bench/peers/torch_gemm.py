@@ -1,9 +1,11 @@
 #!/usr/bin/env python3
 """The peer of `octet bench gemm`: torch.matmul GFLOP/s on the same shapes, same threads.
 
-Prints one JSON object per line: {"m", "n", "k", "dtype": "torch_f32"|"torch_bf16",
-"gflops", "median_ms", "repeats"}. Shapes are MxNxK, optionally with ":repeats" appended
-(octet passes the repeat count it uses itself, so both sides time alike).
+Kept running beside octet, which times each shape in rounds (ours, then the peer's, or the
+other way round): prints {"ready": true, "threads": N}, then for each line on stdin
+{"m", "n", "k", "repeats"} answers one JSON line {"torch_f32": {...}, "torch_bf16": {...}},
+each {"gflops", "median_ms", "repeats", "rows"} (octet passes the repeat count it uses itself,
+so both sides time alike).
 Run it with Debian's /usr/bin/python3 (torch 1.13).
 """
 import argparse
@@ -13,18 +15,6 @@ import sys
 import time
 
 import torch
-
-
-def parse_shapes(text, default_repeats):
-    shapes = []
-    for item in text.split(","):
-        item = item.strip()
-        if not item:
-            continue
-        dims, _, repeats = item.partition(":")
-        m, n, k = (int(v) for v in dims.lower().split("x"))
-        shapes.append((m, n, k, int(repeats) if repeats else default_repeats))
-    return shapes
 
 
 def median_seconds(fn, warmup, repeats):
@@ -40,8 +30,6 @@ def median_seconds(fn, warmup, repeats):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shapes", required=True, help="MxNxK[:repeats],...")
-    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--threads", type=int, default=0, help="0 keeps torch's default")
     parser.add_argument("--dtypes", default="f32,bf16")
@@ -53,7 +41,11 @@ def main():
         torch.set_num_threads(args.threads)
     dtypes = {"f32": torch.float32, "bf16": torch.bfloat16}
     torch.manual_seed(0)
-    for m, n, k, repeats in parse_shapes(args.shapes, args.repeats):
+    print(json.dumps({"ready": True, "threads": torch.get_num_threads()}), flush=True)
+    for line in sys.stdin:
+        request = json.loads(line)
+        m, n, k, repeats = (int(request[key]) for key in ("m", "n", "k", "repeats"))
+        answer = {}
         for name in args.dtypes.split(","):
             dtype = dtypes[name]
             rows, warmup, runs = m, args.warmup, repeats
@@ -66,10 +58,10 @@ def main():
             with torch.no_grad():
                 seconds = median_seconds(lambda: torch.matmul(a, b), warmup, runs)
             del a, b
-            print(json.dumps({"m": m, "n": n, "k": k, "dtype": "torch_" + name,
-                              "gflops": 2.0 * rows * n * k / seconds / 1e9,
-                              "median_ms": seconds * 1e3, "repeats": runs, "rows": rows,
-                              "threads": torch.get_num_threads()}), flush=True)
+            answer["torch_" + name] = {"gflops": 2.0 * rows * n * k / seconds / 1e9,
+                                       "median_ms": seconds * 1e3, "repeats": runs,
+                                       "rows": rows}
+        print(json.dumps(answer), flush=True)
     return 0
 
 

@@ -89,11 +89,18 @@ Tensor dequantize_weight_fp8(const Fp8WeightOnly& weight, DType dtype);
 // AVX2 or scalar by the processor); more rows widen B once and run the BF16/F32 GEMM.
 void gemm(const Tensor& A, const Fp8WeightOnly& B, Tensor& C, const Epilogue& epilogue = {});
 
-// Whether BF16 GEMMs run as oneDNN BF16 matmuls (AVX-512 BF16 / AMX, or AVX-512 emulation).
-// Without AVX-512 oneDNN 2.6 has no BF16 matmul: the operands, exact in F32, are widened and
-// the F32 matmul runs with the same FP32 accumulation (a BF16 C rounded to nearest even after).
-// OCTET_GEMM_BF16=widen forces the widened path (tests hold it against the native one).
+// Whether BF16 GEMMs run as oneDNN BF16 matmuls (AVX-512 BF16 / AMX, or AVX-512 emulation),
+// or widened: the operands, exact in F32, widened and the F32 matmul run with the same FP32
+// accumulation (a BF16 C rounded to nearest even after). Widened where oneDNN 2.6 has no BF16
+// matmul (no AVX-512), and where the processor's BF16 dot product (VDPBF16PS) does fewer than
+// 0.75x the F32 FMA's flops per second without AMX (gemm_bf16_dot_rate(): a Xeon VM measured
+// 0.5, its F32 matmul 300 GFLOP/s beside the BF16 one's 165). Chosen once per process;
+// OCTET_GEMM_BF16=widen|native forces a path (native only where oneDNN has one; tests run
+// both), auto (or unset) chooses.
 bool gemm_bf16_native();
+// VDPBF16PS's flops per second over the AVX-512 FMA's, measured by register-only loops (0 where
+// the processor lacks either).
+double gemm_bf16_dot_rate();
 
 // Naive triple loop with FP64 accumulation over F32 views of the operands (the test oracle).
 void gemm_reference(const Tensor& A, const Tensor& B, Tensor& C, bool trans_a, bool trans_b,

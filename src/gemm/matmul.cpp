@@ -179,11 +179,13 @@ size_t matmul_cache_size() {
 
 void run_matmul(const MatmulArgs& args) {
   if (args.m == 0 || args.n == 0) return;
+  // A few rows stream the weight through VDPBF16PS whichever path the GEMMs take: there the
+  // weight's bytes, not the dot product's rate, set the time.
+  if (run_small_m_bf16(args)) return;
   if ((args.a_dtype == DType::BF16 || args.b_dtype == DType::BF16 || args.c_dtype == DType::BF16) &&
       !gemm_bf16_native()) {
     return run_widened(args);
   }
-  if (run_small_m_bf16(args)) return;
   const MatmulKey key{args.m,
                       args.n,
                       args.k,
@@ -233,23 +235,32 @@ namespace octet {
 
 bool gemm_bf16_native() {
   static const bool native = [] {
-    const char* forced = std::getenv("OCTET_GEMM_BF16");
-    if (forced != nullptr && *forced != '\0') {
-      OCTET_CHECK(std::string(forced) == "widen",
-                  "OCTET_GEMM_BF16 expected 'widen' (or unset), got '", forced, "'");
-      return false;
-    }
+    bool onednn = true;
     try {
       using dnnl::memory;
       const memory::desc md({2, 2}, memory::data_type::bf16, memory::format_tag::ab);
       const dnnl::matmul::desc desc(md, md, md);
       dnnl::matmul::primitive_desc pd(desc, dnnl::primitive_attr(), gemm_detail::cpu_engine());
-      return true;
     } catch (const dnnl::error&) {
-      return false;  // no BF16 matmul on this processor (oneDNN 2.6 needs AVX-512)
+      onednn = false;  // no BF16 matmul on this processor (oneDNN 2.6 needs AVX-512)
     }
+    const char* forced = std::getenv("OCTET_GEMM_BF16");
+    const std::string mode = forced != nullptr ? forced : "";
+    OCTET_CHECK(mode.empty() || mode == "auto" || mode == "widen" || mode == "native",
+                "OCTET_GEMM_BF16 expected 'widen', 'native' or 'auto' (or unset), got '", mode,
+                "'");
+    if (mode == "widen" || !onednn) return false;
+    if (mode == "native") return true;
+    if (dnnl::get_effective_cpu_isa() == dnnl::cpu_isa::avx512_core_amx) return true;  // AMX tiles
+    const double rate = gemm_bf16_dot_rate();
+    return rate == 0.0 || rate >= 0.75;  // 0: no VDPBF16PS, oneDNN emulates (and decides)
   }();
   return native;
+}
+
+double gemm_bf16_dot_rate() {
+  static const double rate = gemm_detail::bf16_dot_rate_vs_fma();
+  return rate;
 }
 
 }  // namespace octet
