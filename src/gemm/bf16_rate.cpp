@@ -21,14 +21,22 @@ namespace {
 
 constexpr int64_t kIterations = 4096;
 
-// 12 independent accumulators cover the instructions' latency at full issue rate.
+// 12 independent accumulators cover the instructions' latency at full issue rate; the loops
+// return their first lanes' sum (the work stays observable).
 #define OCTET_RATE_ACCUMULATORS(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(9) X(10) X(11)
+#define OCTET_RATE_DECLARE(i) __m512 acc##i = _mm512_set1_ps(seed[i]);
+#define OCTET_RATE_LANE(i)        \
+  _mm512_store_ps(lanes, acc##i); \
+  total += lanes[0];
+#define OCTET_RATE_RETURN_SUM()            \
+  alignas(64) float lanes[16];             \
+  float total = 0;                         \
+  OCTET_RATE_ACCUMULATORS(OCTET_RATE_LANE) \
+  return total;
 
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"), noinline)) float dot_loop(
     const float* seed) {
-#define OCTET_DECLARE(i) __m512 acc##i = _mm512_set1_ps(seed[i]);
-  OCTET_RATE_ACCUMULATORS(OCTET_DECLARE)
-#undef OCTET_DECLARE
+  OCTET_RATE_ACCUMULATORS(OCTET_RATE_DECLARE)
   const __m512bh a = reinterpret_cast<__m512bh>(_mm512_set1_ps(seed[12]));
   const __m512bh b = reinterpret_cast<__m512bh>(_mm512_set1_ps(seed[13]));
   for (int64_t i = 0; i < kIterations; ++i) {
@@ -36,20 +44,11 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"), noinline)) float 
     OCTET_RATE_ACCUMULATORS(OCTET_STEP)
 #undef OCTET_STEP
   }
-  alignas(64) float lanes[16];
-  float total = 0;
-#define OCTET_SUM(i)              \
-  _mm512_store_ps(lanes, acc##i); \
-  total += lanes[0];
-  OCTET_RATE_ACCUMULATORS(OCTET_SUM)
-#undef OCTET_SUM
-  return total;
+  OCTET_RATE_RETURN_SUM()
 }
 
 __attribute__((target("avx512f,fma"), noinline)) float fma_loop(const float* seed) {
-#define OCTET_DECLARE(i) __m512 acc##i = _mm512_set1_ps(seed[i]);
-  OCTET_RATE_ACCUMULATORS(OCTET_DECLARE)
-#undef OCTET_DECLARE
+  OCTET_RATE_ACCUMULATORS(OCTET_RATE_DECLARE)
   const __m512 a = _mm512_set1_ps(seed[12]);
   const __m512 b = _mm512_set1_ps(seed[13]);
   for (int64_t i = 0; i < kIterations; ++i) {
@@ -57,20 +56,16 @@ __attribute__((target("avx512f,fma"), noinline)) float fma_loop(const float* see
     OCTET_RATE_ACCUMULATORS(OCTET_STEP)
 #undef OCTET_STEP
   }
-  alignas(64) float lanes[16];
-  float total = 0;
-#define OCTET_SUM(i)              \
-  _mm512_store_ps(lanes, acc##i); \
-  total += lanes[0];
-  OCTET_RATE_ACCUMULATORS(OCTET_SUM)
-#undef OCTET_SUM
-  return total;
+  OCTET_RATE_RETURN_SUM()
 }
 
+#undef OCTET_RATE_RETURN_SUM
+#undef OCTET_RATE_LANE
+#undef OCTET_RATE_DECLARE
 #undef OCTET_RATE_ACCUMULATORS
 
 template <class Loop>
-double best_seconds(Loop loop, const float* seed, volatile float& sink) {
+double seconds_of(Loop loop, const float* seed, volatile float& sink) {
   const auto start = std::chrono::steady_clock::now();
   sink = sink + loop(seed);
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
@@ -91,8 +86,8 @@ double bf16_dot_rate_vs_fma() {
   // slower, never faster.
   double dot = 1e30, fma = 1e30;
   for (int round = 0; round < 9; ++round) {
-    dot = std::min(dot, best_seconds(dot_loop, seed, sink));
-    fma = std::min(fma, best_seconds(fma_loop, seed, sink));
+    dot = std::min(dot, seconds_of(dot_loop, seed, sink));
+    fma = std::min(fma, seconds_of(fma_loop, seed, sink));
   }
   // Per instruction: VDPBF16PS does 16 lanes x 2 products and sums (64 flops), FMA 32.
   const double dot_flops_per_s = 64.0 / dot, fma_flops_per_s = 32.0 / fma;
