@@ -101,8 +101,17 @@ class BlockCache {
   size_t limit_ = size_t{1024} << 20;
 };
 
-BlockCache* block_cache() {
+// AddressSanitizer as GCC (__SANITIZE_ADDRESS__) and clang (__has_feature) announce it.
 #if defined(__SANITIZE_ADDRESS__)
+#define OCTET_ADDRESS_SANITIZER 1
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+#define OCTET_ADDRESS_SANITIZER 1
+#endif
+#endif
+
+BlockCache* block_cache() {
+#if defined(OCTET_ADDRESS_SANITIZER)
   return nullptr;
 #else
   // Never destroyed: storages freed by other static objects' destructors still find it.
