@@ -2,7 +2,7 @@
 // norms, activations, the loss, the optimizer, FP8 casts, collectives) opens a Scope of its
 // category, and while profiling is on the calling thread's exclusive time per category is
 // summed (a scope inside another, as a GEMM inside a fused module, counts for itself only).
-// Off, a scope costs one relaxed atomic load. `octet bench train --breakdown` prints the sums.
+// Off, a scope costs one relaxed atomic load. `octet bench train` prints the sums per step.
 #pragma once
 
 #include <array>
