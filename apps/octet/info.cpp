@@ -7,6 +7,7 @@
 #include "commands.h"
 #include "octet/cpu_features.h"
 #include "octet/gemm.h"
+#include "octet/ops/attention.h"
 
 namespace octet::cli {
 namespace {
@@ -55,6 +56,9 @@ void print_info(bool as_json) {
       {"onednn_isa", onednn_isa_name(dnnl::get_effective_cpu_isa())},
       {"bf16_gemm", gemm_bf16_native() ? "onednn bf16" : "widened to f32"},
       {"bf16_dot_rate_vs_fma", gemm_bf16_dot_rate()},
+      {"bf16_attention_tiles",
+       ops::cpu::flash_attention_bf16_tiles(ops::AttentionOptions{}, DType::BF16) ? "bf16 pairs"
+                                                                                  : "f32"},
       {"threads", num_threads()},
   };
   if (as_json) {
@@ -81,6 +85,10 @@ void print_info(bool as_json) {
       "bf16 gemm      %s (VDPBF16PS flops/s %.2fx the F32 FMA's; below 0.75 without AMX, BF16\n"
       "               GEMMs run widened to F32; OCTET_GEMM_BF16=widen|native|auto)\n",
       info["bf16_gemm"].get<std::string>().c_str(), gemm_bf16_dot_rate());
+  std::printf(
+      "bf16 attention %s tiles (flash attention's products on BF16 inputs; bf16 pairs where BF16\n"
+      "               GEMMs run natively; OCTET_ATTENTION_TILES=bf16|f32|auto)\n",
+      info["bf16_attention_tiles"].get<std::string>().c_str());
   std::printf("threads        %d\n", num_threads());
 }
 

@@ -27,7 +27,7 @@ struct MemoryStats {
 };
 MemoryStats memory_stats();
 void reset_peak_memory();  // peak := current
-// Freed storages of 4 MiB and more are kept for reuse by a storage of the same size (at most
+// Freed storages of 256 KiB and more are kept for reuse by a storage of the same size (at most
 // OCTET_STORAGE_CACHE_MB, default 1024; not under AddressSanitizer): the bytes kept, not
 // counted in memory_stats(), and a call that frees them all.
 int64_t cached_storage_bytes();

@@ -29,10 +29,17 @@ void count_allocation(int64_t bytes) {
 
 constexpr size_t kHugePage = size_t{2} << 20;
 
-// Freed storages of 4 MiB and more, kept for the next storage of the same (2 MiB-rounded)
-// size: a training step allocates the same activations, gradients and weight copies every
-// step, and a fresh block costs a page fault and the kernel's zeroing of every page on first
-// touch (gpt-tiny's step spent 30% of its time in clear_page before). At most
+// Storages from kMidBlock up are rounded to 64 KiB multiples, from 4 MiB to 2 MiB multiples.
+constexpr size_t kMidBlock = size_t{256} << 10;
+constexpr size_t kMidGranule = size_t{64} << 10;
+
+// Freed storages of 256 KiB and more, kept for the next storage of the same (rounded) size:
+// a training step allocates the same activations, gradients and weight copies every step,
+// and a fresh block costs a page fault and the kernel's zeroing of every page on first touch
+// (gpt-tiny's step spent 30% of its time in clear_page before). Blocks under 4 MiB are kept
+// too: malloc gives them back to the kernel when they are freed (munmap, or trimming the
+// heap's top), so the next call faults them in again, and flash attention's backward (six 3 MiB F32
+// packs per call at 2048 tokens, h384) spent more time in page faults than in its tiles. At most
 // OCTET_STORAGE_CACHE_MB (default 1024) are kept, the oldest freed first; 0 keeps none. Off
 // under AddressSanitizer, which must see every block freed.
 class BlockCache {
@@ -120,11 +127,13 @@ BlockCache* block_cache() {
 #endif
 }
 
-// The bytes a storage of `bytes` takes: 64-byte multiples, 2 MiB multiples from 4 MiB.
+// The bytes a storage of `bytes` takes: 64-byte multiples, 64 KiB multiples from 256 KiB,
+// 2 MiB multiples from 4 MiB.
 size_t storage_capacity(size_t bytes) {
   size_t rounded =
       (bytes + kTensorAlignmentBytes - 1) / kTensorAlignmentBytes * kTensorAlignmentBytes;
   if (rounded == 0) rounded = kTensorAlignmentBytes;
+  if (rounded >= kMidBlock) rounded = (rounded + kMidGranule - 1) / kMidGranule * kMidGranule;
   if (rounded >= 2 * kHugePage) rounded = (rounded + kHugePage - 1) / kHugePage * kHugePage;
   return rounded;
 }
@@ -175,17 +184,21 @@ Storage::Storage(size_t bytes, Device device) : bytes_(bytes), device_(device) {
   const size_t rounded = storage_capacity(bytes);
   // Large tensors (weights, activations) in 2 MiB pages where the kernel gives them on request
   // (transparent huge pages in "madvise" mode): streaming a decode step's weights through
-  // 4 KiB pages costs a page walk every 4 KiB. A block freed earlier is reused first.
-  if (rounded >= 2 * kHugePage) {
+  // 4 KiB pages costs a page walk every 4 KiB. From 256 KiB, a block freed earlier is reused
+  // first.
+  if (rounded >= kMidBlock) {
     BlockCache* cache = block_cache();
+    const bool huge = rounded >= 2 * kHugePage;
+    const size_t alignment = huge ? kHugePage : kTensorAlignmentBytes;
     if (cache != nullptr) data_ = cache->take(rounded);
     if (data_ == nullptr) {
-      data_ = std::aligned_alloc(kHugePage, rounded);
+      data_ = std::aligned_alloc(alignment, rounded);
       if (data_ == nullptr && cache != nullptr) {  // out of memory: give the cache back, retry
         cache->release();
-        data_ = std::aligned_alloc(kHugePage, rounded);
+        data_ = std::aligned_alloc(alignment, rounded);
       }
-      if (data_ != nullptr) madvise(data_, rounded, MADV_HUGEPAGE);  // advice: failure harmless
+      // Advice: failure is harmless.
+      if (data_ != nullptr && huge) madvise(data_, rounded, MADV_HUGEPAGE);
     }
   } else {
     data_ = std::aligned_alloc(kTensorAlignmentBytes, rounded);
@@ -196,7 +209,7 @@ Storage::Storage(size_t bytes, Device device) : bytes_(bytes), device_(device) {
 
 Storage::~Storage() {
   const size_t rounded = storage_capacity(bytes_);
-  BlockCache* cache = rounded >= 2 * kHugePage ? block_cache() : nullptr;
+  BlockCache* cache = rounded >= kMidBlock ? block_cache() : nullptr;
   if (cache != nullptr) {
     cache->give(data_, rounded);
   } else {

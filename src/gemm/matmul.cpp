@@ -9,6 +9,7 @@
 #include <unordered_map>
 
 #include "core/convert.h"
+#include "octet/cpu_features.h"
 #include "gemm/packed_weight.h"
 #include "gemm/workspace.h"
 
@@ -259,8 +260,7 @@ bool gemm_bf16_native() {
 }
 
 double gemm_bf16_dot_rate() {
-  static const double rate = gemm_detail::bf16_dot_rate_vs_fma();
-  return rate;
+  return bf16_dot_rate();
 }
 
 }  // namespace octet

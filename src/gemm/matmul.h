@@ -42,9 +42,6 @@ void run_matmul(const MatmulArgs& args);
 // AVX-512 BF16: runs the weight-streaming kernel (gemm/small_m.h) and returns true; else false.
 bool run_small_m_bf16(const MatmulArgs& args);
 
-// VDPBF16PS's flops per second over the AVX-512 FMA's (bf16_rate.cpp); 0 without either.
-double bf16_dot_rate_vs_fma();
-
 // Number of distinct primitives created so far (tests check the cache is used).
 size_t matmul_cache_size();
 

@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <functional>
 #include <limits>
 #include <random>
@@ -267,8 +268,65 @@ INSTANTIATE_TEST_SUITE_P(
              .window_left = 32,
              .window_right = 0,
              .dropout = 0.1f,
+             .dtype = DType::BF16},
+        // BF16 tiles: padding rows and keys, head dims that are not a multiple of 64 or 32.
+        Case{.name = "bf16_padding_causal_t65_s70_d40",
+             .B = 3,
+             .T = 65,
+             .S = 70,
+             .H = 2,
+             .Hkv = 2,
+             .D = 40,
+             .causal = true,
+             .q_lengths = {65, 30, 1},
+             .kv_lengths = {70, 5, 0},
+             .dtype = DType::BF16},
+        Case{.name = "bf16_no_mask_t33_s47_d256",
+             .B = 1,
+             .T = 33,
+             .S = 47,
+             .H = 2,
+             .Hkv = 2,
+             .D = 256,
              .dtype = DType::BF16}),
     [](const ::testing::TestParamInfo<Case>& param) { return std::string(param.param.name); });
+
+// OCTET_ATTENTION_TILES picks the tile products where the processor has VDPBF16PS (the suite
+// runs again under each, see CMakeLists.txt): BF16 tiles (P and dS rounded to BF16 as operands)
+// agree with F32 tiles to BF16's tolerance, and only BF16 inputs without FP8 attention take them.
+TEST(Attention, Bf16TilesAgreeWithF32Tiles) {
+  const char* saved_env = std::getenv("OCTET_ATTENTION_TILES");
+  const std::string saved = saved_env != nullptr ? saved_env : "";
+  IsaGuard guard;
+  set_active_isa(Isa::Avx512);
+  const bool available = active_isa() == Isa::Avx512 && cpu_features().avx512_bf16;
+  Tensor q = random_tensor({2, 150, 4, 64}, DType::BF16, 41);
+  Tensor k = random_tensor({2, 150, 2, 64}, DType::BF16, 42);
+  Tensor v = random_tensor({2, 150, 2, 64}, DType::BF16, 43);
+  Tensor dout = random_tensor({2, 150, 4, 64}, DType::BF16, 44);
+  AttentionOptions o;
+  o.causal = true;
+  setenv("OCTET_ATTENTION_TILES", "f32", 1);
+  EXPECT_FALSE(ops::cpu::flash_attention_bf16_tiles(o, DType::BF16));
+  const Grads f32_tiles = run_fast(q, k, v, dout, o);
+  setenv("OCTET_ATTENTION_TILES", "bf16", 1);
+  EXPECT_EQ(ops::cpu::flash_attention_bf16_tiles(o, DType::BF16), available);
+  EXPECT_FALSE(ops::cpu::flash_attention_bf16_tiles(o, DType::F32));
+  AttentionOptions fp8 = o;
+  fp8.fp8.p_scale = 1.0f;
+  EXPECT_FALSE(ops::cpu::flash_attention_bf16_tiles(fp8, DType::BF16));
+  const Grads bf16_tiles = run_fast(q, k, v, dout, o);
+  expect_grads_close(bf16_tiles, f32_tiles, tolerance(DType::BF16), "bf16 vs f32 tiles");
+  expect_grads_close(bf16_tiles, run_reference(q, k, v, dout, o), tolerance(DType::BF16),
+                     "bf16 tiles vs reference");
+  setenv("OCTET_ATTENTION_TILES", "fast", 1);
+  EXPECT_THROW(ops::cpu::flash_attention_bf16_tiles(o, DType::BF16), Error);
+  if (saved.empty()) {
+    unsetenv("OCTET_ATTENTION_TILES");
+  } else {
+    setenv("OCTET_ATTENTION_TILES", saved.c_str(), 1);
+  }
+}
 
 // Central differences of L = sum(out * dout) against the fast backward, F32, tiny shape with
 // GQA, a causal mask and T != S. eps = 1e-2 keeps the F32 rounding of L (~1e-7 / eps) and

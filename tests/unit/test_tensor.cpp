@@ -89,6 +89,29 @@ TEST(Tensor, LargeStoragesAreKeptAndReusedBySize) {
 #endif
 }
 
+TEST(Tensor, MidSizeStoragesAreKeptIn64KiBSizes) {
+  release_cached_storage();
+  void* first = nullptr;
+  {
+    Tensor a = Tensor::empty({(int64_t{3} << 20) + 1}, DType::U8);  // 3 MiB + 1: 3 MiB + 64 KiB
+    first = a.raw();
+    Tensor small = Tensor::empty({int64_t{200} << 10}, DType::U8);  // under 256 KiB: malloc's
+  }
+#if defined(__SANITIZE_ADDRESS__)
+  EXPECT_EQ(cached_storage_bytes(), 0);
+#else
+  EXPECT_EQ(cached_storage_bytes(), (int64_t{3} << 20) + (int64_t{64} << 10));
+  {
+    Tensor same = Tensor::zeros({(int64_t{3} << 20) + 1000}, DType::U8);  // same rounded size
+    EXPECT_EQ(same.raw(), first);
+    EXPECT_EQ(same.data<uint8_t>()[(int64_t{3} << 20) + 999], 0);
+    EXPECT_EQ(cached_storage_bytes(), 0);
+  }
+  release_cached_storage();
+  EXPECT_EQ(cached_storage_bytes(), 0);
+#endif
+}
+
 TEST(Tensor, ZerosReshapeSliceShareStorage) {
   Tensor a = Tensor::zeros({4, 6}, DType::F32);
   for (float v : a.to_floats()) EXPECT_EQ(v, 0.0f);

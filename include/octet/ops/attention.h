@@ -100,6 +100,11 @@ void flash_attention_forward(const Tensor& q, const Tensor& k, const Tensor& v,
 void flash_attention_backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
                               const Tensor& lse, const Tensor& dout,
                               const AttentionOptions& options, Tensor& dq, Tensor& dk, Tensor& dv);
+// Whether flash attention's tile products run in BF16 pairs (VDPBF16PS; P and dS rounded to
+// BF16 as their operands) for these options and input dtype: BF16 inputs, AVX-512 BF16 at least
+// 0.75x the F32 FMA's flops (bf16_dot_rate()), no FP8 attention; OCTET_ATTENTION_TILES=bf16|f32
+// forces it where the processor allows. Otherwise F32 tiles.
+bool flash_attention_bf16_tiles(const AttentionOptions& options, DType dtype);
 }  // namespace cpu
 
 namespace reference {

@@ -11,8 +11,14 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
+#include <cstring>
 #include <limits>
+#include <string>
+#include <type_traits>
 
+#include "octet/cpu_features.h"
+#include "ops/attention/bf16_dot.h"
 #include "ops/attention/checks.h"
 #include "ops/attention/vec.h"
 
@@ -39,13 +45,33 @@ struct Plan {
   int64_t q_tiles = 0, k_tiles = 0, padded_keys = 0;
   float scale_log2 = 0.0f;  // scores are kept in the log2 domain: exp2 instead of exp
   bool dropout = false;
+  bool bf16_tiles = false;  // tile products in BF16 pairs (bf16_dot.h)
   uint32_t threshold = 0;
   float keep_scale = 1.0f;
   attention_detail::Fp8Rounder p_fp8, ds_fp8;  // inactive unless options.fp8 sets a scale
 };
 
-Plan make_plan(const AttentionShape& s, const AttentionOptions& o) {
+// BF16 tiles for BF16 inputs where the processor has VDPBF16PS at least 0.75x as fast as its F32
+// FMA per flop (bf16_dot_rate(), the rule BF16 GEMMs follow), unless FP8 attention rounds P or
+// dS to FP8 (those stay F32 operands). OCTET_ATTENTION_TILES=bf16|f32
+// forces a path (bf16 only where the processor has it; the tests run both), auto (or unset)
+// chooses.
+bool use_bf16_tiles(const AttentionOptions& o, DType dtype) {
+  const char* text = std::getenv("OCTET_ATTENTION_TILES");
+  const std::string choice = text != nullptr ? text : "";
+  OCTET_CHECK(choice.empty() || choice == "auto" || choice == "bf16" || choice == "f32",
+              "OCTET_ATTENTION_TILES expected bf16, f32 or auto, got '", choice, "'");
+  if (dtype != DType::BF16 || active_isa() != Isa::Avx512 || !cpu_features().avx512_bf16) {
+    return false;
+  }
+  if (o.fp8.enabled()) return false;
+  if (choice == "bf16" || choice == "f32") return choice == "bf16";
+  return bf16_dot_rate() >= 0.75;
+}
+
+Plan make_plan(const AttentionShape& s, const AttentionOptions& o, DType dtype) {
   Plan p;
+  p.bf16_tiles = use_bf16_tiles(o, dtype);
   p.s = s;
   p.o = &o;
   p.dp = round_up(s.head_dim, kPadD);
@@ -63,17 +89,23 @@ Plan make_plan(const AttentionShape& s, const AttentionOptions& o) {
 
 // ---- packing: plain loops over bshd rows ----------------------------------------------------
 
-// dst [B,Hx,rows,dp] (zeroed) := src [B,L,Hx,D] * multiplier.
-template <typename T>
-void pack_rows(const T* src, int64_t B, int64_t L, int64_t Hx, int64_t D, float multiplier,
-               int64_t rows, int64_t dp, float* dst) {
+// dst [B,Hx,rows,dp] := src [B,L,Hx,D], as F32 or (BF16 tiles) as the BF16 itself; columns from
+// D on are zeroed, rows from L on are not written.
+template <typename T, typename Out>
+void pack_rows(const T* src, int64_t B, int64_t L, int64_t Hx, int64_t D, int64_t rows, int64_t dp,
+               Out* dst) {
 #pragma omp parallel for collapse(2) schedule(static)
   for (int64_t b = 0; b < B; ++b) {
     for (int64_t h = 0; h < Hx; ++h) {
       for (int64_t l = 0; l < L; ++l) {
         const T* in = src + ((b * L + l) * Hx + h) * D;
-        float* out = dst + ((b * Hx + h) * rows + l) * dp;
-        for (int64_t d = 0; d < D; ++d) out[d] = simd::load(in[d]) * multiplier;
+        Out* out = dst + ((b * Hx + h) * rows + l) * dp;
+        if constexpr (std::is_same_v<T, Out>) {
+          std::memcpy(out, in, D * sizeof(T));
+        } else {
+          for (int64_t d = 0; d < D; ++d) out[d] = simd::load(in[d]);
+        }
+        std::memset(static_cast<void*>(out + D), 0, (dp - D) * sizeof(Out));
       }
     }
   }
@@ -92,6 +124,56 @@ void pack_transposed(const T* src, int64_t B, int64_t S, int64_t Hkv, int64_t D,
           const T* in = src + ((b * S + t * kBlockK + c) * Hkv + h) * D;
           for (int64_t d = 0; d < D; ++d) tile[d * kBlockK + c] = simd::load(in[d]);
         }
+      }
+    }
+  }
+}
+
+// BF16 tiles (bf16_dot.h). dst [B,Hkv,k_tiles,dp/2,kBlockK,2], every element written (the
+// padding with zeros): each key tile's keys in pairs along d, for S = Q K^T. A pair is one
+// 32-bit word, so this is a transpose of words.
+void pack_pairs_along_d(const bfloat16* src, int64_t B, int64_t S, int64_t Hkv, int64_t D,
+                        int64_t k_tiles, int64_t dp, bfloat16* dst) {
+  const int64_t whole = D / 2, words = dp / 2;  // whole pairs in a row; pairs per packed row
+#pragma omp parallel for collapse(3) schedule(static)
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t h = 0; h < Hkv; ++h) {
+      for (int64_t t = 0; t < k_tiles; ++t) {
+        auto* tile =
+            reinterpret_cast<uint32_t*>(dst + ((b * Hkv + h) * k_tiles + t) * dp * kBlockK);
+        for (int64_t c = 0; c < kBlockK; ++c) {
+          const int64_t key = t * kBlockK + c;
+          int64_t w = 0;
+          if (key < S) {
+            const bfloat16* in = src + ((b * S + key) * Hkv + h) * D;
+            for (; w < whole; ++w) {
+              uint32_t word;
+              std::memcpy(&word, in + 2 * w, sizeof word);
+              tile[w * kBlockK + c] = word;
+            }
+            if (D % 2 != 0) tile[w++ * kBlockK + c] = in[D - 1].bits;  // (last, 0)
+          }
+          for (; w < words; ++w) tile[w * kBlockK + c] = 0;
+        }
+      }
+    }
+  }
+}
+
+// dst [B,Hx,rows/2,dp,2], every element written (rows from L on and d from D on as zeros): rows
+// in pairs along the rows, for the products that reduce over them (P V, dS K, dO^T P, Q^T dS).
+void pack_pairs_along_keys(const bfloat16* src, int64_t B, int64_t L, int64_t Hx, int64_t D,
+                           int64_t rows, int64_t dp, bfloat16* dst) {
+#pragma omp parallel for collapse(2) schedule(static)
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t h = 0; h < Hx; ++h) {
+      uint16_t* out = reinterpret_cast<uint16_t*>(dst + (b * Hx + h) * rows * dp);
+      auto row = [&](int64_t l) {
+        return l < L ? reinterpret_cast<const uint16_t*>(src + ((b * L + l) * Hx + h) * D)
+                     : nullptr;
+      };
+      for (int64_t l = 0; l < rows; l += 2) {
+        bf16dot::interleave_bf16_rows(row(l), row(l + 1), D, dp, out + l * dp);
       }
     }
   }
@@ -157,18 +239,23 @@ template <typename T>
 struct ForwardArgs {
   const Plan* plan;
   const T* q;
-  const float* kt;  // [B,Hkv,k_tiles,dp,kBlockK]
-  const float* v;   // [B,Hkv,padded_keys,dp]
+  // F32 tiles: kt [B,Hkv,k_tiles,dp,kBlockK] and v [B,Hkv,padded_keys,dp], F32.
+  // BF16 tiles (bf16_dot.h): kt [B,Hkv,k_tiles,dp/2,kBlockK,2] (pairs along d) and
+  // v [B,Hkv,padded_keys/2,dp,2] (pairs along the keys), BF16.
+  const void* kt;
+  const void* v;
   T* out;
   float* lse;
   int64_t lse_parts;  // 1: F32 lse; 2: hi + lo
 };
 
 constexpr int64_t forward_workspace_floats(int64_t dp) {
-  return 2 * kBlockQ * dp + kBlockQ * kBlockK + 2 * kBlockQ + 1;  // + the amax slot
+  // + P in BF16 (BF16 tiles) + the amax slot
+  return 2 * kBlockQ * dp + kBlockQ * kBlockK + 2 * kBlockQ + kBlockQ * kBlockK / 2 + 1;
 }
 
-template <int W, int R, int NV, typename T>
+// Bf16: the tile products in BF16 pairs (W = 16 under OCTET_TARGET_AVX512_BF16, T = bfloat16).
+template <int W, int R, int NV, bool Bf16, typename T>
 OCTET_ALWAYS_INLINE void forward_tile(const ForwardArgs<T>& a, int64_t b, int64_t h, int64_t qt,
                                       float* ws) {
   const Plan& p = *a.plan;
@@ -180,6 +267,8 @@ OCTET_ALWAYS_INLINE void forward_tile(const ForwardArgs<T>& a, int64_t b, int64_
   float* sc = acc + kBlockQ * dp;     // [rows, kBlockK] scores, then probabilities
   float* m = sc + kBlockQ * kBlockK;  // running row max of the unscaled scores
   float* l = m + kBlockQ;             // running row sum
+  uint16_t* pb = reinterpret_cast<uint16_t*>(l + kBlockQ);  // [rows, kBlockK] P in BF16
+  uint16_t* qb = reinterpret_cast<uint16_t*>(qs);           // [rows, dp] queries in BF16
   KeyRange ranges[kBlockQ];
   const KeyRange all = tile_ranges(p, b, i0, rows, ranges);
   for (int64_t r = 0; r < rows; ++r) l[r] = 0.0f;
@@ -190,23 +279,36 @@ OCTET_ALWAYS_INLINE void forward_tile(const ForwardArgs<T>& a, int64_t b, int64_
       float* row = qs + r * dp;
       // Unscaled: the scores' maximum is subtracted before they are scaled, so x - max is exact
       // near the maximum and the probabilities keep F32 accuracy at any score magnitude.
-      for (int64_t d = 0; d < D; ++d) row[d] = simd::load(in[d]);
-      for (int64_t d = D; d < dp; ++d) row[d] = 0.0f;
+      if constexpr (Bf16) {
+        std::memcpy(qb + r * dp, in, D * sizeof(uint16_t));
+        for (int64_t d = D; d < dp; ++d) qb[r * dp + d] = 0;
+      } else {
+        for (int64_t d = 0; d < D; ++d) row[d] = simd::load(in[d]);
+        for (int64_t d = D; d < dp; ++d) row[d] = 0.0f;
+      }
       for (int64_t d = 0; d < dp; ++d) acc[r * dp + d] = 0.0f;
       m[r] = -kInf;
     }
-    const float* kt_head = a.kt + (b * s.kv_heads + hk) * p.k_tiles * dp * kBlockK;
-    const float* v_head = a.v + (b * s.kv_heads + hk) * p.padded_keys * dp;
+    const int64_t kt_head = (b * s.kv_heads + hk) * p.k_tiles * dp * kBlockK;  // elements
+    const int64_t v_head = (b * s.kv_heads + hk) * p.padded_keys * dp;
     for (int64_t kt = all.lo / kBlockK; kt * kBlockK < all.hi; ++kt) {
       const int64_t j0 = kt * kBlockK;
-      vec::gemm<W, R, NV>(rows, kBlockK, dp, qs, dp, kt_head + kt * dp * kBlockK, kBlockK, sc,
-                          kBlockK, false);
+      if constexpr (Bf16) {
+        bf16dot::gemm(rows, kBlockK, dp / 2, reinterpret_cast<const uint32_t*>(qb), dp / 2, 1,
+                      static_cast<const uint16_t*>(a.kt) + kt_head + kt * dp * kBlockK, 2 * kBlockK,
+                      sc, kBlockK, false);
+      } else {
+        vec::gemm<W, R, NV>(rows, kBlockK, dp, qs, dp,
+                            static_cast<const float*>(a.kt) + kt_head + kt * dp * kBlockK, kBlockK,
+                            sc, kBlockK, false);
+      }
       for (int64_t r = 0; r < rows; ++r) {
         float* row = sc + r * kBlockK;
         int64_t c_lo, c_hi;
         tile_columns(ranges[r], j0, c_lo, c_hi);
         if (c_lo >= c_hi) {  // this row sees nothing here
           for (int64_t c = 0; c < kBlockK; ++c) row[c] = 0.0f;
+          if constexpr (Bf16) std::fill_n(pb + r * kBlockK, kBlockK, uint16_t{0});
           continue;
         }
         for (int64_t c = 0; c < c_lo; ++c) row[c] = -kInf;
@@ -216,19 +318,21 @@ OCTET_ALWAYS_INLINE void forward_tile(const ForwardArgs<T>& a, int64_t b, int64_
           const vec::F<W> x = vec::load<W>(row + c);
           max_v = x > max_v ? x : max_v;
         }
-        const float m_new = std::max(m[r], vec::reduce_max<W>(max_v));
-        const float alpha = std::exp2((m[r] - m_new) * p.scale_log2);
+        // All in vectors (the maximum and the sum splat by butterflies, alpha by the vector
+        // exp2): no scalar reduction or libm call per row.
+        const vec::F<W> scale_v = vec::splat<W>(p.scale_log2), m_old = vec::splat<W>(m[r]);
+        max_v = vec::all_max<W>(max_v);
+        const vec::F<W> m_v = max_v > m_old ? max_v : m_old;
+        const vec::F<W> alpha_v = vec::exp2<W>((m_old - m_v) * scale_v);
         vec::F<W> sum_v{};
-        const vec::F<W> m_v = vec::splat<W>(m_new), scale_v = vec::splat<W>(p.scale_log2);
         for (int64_t c = 0; c < kBlockK; c += W) {
           const vec::F<W> e = vec::exp2<W>((vec::load<W>(row + c) - m_v) * scale_v);
           vec::store<W>(row + c, e);
           sum_v += e;
         }
-        l[r] = l[r] * alpha + vec::reduce_sum<W>(sum_v);
-        m[r] = m_new;
-        if (alpha != 1.0f) {
-          const vec::F<W> alpha_v = vec::splat<W>(alpha);
+        l[r] = l[r] * alpha_v[0] + vec::all_sum<W>(sum_v)[0];
+        m[r] = m_v[0];
+        if (alpha_v[0] != 1.0f) {
           for (int64_t d = 0; d < dp; d += W) {
             vec::store<W>(acc + r * dp + d, vec::load<W>(acc + r * dp + d) * alpha_v);
           }
@@ -238,8 +342,15 @@ OCTET_ALWAYS_INLINE void forward_tile(const ForwardArgs<T>& a, int64_t b, int64_
           float& amax = ws[forward_workspace_floats(dp) - 1];
           amax = std::max(amax, round_fp8(p.p_fp8, row, kBlockK));
         }
+        if constexpr (Bf16) bf16dot::round_row(row, pb + r * kBlockK, kBlockK);
       }
-      vec::gemm<W, R, NV>(rows, dp, kBlockK, sc, kBlockK, v_head + j0 * dp, dp, acc, dp, true);
+      if constexpr (Bf16) {
+        bf16dot::gemm(rows, dp, kBlockK / 2, reinterpret_cast<const uint32_t*>(pb), kBlockK / 2, 1,
+                      static_cast<const uint16_t*>(a.v) + v_head + j0 * dp, 2 * dp, acc, dp, true);
+      } else {
+        vec::gemm<W, R, NV>(rows, dp, kBlockK, sc, kBlockK,
+                            static_cast<const float*>(a.v) + v_head + j0 * dp, dp, acc, dp, true);
+      }
     }
   }
 
@@ -262,35 +373,56 @@ OCTET_ALWAYS_INLINE void forward_tile(const ForwardArgs<T>& a, int64_t b, int64_
 template <typename T>
 OCTET_TARGET_AVX512 void forward_tile_avx512(const ForwardArgs<T>& a, int64_t b, int64_t h,
                                              int64_t qt, float* ws) {
-  forward_tile<16, 4, 4>(a, b, h, qt, ws);
+  forward_tile<16, 4, 4, false>(a, b, h, qt, ws);
+}
+OCTET_TARGET_AVX512_BF16 void forward_tile_bf16(const ForwardArgs<bfloat16>& a, int64_t b,
+                                                int64_t h, int64_t qt, float* ws) {
+  forward_tile<16, 4, 4, true>(a, b, h, qt, ws);
 }
 template <typename T>
 OCTET_TARGET_AVX2 void forward_tile_avx2(const ForwardArgs<T>& a, int64_t b, int64_t h, int64_t qt,
                                          float* ws) {
-  forward_tile<8, 4, 3>(a, b, h, qt, ws);
+  forward_tile<8, 4, 3, false>(a, b, h, qt, ws);
 }
 template <typename T>
 void forward_tile_scalar(const ForwardArgs<T>& a, int64_t b, int64_t h, int64_t qt, float* ws) {
-  forward_tile<4, 2, 4>(a, b, h, qt, ws);
+  forward_tile<4, 2, 4, false>(a, b, h, qt, ws);
 }
 
 template <typename T>
 void forward_typed(const Plan& p, const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out,
                    Tensor& lse) {
   const AttentionShape& s = p.s;
-  Tensor kt = Tensor::zeros({s.batch, s.kv_heads, p.k_tiles, p.dp, kBlockK}, DType::F32);
-  Tensor vp = Tensor::zeros({s.batch, s.kv_heads, p.padded_keys, p.dp}, DType::F32);
-  pack_transposed(k.data<T>(), s.batch, s.keys, s.kv_heads, s.head_dim, p.k_tiles, p.dp,
-                  kt.data<float>());
-  pack_rows(v.data<T>(), s.batch, s.keys, s.kv_heads, s.head_dim, 1.0f, p.padded_keys, p.dp,
-            vp.data<float>());
+  const bool bf16 = p.bf16_tiles;
+  // The BF16 packs write every element (padding as zeros); the F32 ones need zeroed storage.
+  auto pack = [bf16](Shape shape) {
+    return bf16 ? Tensor::empty(std::move(shape), DType::BF16)
+                : Tensor::zeros(std::move(shape), DType::F32);
+  };
+  Tensor kt = pack({s.batch, s.kv_heads, p.k_tiles, p.dp, kBlockK});
+  Tensor vp = pack({s.batch, s.kv_heads, p.padded_keys, p.dp});
   auto tile_fn = forward_tile_scalar<T>;
   if (active_isa() == Isa::Avx512) tile_fn = forward_tile_avx512<T>;
   if (active_isa() == Isa::Avx2) tile_fn = forward_tile_avx2<T>;
+  if constexpr (std::is_same_v<T, bfloat16>) {
+    if (bf16) {
+      tile_fn = forward_tile_bf16;
+      pack_pairs_along_d(k.data<bfloat16>(), s.batch, s.keys, s.kv_heads, s.head_dim, p.k_tiles,
+                         p.dp, kt.data<bfloat16>());
+      pack_pairs_along_keys(v.data<bfloat16>(), s.batch, s.keys, s.kv_heads, s.head_dim,
+                            p.padded_keys, p.dp, vp.data<bfloat16>());
+    }
+  }
+  if (!bf16) {
+    pack_transposed(k.data<T>(), s.batch, s.keys, s.kv_heads, s.head_dim, p.k_tiles, p.dp,
+                    kt.data<float>());
+    pack_rows(v.data<T>(), s.batch, s.keys, s.kv_heads, s.head_dim, p.padded_keys, p.dp,
+              vp.data<float>());
+  }
   const ForwardArgs<T> args{&p,
                             q.data<T>(),
-                            kt.data<float>(),
-                            vp.data<float>(),
+                            kt.raw(),
+                            vp.raw(),
                             out.data<T>(),
                             lse.data<float>(),
                             lse.ndim() == 4 ? 2 : 1};
@@ -314,11 +446,19 @@ void forward_typed(const Plan& p, const Tensor& q, const Tensor& k, const Tensor
 template <typename T>
 struct BackwardArgs {
   const Plan* plan;
-  const float* q;     // [B,H,T,dp]
-  const float* dout;  // [B,H,T,dp]
-  const float* k;     // [B,Hkv,padded_keys,dp]
-  const float* kt;    // [B,Hkv,k_tiles,dp,kBlockK]
-  const float* vt;    // [B,Hkv,k_tiles,dp,kBlockK]
+  // F32 tiles: q and dout [B,H,T,dp], k [B,Hkv,padded_keys,dp], kt and vt
+  // [B,Hkv,k_tiles,dp,kBlockK], all F32.
+  // BF16 tiles (bf16_dot.h), all BF16: q and dout [B,H,T,dp]; k [B,Hkv,padded_keys/2,dp,2]
+  // (pairs along the keys, for dS K); kt and vt [B,Hkv,k_tiles,dp/2,kBlockK,2] (pairs along d,
+  // for Q K^T and dO V^T); q_pairs and dout_pairs [B,H,q_tiles*kBlockQ/2,dp,2] (pairs along the
+  // queries, for dV^T += dO^T P and dK^T += Q^T dS).
+  const void* q;
+  const void* dout;
+  const void* k;
+  const void* kt;
+  const void* vt;
+  const void* q_pairs;
+  const void* dout_pairs;
   // Each row's lse as ref * scale + rho (ref an F32 in the unscaled scores' units, near the
   // row's maximum; rho the rest, here times log2 e): p = exp2((s - ref) * scale log2 e - rho),
   // where s - ref is exact near the maximum.
@@ -332,27 +472,46 @@ struct BackwardArgs {
 };
 
 constexpr int64_t backward_workspace_floats(int64_t dp) {
-  return 4 * kBlockQ * kBlockK + 2 * kBlockK * dp + 1;  // + the amax slot
+  // + P and dS in BF16 pairs and dS in BF16 rows (BF16 tiles) + the amax slot
+  return 3 * kBlockQ * kBlockK + 2 * kBlockK * dp + 3 * kBlockQ * kBlockK / 2 + 1;
 }
 
-template <int W, int R, int NV, typename T>
+// dst [ceil(rows/2), kBlockK, 2] := rows r and r + 1 of src [rows, kBlockK] as BF16 pairs (the
+// missing row of an odd count as zeros).
+OCTET_ALWAYS_INLINE void interleave_tile(const float* src, int64_t rows, const float* zeros,
+                                         uint16_t* dst) {
+  for (int64_t r = 0; r < rows; r += 2) {
+    const float* second = r + 1 < rows ? src + (r + 1) * kBlockK : zeros;
+    bf16dot::interleave_rows(src + r * kBlockK, second, dst + r * kBlockK, kBlockK);
+  }
+}
+
+// Bf16: the tile products in BF16 pairs (W = 16 under OCTET_TARGET_AVX512_BF16, T = bfloat16);
+// dK and dV are then accumulated transposed ([dp, kBlockK]).
+template <int W, int R, int NV, bool Bf16, typename T>
 OCTET_ALWAYS_INLINE void backward_task(const BackwardArgs<T>& a, int64_t b, int64_t hk,
                                        int64_t split, float* ws) {
   const Plan& p = *a.plan;
   const AttentionShape& s = p.s;
   const int64_t D = s.head_dim, dp = p.dp, queries = s.queries;
-  float* sc = ws;                           // [rows, kBlockK] scores -> P
-  float* dpr = sc + kBlockQ * kBlockK;      // [rows, kBlockK] dP -> dS
-  float* pt = dpr + kBlockQ * kBlockK;      // [kBlockK, kBlockQ] P (dropped) transposed
-  float* dst = pt + kBlockK * kBlockQ;      // [kBlockK, kBlockQ] dS transposed
-  float* dk_acc = dst + kBlockK * kBlockQ;  // [kBlockK, dp]
-  float* dv_acc = dk_acc + kBlockK * dp;    // [kBlockK, dp]
+  const int64_t pair_rows = p.q_tiles * kBlockQ / 2;  // rows of q_pairs / dout_pairs per head
+  float* sc = ws;                                     // [rows, kBlockK] scores -> P
+  float* dpr = sc + kBlockQ * kBlockK;                // [rows, kBlockK] dP -> dS
+  float* pd = dpr + kBlockQ * kBlockK;     // [rows, kBlockK] P dropped / rounded (dV's operand)
+  float* dk_acc = pd + kBlockQ * kBlockK;  // [kBlockK, dp] (BF16 tiles: [dp, kBlockK])
+  float* dv_acc = dk_acc + kBlockK * dp;   // [kBlockK, dp] (BF16 tiles: [dp, kBlockK])
+  uint16_t* p_pairs = reinterpret_cast<uint16_t*>(dv_acc + kBlockK * dp);  // [rows/2,kBlockK,2]
+  uint16_t* ds_pairs = p_pairs + kBlockQ * kBlockK;                        // [rows/2,kBlockK,2]
+  uint16_t* ds_rows = ds_pairs + kBlockQ * kBlockK;                        // [rows, kBlockK]
+  // dV's operand is P itself unless dropout or FP8 changes it (dS keeps the undropped P).
+  const bool own_pd = p.dropout || p.p_fp8.active();
+  const float* pv = own_pd ? pd : sc;
+  alignas(64) static constexpr float kZeros[kBlockK] = {};
   KeyRange ranges[kBlockQ];
-  const float* k_head = a.k + (b * s.kv_heads + hk) * p.padded_keys * dp;
+  const int64_t kv_head = b * s.kv_heads + hk;
   for (int64_t kt = split; kt < p.k_tiles; kt += a.splits) {
     const int64_t j0 = kt * kBlockK;
-    const float* kt_tile = a.kt + ((b * s.kv_heads + hk) * p.k_tiles + kt) * dp * kBlockK;
-    const float* vt_tile = a.vt + ((b * s.kv_heads + hk) * p.k_tiles + kt) * dp * kBlockK;
+    const int64_t tile_at = (kv_head * p.k_tiles + kt) * dp * kBlockK;  // elements
     for (int64_t x = 0; x < kBlockK * dp; ++x) dk_acc[x] = dv_acc[x] = 0.0f;
     for (int64_t h = hk * s.group; h < (hk + 1) * s.group; ++h) {
       const int64_t bh = b * s.heads + h;
@@ -360,20 +519,36 @@ OCTET_ALWAYS_INLINE void backward_task(const BackwardArgs<T>& a, int64_t b, int6
         const int64_t i0 = qt * kBlockQ, rows = std::min(kBlockQ, queries - i0);
         const KeyRange all = tile_ranges(p, b, i0, rows, ranges);
         if (all.empty() || all.hi <= j0 || all.lo >= j0 + kBlockK) continue;
-        const float* q_tile = a.q + (bh * queries + i0) * dp;
-        const float* do_tile = a.dout + (bh * queries + i0) * dp;
-        vec::gemm<W, R, NV>(rows, kBlockK, dp, q_tile, dp, kt_tile, kBlockK, sc, kBlockK, false);
-        vec::gemm<W, R, NV>(rows, kBlockK, dp, do_tile, dp, vt_tile, kBlockK, dpr, kBlockK, false);
+        const int64_t q_at = (bh * queries + i0) * dp;  // elements
+        if constexpr (Bf16) {
+          const auto* q_words =
+              reinterpret_cast<const uint32_t*>(static_cast<const uint16_t*>(a.q) + q_at);
+          const auto* do_words =
+              reinterpret_cast<const uint32_t*>(static_cast<const uint16_t*>(a.dout) + q_at);
+          bf16dot::gemm(rows, kBlockK, dp / 2, q_words, dp / 2, 1,
+                        static_cast<const uint16_t*>(a.kt) + tile_at, 2 * kBlockK, sc, kBlockK,
+                        false);
+          bf16dot::gemm(rows, kBlockK, dp / 2, do_words, dp / 2, 1,
+                        static_cast<const uint16_t*>(a.vt) + tile_at, 2 * kBlockK, dpr, kBlockK,
+                        false);
+        } else {
+          const float* q_tile = static_cast<const float*>(a.q) + q_at;
+          const float* do_tile = static_cast<const float*>(a.dout) + q_at;
+          vec::gemm<W, R, NV>(rows, kBlockK, dp, q_tile, dp,
+                              static_cast<const float*>(a.kt) + tile_at, kBlockK, sc, kBlockK,
+                              false);
+          vec::gemm<W, R, NV>(rows, kBlockK, dp, do_tile, dp,
+                              static_cast<const float*>(a.vt) + tile_at, kBlockK, dpr, kBlockK,
+                              false);
+        }
         for (int64_t r = 0; r < rows; ++r) {
           float* p_row = sc + r * kBlockK;
           float* d_row = dpr + r * kBlockK;
+          float* pd_row = pd + r * kBlockK;
           int64_t c_lo, c_hi;
           tile_columns(ranges[r], j0, c_lo, c_hi);
           if (c_lo >= c_hi) {
-            for (int64_t c = 0; c < kBlockK; ++c) {
-              d_row[c] = 0.0f;
-              pt[c * kBlockQ + r] = dst[c * kBlockQ + r] = 0.0f;
-            }
+            for (int64_t c = 0; c < kBlockK; ++c) p_row[c] = d_row[c] = pd_row[c] = 0.0f;
             continue;
           }
           const vec::F<W> ref = vec::splat<W>(a.lse_ref[bh * queries + i0 + r]);
@@ -384,12 +559,12 @@ OCTET_ALWAYS_INLINE void backward_task(const BackwardArgs<T>& a, int64_t b, int6
           }
           for (int64_t c = 0; c < c_lo; ++c) p_row[c] = 0.0f;
           for (int64_t c = c_hi; c < kBlockK; ++c) p_row[c] = 0.0f;
-          // P^T (for dV) and dP take the dropout factors; dS keeps the undropped P.
-          for (int64_t c = 0; c < kBlockK; ++c) pt[c * kBlockQ + r] = p_row[c];
-          if (p.dropout) apply_dropout(p, b, h, i0 + r, j0, c_lo, c_hi, d_row, pt + r, kBlockQ);
-          if (p.p_fp8.active()) {  // P^T as dV's FP8 operand
-            for (int64_t c = 0; c < kBlockK; ++c)
-              pt[c * kBlockQ + r] = p.p_fp8(pt[c * kBlockQ + r]);
+          if (own_pd) {  // P (for dV) and dP take the dropout factors; dS keeps the undropped P
+            for (int64_t c = 0; c < kBlockK; ++c) pd_row[c] = p_row[c];
+            if (p.dropout) apply_dropout(p, b, h, i0 + r, j0, c_lo, c_hi, d_row, pd_row, 1);
+            if (p.p_fp8.active()) {  // dV's FP8 operand
+              for (int64_t c = 0; c < kBlockK; ++c) pd_row[c] = p.p_fp8(pd_row[c]);
+            }
           }
           const vec::F<W> delta = vec::splat<W>(a.delta[bh * queries + i0 + r]);
           for (int64_t c = 0; c < kBlockK; c += W) {
@@ -399,21 +574,49 @@ OCTET_ALWAYS_INLINE void backward_task(const BackwardArgs<T>& a, int64_t b, int6
             float& amax = ws[backward_workspace_floats(dp) - 1];
             amax = std::max(amax, round_fp8(p.ds_fp8, d_row, kBlockK));
           }
-          for (int64_t c = 0; c < kBlockK; ++c) dst[c * kBlockQ + r] = d_row[c];
         }
-        vec::gemm<W, R, NV>(kBlockK, dp, rows, pt, kBlockQ, do_tile, dp, dv_acc, dp, true);
-        vec::gemm<W, R, NV>(kBlockK, dp, rows, dst, kBlockQ, q_tile, dp, dk_acc, dp, true);
         float* dq_tile = a.dq + ((split * s.batch + b) * s.heads + h) * queries * dp + i0 * dp;
-        vec::gemm<W, R, NV>(rows, dp, kBlockK, dpr, kBlockK, k_head + j0 * dp, dp, dq_tile, dp,
-                            true);
+        if constexpr (Bf16) {
+          interleave_tile(pv, rows, kZeros, p_pairs);
+          interleave_tile(dpr, rows, kZeros, ds_pairs);
+          for (int64_t r = 0; r < rows; ++r) {
+            bf16dot::round_row(dpr + r * kBlockK, ds_rows + r * kBlockK, kBlockK);
+          }
+          const int64_t pairs_at = (bh * pair_rows + i0 / 2) * dp * 2;  // elements
+          const int64_t row_pairs = (rows + 1) / 2;
+          // dV^T [dp, keys] += dO^T P and dK^T += Q^T dS: A's pair (d, row pair) at word
+          // d + pair * dp of the pairs-along-queries packs.
+          bf16dot::gemm(dp, kBlockK, row_pairs,
+                        reinterpret_cast<const uint32_t*>(
+                            static_cast<const uint16_t*>(a.dout_pairs) + pairs_at),
+                        1, dp, p_pairs, 2 * kBlockK, dv_acc, kBlockK, true);
+          bf16dot::gemm(
+              dp, kBlockK, row_pairs,
+              reinterpret_cast<const uint32_t*>(static_cast<const uint16_t*>(a.q_pairs) + pairs_at),
+              1, dp, ds_pairs, 2 * kBlockK, dk_acc, kBlockK, true);
+          bf16dot::gemm(rows, dp, kBlockK / 2, reinterpret_cast<const uint32_t*>(ds_rows),
+                        kBlockK / 2, 1,
+                        static_cast<const uint16_t*>(a.k) + kv_head * p.padded_keys * dp + j0 * dp,
+                        2 * dp, dq_tile, dp, true);
+        } else {
+          const float* q_tile = static_cast<const float*>(a.q) + q_at;
+          const float* do_tile = static_cast<const float*>(a.dout) + q_at;
+          vec::gemm<W, R, NV, true>(kBlockK, dp, rows, pv, kBlockK, do_tile, dp, dv_acc, dp, true);
+          vec::gemm<W, R, NV, true>(kBlockK, dp, rows, dpr, kBlockK, q_tile, dp, dk_acc, dp, true);
+          vec::gemm<W, R, NV>(rows, dp, kBlockK, dpr, kBlockK,
+                              static_cast<const float*>(a.k) + (kv_head * p.padded_keys + j0) * dp,
+                              dp, dq_tile, dp, true);
+        }
       }
     }
+    // dK and dV rows of this key tile ([dp, kBlockK] transposed under BF16 tiles).
+    const int64_t c_stride = Bf16 ? 1 : dp, d_stride = Bf16 ? kBlockK : 1;
     for (int64_t c = 0; c < kBlockK && j0 + c < s.keys; ++c) {
       T* dk = a.dk + ((b * s.keys + j0 + c) * s.kv_heads + hk) * D;
       T* dv = a.dv + ((b * s.keys + j0 + c) * s.kv_heads + hk) * D;
       for (int64_t d = 0; d < D; ++d) {
-        simd::store(dk_acc[c * dp + d] * s.scale, &dk[d]);
-        simd::store(dv_acc[c * dp + d], &dv[d]);
+        simd::store(dk_acc[c * c_stride + d * d_stride] * s.scale, &dk[d]);
+        simd::store(dv_acc[c * c_stride + d * d_stride], &dv[d]);
       }
     }
   }
@@ -422,17 +625,21 @@ OCTET_ALWAYS_INLINE void backward_task(const BackwardArgs<T>& a, int64_t b, int6
 template <typename T>
 OCTET_TARGET_AVX512 void backward_task_avx512(const BackwardArgs<T>& a, int64_t b, int64_t hk,
                                               int64_t split, float* ws) {
-  backward_task<16, 4, 4>(a, b, hk, split, ws);
+  backward_task<16, 4, 4, false>(a, b, hk, split, ws);
+}
+OCTET_TARGET_AVX512_BF16 void backward_task_bf16(const BackwardArgs<bfloat16>& a, int64_t b,
+                                                 int64_t hk, int64_t split, float* ws) {
+  backward_task<16, 4, 4, true>(a, b, hk, split, ws);
 }
 template <typename T>
 OCTET_TARGET_AVX2 void backward_task_avx2(const BackwardArgs<T>& a, int64_t b, int64_t hk,
                                           int64_t split, float* ws) {
-  backward_task<8, 4, 3>(a, b, hk, split, ws);
+  backward_task<8, 4, 3, false>(a, b, hk, split, ws);
 }
 template <typename T>
 void backward_task_scalar(const BackwardArgs<T>& a, int64_t b, int64_t hk, int64_t split,
                           float* ws) {
-  backward_task<4, 2, 4>(a, b, hk, split, ws);
+  backward_task<4, 2, 4, false>(a, b, hk, split, ws);
 }
 
 template <typename T>
@@ -450,14 +657,20 @@ void backward_typed(const Plan& p, const Tensor& q, const Tensor& k, const Tenso
   const int64_t splits = std::clamp<int64_t>((2 * threads + kv_heads_total - 1) / kv_heads_total, 1,
                                              std::min(kMaxSplits, p.k_tiles));
 
-  Tensor qp = Tensor::zeros({B, H, queries, dp}, DType::F32);
-  Tensor dop = Tensor::zeros({B, H, queries, dp}, DType::F32);
-  Tensor kp = Tensor::zeros({B, Hkv, p.padded_keys, dp}, DType::F32);
-  Tensor kt = Tensor::zeros({B, Hkv, p.k_tiles, dp, kBlockK}, DType::F32);
-  Tensor vt = Tensor::zeros({B, Hkv, p.k_tiles, dp, kBlockK}, DType::F32);
+  const bool bf16 = p.bf16_tiles;
+  // The BF16 packs write every element (padding as zeros); the F32 ones need zeroed storage.
+  auto pack = [bf16](Shape shape) {
+    return bf16 ? Tensor::empty(std::move(shape), DType::BF16)
+                : Tensor::zeros(std::move(shape), DType::F32);
+  };
+  Tensor qp = pack({B, H, queries, dp});
+  Tensor dop = pack({B, H, queries, dp});
+  Tensor kp = pack({B, Hkv, p.padded_keys, dp});
+  Tensor kt = pack({B, Hkv, p.k_tiles, dp, kBlockK});
+  Tensor vt = pack({B, Hkv, p.k_tiles, dp, kBlockK});
+  Tensor q_pairs, dout_pairs;  // BF16 tiles only
   Tensor delta = Tensor::empty({B, H, queries}, DType::F32);
   Tensor dq_acc = Tensor::zeros({splits, B, H, queries, dp}, DType::F32);
-  pack_rows(q.data<T>(), B, queries, H, D, 1.0f, queries, dp, qp.data<float>());
   Tensor lse_ref = Tensor::empty({B, H, queries}, DType::F32);
   Tensor lse_rho = Tensor::empty({B, H, queries}, DType::F32);
   {
@@ -478,10 +691,33 @@ void backward_typed(const Plan& p, const Tensor& q, const Tensor& k, const Tenso
       rho[row] = static_cast<float>((value - double{ref[row]} * scale) * double{kLog2e});
     }
   }
-  pack_rows(dout.data<T>(), B, queries, H, D, 1.0f, queries, dp, dop.data<float>());
-  pack_rows(k.data<T>(), B, S, Hkv, D, 1.0f, p.padded_keys, dp, kp.data<float>());
-  pack_transposed(k.data<T>(), B, S, Hkv, D, p.k_tiles, dp, kt.data<float>());
-  pack_transposed(v.data<T>(), B, S, Hkv, D, p.k_tiles, dp, vt.data<float>());
+  auto task_fn = backward_task_scalar<T>;
+  if (active_isa() == Isa::Avx512) task_fn = backward_task_avx512<T>;
+  if (active_isa() == Isa::Avx2) task_fn = backward_task_avx2<T>;
+  if constexpr (std::is_same_v<T, bfloat16>) {
+    if (bf16) {
+      task_fn = backward_task_bf16;
+      const int64_t padded_queries = p.q_tiles * kBlockQ;
+      q_pairs = Tensor::empty({B, H, padded_queries, dp}, DType::BF16);
+      dout_pairs = Tensor::empty({B, H, padded_queries, dp}, DType::BF16);
+      pack_rows(q.data<T>(), B, queries, H, D, queries, dp, qp.data<bfloat16>());
+      pack_rows(dout.data<T>(), B, queries, H, D, queries, dp, dop.data<bfloat16>());
+      pack_pairs_along_keys(q.data<T>(), B, queries, H, D, padded_queries, dp,
+                            q_pairs.data<bfloat16>());
+      pack_pairs_along_keys(dout.data<T>(), B, queries, H, D, padded_queries, dp,
+                            dout_pairs.data<bfloat16>());
+      pack_pairs_along_keys(k.data<T>(), B, S, Hkv, D, p.padded_keys, dp, kp.data<bfloat16>());
+      pack_pairs_along_d(k.data<T>(), B, S, Hkv, D, p.k_tiles, dp, kt.data<bfloat16>());
+      pack_pairs_along_d(v.data<T>(), B, S, Hkv, D, p.k_tiles, dp, vt.data<bfloat16>());
+    }
+  }
+  if (!bf16) {
+    pack_rows(q.data<T>(), B, queries, H, D, queries, dp, qp.data<float>());
+    pack_rows(dout.data<T>(), B, queries, H, D, queries, dp, dop.data<float>());
+    pack_rows(k.data<T>(), B, S, Hkv, D, p.padded_keys, dp, kp.data<float>());
+    pack_transposed(k.data<T>(), B, S, Hkv, D, p.k_tiles, dp, kt.data<float>());
+    pack_transposed(v.data<T>(), B, S, Hkv, D, p.k_tiles, dp, vt.data<float>());
+  }
   {
     const T* o = out.data<T>();
     const T* g = dout.data<T>();
@@ -499,15 +735,14 @@ void backward_typed(const Plan& p, const Tensor& q, const Tensor& k, const Tenso
     }
   }
 
-  auto task_fn = backward_task_scalar<T>;
-  if (active_isa() == Isa::Avx512) task_fn = backward_task_avx512<T>;
-  if (active_isa() == Isa::Avx2) task_fn = backward_task_avx2<T>;
   const BackwardArgs<T> args{&p,
-                             qp.data<float>(),
-                             dop.data<float>(),
-                             kp.data<float>(),
-                             kt.data<float>(),
-                             vt.data<float>(),
+                             qp.raw(),
+                             dop.raw(),
+                             kp.raw(),
+                             kt.raw(),
+                             vt.raw(),
+                             bf16 ? q_pairs.raw() : nullptr,
+                             bf16 ? dout_pairs.raw() : nullptr,
                              lse_ref.data<float>(),
                              lse_rho.data<float>(),
                              delta.data<float>(),
@@ -549,13 +784,17 @@ void backward_typed(const Plan& p, const Tensor& q, const Tensor& k, const Tenso
 
 }  // namespace
 
+bool flash_attention_bf16_tiles(const AttentionOptions& options, DType dtype) {
+  return use_bf16_tiles(options, dtype);
+}
+
 void flash_attention_forward(const Tensor& q, const Tensor& k, const Tensor& v,
                              const AttentionOptions& options, Tensor& out, Tensor& lse) {
   const char* op = "flash_attention_forward";
   AttentionShape s = attention_detail::check_inputs(op, q, k, v, options);
   attention_detail::check_output(op, out, q, "out", "B,T,H,D");
   attention_detail::check_lse(op, lse, s);
-  const Plan plan = make_plan(s, options);
+  const Plan plan = make_plan(s, options, q.dtype());
   if (q.dtype() == DType::F32) {
     forward_typed<float>(plan, q, k, v, out, lse);
   } else {
@@ -574,7 +813,7 @@ void flash_attention_backward(const Tensor& q, const Tensor& k, const Tensor& v,
   attention_detail::check_output(op, dq, q, "dq", "B,T,H,D");
   attention_detail::check_output(op, dk, k, "dk", "B,S,Hkv,D");
   attention_detail::check_output(op, dv, v, "dv", "B,S,Hkv,D");
-  const Plan plan = make_plan(s, options);
+  const Plan plan = make_plan(s, options, q.dtype());
   if (q.dtype() == DType::F32) {
     backward_typed<float>(plan, q, k, v, out, lse, dout, dq, dk, dv);
   } else {

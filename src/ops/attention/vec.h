@@ -54,6 +54,28 @@ OCTET_ALWAYS_INLINE float reduce_sum(F<W> v) {
   return s;
 }
 
+// Every lane := the max (or sum) over all lanes of v, by log2(W) butterfly steps (lane i meets
+// lane i ^ step): a few permutes instead of a scalar loop, and the result is already splat.
+template <int W>
+OCTET_ALWAYS_INLINE typename Types<W>::I butterfly_mask(int step) {
+  typename Types<W>::I mask;
+  for (int i = 0; i < W; ++i) mask[i] = i ^ step;
+  return mask;
+}
+template <int W>
+OCTET_ALWAYS_INLINE F<W> all_max(F<W> v) {
+  for (int step = W / 2; step > 0; step /= 2) {
+    const F<W> other = __builtin_shuffle(v, butterfly_mask<W>(step));
+    v = other > v ? other : v;
+  }
+  return v;
+}
+template <int W>
+OCTET_ALWAYS_INLINE F<W> all_sum(F<W> v) {
+  for (int step = W / 2; step > 0; step /= 2) v += __builtin_shuffle(v, butterfly_mask<W>(step));
+  return v;
+}
+
 // 2^x to about 2e-7 relative error (Cephes exp2f polynomial on [-0.5, 0.5]); exactly 0 below
 // -126 (so -inf, a masked score, gives 0); NaN stays NaN.
 template <int W>
@@ -79,10 +101,14 @@ OCTET_ALWAYS_INLINE F<W> exp2(F<W> x) {
   return underflow ? splat<W>(0.0f) : result;
 }
 
-// C[R, W*NV] (+)= A[R, K] * B[K, W*NV]: R*NV accumulators stay in registers over K.
+// C[R, W*NV] (+)= A[R, K] * B[K, W*NV]: R*NV accumulators stay in registers over K. A's
+// element (r, k) is at A[r * a_row + k * a_col]: a row-major A (a_col = 1), or the transpose of
+// a row-major [K, R] one (a_row = 1), so backward's dV += P^T dO and dK += dS^T Q read P and dS
+// where they were computed, with no transposed copy.
 template <int W, int R, int NV>
-OCTET_ALWAYS_INLINE void gemm_block(int64_t K, const float* A, int64_t lda, const float* B,
-                                    int64_t ldb, float* C, int64_t ldc, bool accumulate) {
+OCTET_ALWAYS_INLINE void gemm_block(int64_t K, const float* A, int64_t a_row, int64_t a_col,
+                                    const float* B, int64_t ldb, float* C, int64_t ldc,
+                                    bool accumulate) {
   F<W> acc[R][NV];
   for (int r = 0; r < R; ++r) {
     for (int n = 0; n < NV; ++n) acc[r][n] = accumulate ? load<W>(C + r * ldc + W * n) : F<W>{};
@@ -91,7 +117,7 @@ OCTET_ALWAYS_INLINE void gemm_block(int64_t K, const float* A, int64_t lda, cons
     F<W> b[NV];
     for (int n = 0; n < NV; ++n) b[n] = load<W>(B + k * ldb + W * n);
     for (int r = 0; r < R; ++r) {
-      const F<W> a = splat<W>(A[r * lda + k]);
+      const F<W> a = splat<W>(A[r * a_row + k * a_col]);
       for (int n = 0; n < NV; ++n) acc[r][n] += a * b[n];
     }
   }
@@ -100,28 +126,34 @@ OCTET_ALWAYS_INLINE void gemm_block(int64_t K, const float* A, int64_t lda, cons
   }
 }
 
-// C[M,N] (+)= A[M,K] * B[K,N], row-major with leading dimensions; N a multiple of W.
-// Blocks of R rows by NV vectors, then the leftover rows and vectors one at a time.
-template <int W, int R, int NV>
+// C[M,N] (+)= op(A) * B[K,N], row-major with leading dimensions; N a multiple of W; op(A) is
+// A [M, K] or, with TransA, A^T for A stored [K, M]. Blocks of R rows by NV vectors, then the
+// leftover rows and vectors one at a time.
+template <int W, int R, int NV, bool TransA = false>
 OCTET_ALWAYS_INLINE void gemm(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda,
                               const float* B, int64_t ldb, float* C, int64_t ldc, bool accumulate) {
+  const int64_t a_row = TransA ? 1 : lda, a_col = TransA ? lda : 1;
   int64_t n0 = 0;
   for (; n0 + W * NV <= N; n0 += W * NV) {
     int64_t m0 = 0;
     for (; m0 + R <= M; m0 += R) {
-      gemm_block<W, R, NV>(K, A + m0 * lda, lda, B + n0, ldb, C + m0 * ldc + n0, ldc, accumulate);
+      gemm_block<W, R, NV>(K, A + m0 * a_row, a_row, a_col, B + n0, ldb, C + m0 * ldc + n0, ldc,
+                           accumulate);
     }
     for (; m0 < M; ++m0) {
-      gemm_block<W, 1, NV>(K, A + m0 * lda, lda, B + n0, ldb, C + m0 * ldc + n0, ldc, accumulate);
+      gemm_block<W, 1, NV>(K, A + m0 * a_row, a_row, a_col, B + n0, ldb, C + m0 * ldc + n0, ldc,
+                           accumulate);
     }
   }
   for (; n0 < N; n0 += W) {
     int64_t m0 = 0;
     for (; m0 + R <= M; m0 += R) {
-      gemm_block<W, R, 1>(K, A + m0 * lda, lda, B + n0, ldb, C + m0 * ldc + n0, ldc, accumulate);
+      gemm_block<W, R, 1>(K, A + m0 * a_row, a_row, a_col, B + n0, ldb, C + m0 * ldc + n0, ldc,
+                          accumulate);
     }
     for (; m0 < M; ++m0) {
-      gemm_block<W, 1, 1>(K, A + m0 * lda, lda, B + n0, ldb, C + m0 * ldc + n0, ldc, accumulate);
+      gemm_block<W, 1, 1>(K, A + m0 * a_row, a_row, a_col, B + n0, ldb, C + m0 * ldc + n0, ldc,
+                          accumulate);
     }
   }
 }

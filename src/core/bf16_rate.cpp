@@ -3,19 +3,19 @@
 // Xeon VM without AMX: oneDNN's BF16 matmul 165 GFLOP/s beside its F32 matmul 300), BF16
 // GEMMs are faster widened to F32 (exact) on the FMA units; where it matches or beats the FMA
 // (AMD Zen 4, or AMX behind oneDNN), the native BF16 matmul is. A register-only loop: the
-// ratio does not depend on memory or on the machine's load the way a GEMM's time does.
+// ratio does not depend on memory or on the machine's load the way a GEMM's time does. In core:
+// the GEMMs and flash attention's tiles (ops) choose their path by it.
 #include <immintrin.h>
 
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
 
-#include "gemm/matmul.h"
 #include "octet/cpu_features.h"
 
 #pragma GCC diagnostic ignored "-Wpsabi"
 
-namespace octet::gemm_detail {
+namespace octet {
 
 namespace {
 
@@ -73,7 +73,9 @@ double seconds_of(Loop loop, const float* seed, volatile float& sink) {
 
 }  // namespace
 
-double bf16_dot_rate_vs_fma() {
+namespace {
+
+double measure_bf16_dot_rate() {
   const CpuFeatures& f = cpu_features();
   if (!f.avx512f || !f.avx512_bf16 || !f.fma) return 0.0;
   // Inputs the compiler cannot see: products of 1 (normal numbers: a subnormal FMA can take a
@@ -94,4 +96,11 @@ double bf16_dot_rate_vs_fma() {
   return dot_flops_per_s / fma_flops_per_s;
 }
 
-}  // namespace octet::gemm_detail
+}  // namespace
+
+double bf16_dot_rate() {
+  static const double rate = measure_bf16_dot_rate();
+  return rate;
+}
+
+}  // namespace octet
