@@ -112,23 +112,67 @@ OCTET_TARGET_AVX512_BF16 inline void interleave_rows(const float* src0, const fl
   }
 }
 
-// dst[d][2] := (row0[d], row1[d]) for d < dp: two BF16 rows of D elements interleaved into
-// pairs, zeros from D on; a null row reads as zeros.
-OCTET_TARGET_AVX512_BF16 inline void interleave_bf16_rows(const uint16_t* row0,
-                                                          const uint16_t* row1, int64_t D,
+// dst [rows/2, dp, 2] := rows l and l + 1 of src (row l at src + l * stride, D elements) as
+// pairs, for l < rows; rows from L on and elements from D on as zeros.
+OCTET_TARGET_AVX512_BF16 inline void interleave_bf16_rows(const uint16_t* src, int64_t stride,
+                                                          int64_t L, int64_t rows, int64_t D,
                                                           int64_t dp, uint16_t* dst) {
-  // Element 2i of the result is row0's i (index i), 2i + 1 is row1's i (index 32 + i).
+  // Element 2i of the result is the first row's i (index i), 2i + 1 the second's (32 + i).
   const __m512i order = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40,
                                          8, 39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
-  for (int64_t d = 0; d < dp; d += 16) {
-    const int64_t left = std::clamp<int64_t>(D - d, 0, 16);
-    const __mmask32 mask = static_cast<__mmask32>((uint32_t{1} << left) - 1);
-    const __m512i a =
-        row0 != nullptr ? _mm512_maskz_loadu_epi16(mask, row0 + d) : _mm512_setzero_si512();
-    const __m512i b =
-        row1 != nullptr ? _mm512_maskz_loadu_epi16(mask, row1 + d) : _mm512_setzero_si512();
-    _mm512_storeu_si512(dst + 2 * d, _mm512_permutex2var_epi16(a, order, b));
+  for (int64_t l = 0; l < rows; l += 2) {
+    const __mmask32 first = l < L ? ~__mmask32{0} : 0, second = l + 1 < L ? ~__mmask32{0} : 0;
+    for (int64_t d = 0; d < dp; d += 16) {
+      const int64_t left = std::clamp<int64_t>(D - d, 0, 16);
+      const __mmask32 mask = static_cast<__mmask32>((uint32_t{1} << left) - 1);
+      // A masked-off row is never read, so its address may lie past the input.
+      const __m512i a = _mm512_maskz_loadu_epi16(mask & first, src + l * stride + d);
+      const __m512i b = _mm512_maskz_loadu_epi16(mask & second, src + (l + 1) * stride + d);
+      _mm512_storeu_si512(dst + l * dp + 2 * d, _mm512_permutex2var_epi16(a, order, b));
+    }
   }
+}
+
+// dst[j * dst_stride + r] := src[r * src_stride + j] for r < 16, j < out_rows (<= 16): a
+// 16 x 16 transpose of 32-bit words, rows from `rows` on and columns from `cols` on read as
+// zeros.
+OCTET_TARGET_AVX512_BF16 inline void transpose_words_16x16(const uint32_t* src, int64_t src_stride,
+                                                           int64_t rows, int64_t cols,
+                                                           uint32_t* dst, int64_t dst_stride,
+                                                           int64_t out_rows) {
+  const __mmask16 col_mask = static_cast<__mmask16>((uint32_t{1} << cols) - 1);
+  // The zero-masking forms with every lane selected: GCC 12's plain forms pass an undefined
+  // vector that its -Wuninitialized reports.
+  const __mmask16 kAll16 = 0xffff;
+  const __mmask8 kAll8 = 0xff;
+  __m512i r[16], t[16];
+  for (int i = 0; i < 16; ++i) {
+    r[i] = i < rows ? _mm512_maskz_loadu_epi32(col_mask, src + i * src_stride)
+                    : _mm512_setzero_si512();
+  }
+  for (int i = 0; i < 16; i += 2) {  // 2 x 2 blocks of words
+    t[i] = _mm512_maskz_unpacklo_epi32(kAll16, r[i], r[i + 1]);
+    t[i + 1] = _mm512_maskz_unpackhi_epi32(kAll16, r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {  // 4 x 4 blocks
+    r[i] = _mm512_maskz_unpacklo_epi64(kAll8, t[i], t[i + 2]);
+    r[i + 1] = _mm512_maskz_unpackhi_epi64(kAll8, t[i], t[i + 2]);
+    r[i + 2] = _mm512_maskz_unpacklo_epi64(kAll8, t[i + 1], t[i + 3]);
+    r[i + 3] = _mm512_maskz_unpackhi_epi64(kAll8, t[i + 1], t[i + 3]);
+  }
+  for (int i = 0; i < 4; ++i) {  // 128-bit lanes: rows i, i + 4 | i + 8, i + 12
+    t[i] = _mm512_maskz_shuffle_i32x4(kAll16, r[i], r[i + 4], 0x88);
+    t[i + 4] = _mm512_maskz_shuffle_i32x4(kAll16, r[i], r[i + 4], 0xdd);
+    t[i + 8] = _mm512_maskz_shuffle_i32x4(kAll16, r[i + 8], r[i + 12], 0x88);
+    t[i + 12] = _mm512_maskz_shuffle_i32x4(kAll16, r[i + 8], r[i + 12], 0xdd);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[i] = _mm512_maskz_shuffle_i32x4(kAll16, t[i], t[i + 8], 0x88);
+    r[i + 8] = _mm512_maskz_shuffle_i32x4(kAll16, t[i], t[i + 8], 0xdd);
+    r[i + 4] = _mm512_maskz_shuffle_i32x4(kAll16, t[i + 4], t[i + 12], 0x88);
+    r[i + 12] = _mm512_maskz_shuffle_i32x4(kAll16, t[i + 4], t[i + 12], 0xdd);
+  }
+  for (int j = 0; j < out_rows; ++j) _mm512_storeu_si512(dst + j * dst_stride, r[j]);  // column j
 }
 
 }  // namespace octet::ops::bf16dot

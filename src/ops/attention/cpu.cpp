@@ -17,6 +17,7 @@
 #include <string>
 #include <type_traits>
 
+#include "core/convert.h"
 #include "octet/cpu_features.h"
 #include "ops/attention/bf16_dot.h"
 #include "ops/attention/checks.h"
@@ -28,9 +29,10 @@ namespace {
 using attention_detail::AttentionShape;
 using attention_detail::KeyRange;
 
-constexpr int64_t kBlockQ = 64;  // queries per tile
-constexpr int64_t kBlockK = 64;  // keys per tile
-constexpr int64_t kPadD = 16;    // the widest vector: packed rows hold whole vectors
+constexpr int64_t kBlockQ = 64;            // queries per tile
+constexpr int64_t kBlockK = 64;            // keys per tile
+constexpr int64_t kPadD = 16;              // the widest vector: packed rows hold whole vectors
+constexpr int64_t kMaxHeadsTimesD = 4096;  // backward's delta widens a token's rows on the stack
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kInf = std::numeric_limits<float>::infinity();
 
@@ -131,7 +133,7 @@ void pack_transposed(const T* src, int64_t B, int64_t S, int64_t Hkv, int64_t D,
 
 // BF16 tiles (bf16_dot.h). dst [B,Hkv,k_tiles,dp/2,kBlockK,2], every element written (the
 // padding with zeros): each key tile's keys in pairs along d, for S = Q K^T. A pair is one
-// 32-bit word, so this is a transpose of words.
+// 32-bit word, so this is a transpose of words, 16 x 16 at a time (an odd D word by word).
 void pack_pairs_along_d(const bfloat16* src, int64_t B, int64_t S, int64_t Hkv, int64_t D,
                         int64_t k_tiles, int64_t dp, bfloat16* dst) {
   const int64_t whole = D / 2, words = dp / 2;  // whole pairs in a row; pairs per packed row
@@ -141,17 +143,29 @@ void pack_pairs_along_d(const bfloat16* src, int64_t B, int64_t S, int64_t Hkv, 
       for (int64_t t = 0; t < k_tiles; ++t) {
         auto* tile =
             reinterpret_cast<uint32_t*>(dst + ((b * Hkv + h) * k_tiles + t) * dp * kBlockK);
+        const int64_t first_key = t * kBlockK;
+        if (D % 2 == 0) {
+          const auto* in =
+              reinterpret_cast<const uint32_t*>(src + ((b * S + first_key) * Hkv + h) * D);
+          for (int64_t c = 0; c < kBlockK; c += 16) {
+            const int64_t keys = std::clamp<int64_t>(S - first_key - c, 0, 16);
+            for (int64_t w = 0; w < words; w += 16) {
+              bf16dot::transpose_words_16x16(in + c * Hkv * whole + w, Hkv * whole, keys,
+                                             std::clamp<int64_t>(whole - w, 0, 16),
+                                             tile + w * kBlockK + c, kBlockK,
+                                             std::min<int64_t>(words - w, 16));
+            }
+          }
+          continue;
+        }
         for (int64_t c = 0; c < kBlockK; ++c) {
-          const int64_t key = t * kBlockK + c;
+          const int64_t key = first_key + c;
           int64_t w = 0;
           if (key < S) {
             const bfloat16* in = src + ((b * S + key) * Hkv + h) * D;
-            for (; w < whole; ++w) {
-              uint32_t word;
-              std::memcpy(&word, in + 2 * w, sizeof word);
-              tile[w * kBlockK + c] = word;
-            }
-            if (D % 2 != 0) tile[w++ * kBlockK + c] = in[D - 1].bits;  // (last, 0)
+            for (; w < whole; ++w)
+              tile[w * kBlockK + c] = in[2 * w].bits | uint32_t{in[2 * w + 1].bits} << 16;
+            tile[w++ * kBlockK + c] = in[D - 1].bits;  // (last, 0)
           }
           for (; w < words; ++w) tile[w * kBlockK + c] = 0;
         }
@@ -167,15 +181,20 @@ void pack_pairs_along_keys(const bfloat16* src, int64_t B, int64_t L, int64_t Hx
 #pragma omp parallel for collapse(2) schedule(static)
   for (int64_t b = 0; b < B; ++b) {
     for (int64_t h = 0; h < Hx; ++h) {
-      uint16_t* out = reinterpret_cast<uint16_t*>(dst + (b * Hx + h) * rows * dp);
-      auto row = [&](int64_t l) {
-        return l < L ? reinterpret_cast<const uint16_t*>(src + ((b * L + l) * Hx + h) * D)
-                     : nullptr;
-      };
-      for (int64_t l = 0; l < rows; l += 2) {
-        bf16dot::interleave_bf16_rows(row(l), row(l + 1), D, dp, out + l * dp);
-      }
+      bf16dot::interleave_bf16_rows(reinterpret_cast<const uint16_t*>(src + (b * L * Hx + h) * D),
+                                    Hx * D, L, rows, D, dp,
+                                    reinterpret_cast<uint16_t*>(dst + (b * Hx + h) * rows * dp));
     }
+  }
+}
+
+// dst[0, n) := src[0, n) in T (BF16: the bulk conversion, nearest even).
+template <typename T>
+void store_row(const float* src, T* dst, int64_t n) {
+  if constexpr (std::is_same_v<T, float>) {
+    std::memcpy(dst, src, n * sizeof(float));
+  } else {
+    convert_f32_to_bf16(src, dst, static_cast<size_t>(n));
   }
 }
 
@@ -452,8 +471,10 @@ struct BackwardArgs {
   // (pairs along the keys, for dS K); kt and vt [B,Hkv,k_tiles,dp/2,kBlockK,2] (pairs along d,
   // for Q K^T and dO V^T); q_pairs and dout_pairs [B,H,q_tiles*kBlockQ/2,dp,2] (pairs along the
   // queries, for dV^T += dO^T P and dK^T += Q^T dS).
+  // rows_in_place: q and dout are the inputs themselves ([B,T,H,D], BF16 tiles with D == dp).
   const void* q;
   const void* dout;
+  bool rows_in_place;
   const void* k;
   const void* kt;
   const void* vt;
@@ -521,14 +542,17 @@ OCTET_ALWAYS_INLINE void backward_task(const BackwardArgs<T>& a, int64_t b, int6
         if (all.empty() || all.hi <= j0 || all.lo >= j0 + kBlockK) continue;
         const int64_t q_at = (bh * queries + i0) * dp;  // elements
         if constexpr (Bf16) {
+          // The query rows (and dO's) in place or packed; their words as A's pairs.
+          const int64_t row_at = a.rows_in_place ? ((b * queries + i0) * s.heads + h) * D : q_at;
+          const int64_t row_words = (a.rows_in_place ? s.heads * D : dp) / 2;
           const auto* q_words =
-              reinterpret_cast<const uint32_t*>(static_cast<const uint16_t*>(a.q) + q_at);
+              reinterpret_cast<const uint32_t*>(static_cast<const uint16_t*>(a.q) + row_at);
           const auto* do_words =
-              reinterpret_cast<const uint32_t*>(static_cast<const uint16_t*>(a.dout) + q_at);
-          bf16dot::gemm(rows, kBlockK, dp / 2, q_words, dp / 2, 1,
+              reinterpret_cast<const uint32_t*>(static_cast<const uint16_t*>(a.dout) + row_at);
+          bf16dot::gemm(rows, kBlockK, dp / 2, q_words, row_words, 1,
                         static_cast<const uint16_t*>(a.kt) + tile_at, 2 * kBlockK, sc, kBlockK,
                         false);
-          bf16dot::gemm(rows, kBlockK, dp / 2, do_words, dp / 2, 1,
+          bf16dot::gemm(rows, kBlockK, dp / 2, do_words, row_words, 1,
                         static_cast<const uint16_t*>(a.vt) + tile_at, 2 * kBlockK, dpr, kBlockK,
                         false);
         } else {
@@ -609,15 +633,18 @@ OCTET_ALWAYS_INLINE void backward_task(const BackwardArgs<T>& a, int64_t b, int6
         }
       }
     }
-    // dK and dV rows of this key tile ([dp, kBlockK] transposed under BF16 tiles).
+    // dK and dV rows of this key tile ([dp, kBlockK] transposed under BF16 tiles), through a
+    // row of F32 (the scores' scale applied to dK) into the output dtype.
     const int64_t c_stride = Bf16 ? 1 : dp, d_stride = Bf16 ? kBlockK : 1;
+    float* row = sc;  // free again: [2, dp]
     for (int64_t c = 0; c < kBlockK && j0 + c < s.keys; ++c) {
-      T* dk = a.dk + ((b * s.keys + j0 + c) * s.kv_heads + hk) * D;
-      T* dv = a.dv + ((b * s.keys + j0 + c) * s.kv_heads + hk) * D;
       for (int64_t d = 0; d < D; ++d) {
-        simd::store(dk_acc[c * c_stride + d * d_stride] * s.scale, &dk[d]);
-        simd::store(dv_acc[c * c_stride + d * d_stride], &dv[d]);
+        row[d] = dk_acc[c * c_stride + d * d_stride] * s.scale;
+        row[dp + d] = dv_acc[c * c_stride + d * d_stride];
       }
+      const int64_t at = ((b * s.keys + j0 + c) * s.kv_heads + hk) * D;
+      store_row(row, a.dk + at, D);
+      store_row(row + dp, a.dv + at, D);
     }
   }
 }
@@ -663,8 +690,9 @@ void backward_typed(const Plan& p, const Tensor& q, const Tensor& k, const Tenso
     return bf16 ? Tensor::empty(std::move(shape), DType::BF16)
                 : Tensor::zeros(std::move(shape), DType::F32);
   };
-  Tensor qp = pack({B, H, queries, dp});
-  Tensor dop = pack({B, H, queries, dp});
+  const bool rows_in_place = bf16 && D == dp;
+  Tensor qp = rows_in_place ? Tensor() : pack({B, H, queries, dp});
+  Tensor dop = rows_in_place ? Tensor() : pack({B, H, queries, dp});
   Tensor kp = pack({B, Hkv, p.padded_keys, dp});
   Tensor kt = pack({B, Hkv, p.k_tiles, dp, kBlockK});
   Tensor vt = pack({B, Hkv, p.k_tiles, dp, kBlockK});
@@ -700,8 +728,10 @@ void backward_typed(const Plan& p, const Tensor& q, const Tensor& k, const Tenso
       const int64_t padded_queries = p.q_tiles * kBlockQ;
       q_pairs = Tensor::empty({B, H, padded_queries, dp}, DType::BF16);
       dout_pairs = Tensor::empty({B, H, padded_queries, dp}, DType::BF16);
-      pack_rows(q.data<T>(), B, queries, H, D, queries, dp, qp.data<bfloat16>());
-      pack_rows(dout.data<T>(), B, queries, H, D, queries, dp, dop.data<bfloat16>());
+      if (D != dp) {  // else the tiles read q's and dout's rows in place
+        pack_rows(q.data<T>(), B, queries, H, D, queries, dp, qp.data<bfloat16>());
+        pack_rows(dout.data<T>(), B, queries, H, D, queries, dp, dop.data<bfloat16>());
+      }
       pack_pairs_along_keys(q.data<T>(), B, queries, H, D, padded_queries, dp,
                             q_pairs.data<bfloat16>());
       pack_pairs_along_keys(dout.data<T>(), B, queries, H, D, padded_queries, dp,
@@ -722,13 +752,30 @@ void backward_typed(const Plan& p, const Tensor& q, const Tensor& k, const Tenso
     const T* o = out.data<T>();
     const T* g = dout.data<T>();
     float* dl = delta.data<float>();
+    // BF16 rows are widened in bulk (a token's H heads at once), then summed in F32.
 #pragma omp parallel for collapse(2) schedule(static)
     for (int64_t b = 0; b < B; ++b) {
       for (int64_t i = 0; i < queries; ++i) {
+        const int64_t at = (b * queries + i) * H * D;
+        float o_f32[kMaxHeadsTimesD], g_f32[kMaxHeadsTimesD];
+        const float* ov = o_f32;
+        const float* gv = g_f32;
+        if constexpr (std::is_same_v<T, float>) {
+          ov = o + at;
+          gv = g + at;
+        } else if (H * D <= kMaxHeadsTimesD) {
+          convert_bf16_to_f32(o + at, o_f32, static_cast<size_t>(H * D));
+          convert_bf16_to_f32(g + at, g_f32, static_cast<size_t>(H * D));
+        }
         for (int64_t h = 0; h < H; ++h) {
-          const int64_t at = ((b * queries + i) * H + h) * D;
           float sum = 0.0f;
-          for (int64_t d = 0; d < D; ++d) sum += simd::load(o[at + d]) * simd::load(g[at + d]);
+          if (std::is_same_v<T, float> || H * D <= kMaxHeadsTimesD) {
+            for (int64_t d = 0; d < D; ++d) sum += ov[h * D + d] * gv[h * D + d];
+          } else {
+            for (int64_t d = 0; d < D; ++d) {
+              sum += simd::load(o[at + h * D + d]) * simd::load(g[at + h * D + d]);
+            }
+          }
           dl[(b * H + h) * queries + i] = sum;
         }
       }
@@ -736,8 +783,9 @@ void backward_typed(const Plan& p, const Tensor& q, const Tensor& k, const Tenso
   }
 
   const BackwardArgs<T> args{&p,
-                             qp.raw(),
-                             dop.raw(),
+                             rows_in_place ? q.raw() : qp.raw(),
+                             rows_in_place ? dout.raw() : dop.raw(),
+                             rows_in_place,
                              kp.raw(),
                              kt.raw(),
                              vt.raw(),
@@ -771,12 +819,13 @@ void backward_typed(const Plan& p, const Tensor& q, const Tensor& k, const Tenso
     for (int64_t i = 0; i < queries; ++i) {
       for (int64_t h = 0; h < H; ++h) {
         const float* row = acc + ((b * H + h) * queries + i) * dp;
-        T* dst = out_dq + ((b * queries + i) * H + h) * D;
+        float sums[attention_detail::kMaxHeadDim];
         for (int64_t d = 0; d < D; ++d) {
           float sum = 0.0f;
           for (int64_t sp = 0; sp < splits; ++sp) sum += row[sp * split_stride + d];
-          simd::store(sum * s.scale, &dst[d]);
+          sums[d] = sum * s.scale;
         }
+        store_row(sums, out_dq + ((b * queries + i) * H + h) * D, D);
       }
     }
   }
