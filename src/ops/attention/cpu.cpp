@@ -16,6 +16,7 @@
 #include <limits>
 #include <string>
 #include <type_traits>
+#include <utility>
 
 #include "core/convert.h"
 #include "octet/cpu_features.h"
@@ -493,8 +494,10 @@ struct BackwardArgs {
 };
 
 constexpr int64_t backward_workspace_floats(int64_t dp) {
-  // + P and dS in BF16 pairs and dS in BF16 rows (BF16 tiles) + the amax slot
-  return 3 * kBlockQ * kBlockK + 2 * kBlockK * dp + 3 * kBlockQ * kBlockK / 2 + 1;
+  // + P and dS in BF16 pairs, dS in BF16 rows and dK, dV transposed back (BF16 tiles) + the
+  // amax slot
+  return 3 * kBlockQ * kBlockK + 2 * kBlockK * dp + 3 * kBlockQ * kBlockK / 2 + 2 * kBlockK * dp +
+         1;
 }
 
 // dst [ceil(rows/2), kBlockK, 2] := rows r and r + 1 of src [rows, kBlockK] as BF16 pairs (the
@@ -524,6 +527,8 @@ OCTET_ALWAYS_INLINE void backward_task(const BackwardArgs<T>& a, int64_t b, int6
   uint16_t* p_pairs = reinterpret_cast<uint16_t*>(dv_acc + kBlockK * dp);  // [rows/2,kBlockK,2]
   uint16_t* ds_pairs = p_pairs + kBlockQ * kBlockK;                        // [rows/2,kBlockK,2]
   uint16_t* ds_rows = ds_pairs + kBlockQ * kBlockK;                        // [rows, kBlockK]
+  float* dk_back = reinterpret_cast<float*>(ds_rows + kBlockQ * kBlockK);  // [kBlockK, dp]
+  float* dv_back = dk_back + kBlockK * dp;                                 // [kBlockK, dp]
   // dV's operand is P itself unless dropout or FP8 changes it (dS keeps the undropped P).
   const bool own_pd = p.dropout || p.p_fp8.active();
   const float* pv = own_pd ? pd : sc;
@@ -633,18 +638,30 @@ OCTET_ALWAYS_INLINE void backward_task(const BackwardArgs<T>& a, int64_t b, int6
         }
       }
     }
-    // dK and dV rows of this key tile ([dp, kBlockK] transposed under BF16 tiles), through a
-    // row of F32 (the scores' scale applied to dK) into the output dtype.
-    const int64_t c_stride = Bf16 ? 1 : dp, d_stride = Bf16 ? kBlockK : 1;
-    float* row = sc;  // free again: [2, dp]
-    for (int64_t c = 0; c < kBlockK && j0 + c < s.keys; ++c) {
-      for (int64_t d = 0; d < D; ++d) {
-        row[d] = dk_acc[c * c_stride + d * d_stride] * s.scale;
-        row[dp + d] = dv_acc[c * c_stride + d * d_stride];
+    // dK and dV rows of this key tile, through rows of F32 (the scores' scale applied to dK)
+    // into the output dtype; under BF16 tiles the accumulators are [dp, kBlockK], transposed
+    // back 16 x 16 first.
+    const float* dk_rows = dk_acc;
+    const float* dv_rows = dv_acc;
+    if constexpr (Bf16) {
+      for (int64_t d0 = 0; d0 < dp; d0 += 16) {
+        for (int64_t c0 = 0; c0 < kBlockK; c0 += 16) {
+          for (auto [from, to] : {std::pair{dk_acc, dk_back}, std::pair{dv_acc, dv_back}}) {
+            bf16dot::transpose_words_16x16(
+                reinterpret_cast<const uint32_t*>(from + d0 * kBlockK + c0), kBlockK, 16, 16,
+                reinterpret_cast<uint32_t*>(to + c0 * dp + d0), dp, 16);
+          }
+        }
       }
+      dk_rows = dk_back;
+      dv_rows = dv_back;
+    }
+    float* row = pd;  // free again
+    for (int64_t c = 0; c < kBlockK && j0 + c < s.keys; ++c) {
+      for (int64_t d = 0; d < D; ++d) row[d] = dk_rows[c * dp + d] * s.scale;
       const int64_t at = ((b * s.keys + j0 + c) * s.kv_heads + hk) * D;
       store_row(row, a.dk + at, D);
-      store_row(row + dp, a.dv + at, D);
+      store_row(dv_rows + c * dp, a.dv + at, D);
     }
   }
 }
