@@ -118,7 +118,9 @@ run 4 "TP=2 x PP=2 sequence-parallel DualPipe" --tensor-model-parallel-size 2 \
 # FP8 roundings of the same gradient differ by ~2^-4 relative per element, so gradients are
 # compared in L2 (measured worst 0.14 DP, 0.13 TP: the attention's small gradients) and held
 # to 0.25 (a gradient scaled by 1.3, or a shard in the wrong place, fails); FP8 scales (which
-# must have moved off 1.0) to 0.2 under DP (measured 0.13) and 0.05 under TP (measured 0.026);
+# must have moved off 1.0) to 0.2 under DP (measured 0.13) and 0.1 under TP (measured 0.026
+# with F32 attention tiles, 0.059 where they run in BF16 pairs: P and dS rounded to BF16 make the
+# attention gradients more sensitive to the layouts' FP8 differences upstream);
 # updates are not compared (AdamW's first steps are sign-like and FP8 noise flips small
 # gradients' signs). Losses stay within 2e-3 of the single process's. PP=2 runs every
 # micro-batch as one process does: equal scales and losses, FP32 tolerances for the tensors
@@ -149,10 +151,10 @@ close() {
 }
 close 2 "FP8 DP=2" 0.2
 close 2 "FP8 DP=2 ZeRO-1" 0.2 --use-distributed-optimizer
-close 2 "FP8 TP=2" 0.05 --tensor-model-parallel-size 2
-close 2 "FP8 TP=2 sequence-parallel" 0.05 --tensor-model-parallel-size 2 --sequence-parallel
-close 4 "FP8 TP=2 x PP=2" 0.05 --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2
-close 4 "FP8 TP=2 x PP=2, recompute" 0.05 --tensor-model-parallel-size 2 \
+close 2 "FP8 TP=2" 0.1 --tensor-model-parallel-size 2
+close 2 "FP8 TP=2 sequence-parallel" 0.1 --tensor-model-parallel-size 2 --sequence-parallel
+close 4 "FP8 TP=2 x PP=2" 0.1 --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2
+close 4 "FP8 TP=2 x PP=2, recompute" 0.1 --tensor-model-parallel-size 2 \
   --pipeline-model-parallel-size 2 --recompute-activations
 # FP8 PP=2 computes exactly what one process does; so must its recomputation, although 1F1B
 # runs micro-batch 1's forward (moving the delayed scales) before micro-batch 0's backward.
