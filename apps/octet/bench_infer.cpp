@@ -33,7 +33,7 @@ struct Options {
   int64_t steps = 64;  // timed decode steps per case (the median step: 16 read FP8 low)
   int rounds = 3;
   int64_t clients = 32;  // the latency case: requests arriving together
-  int64_t block_size = 16;
+  int64_t block_size = EngineOptions{}.block_size;
   uint64_t seed = 1234;
   bool json = false;
   bool no_torch = false;

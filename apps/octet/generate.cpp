@@ -21,7 +21,7 @@ struct GenerateOptions {
   SamplingOptions sampling;
   std::string precision = "fp32";
   std::string prompts_file;  // one prompt per line, generated together on the engine
-  int64_t block_size = 16;
+  int64_t block_size = EngineOptions{}.block_size;
   int64_t kv_cache_mb = 64;
   bool fp8_weights = false;
   bool fp8_kv = false;

@@ -24,7 +24,9 @@
 namespace octet {
 
 struct EngineOptions {
-  int64_t block_size = 16;                   // tokens per KV block
+  // Tokens per KV block. A sequence wastes half a block on average (its last one): 8 keeps that
+  // under 4% from ~100-token contexts (16: 4.5% at the benchmark's 129-192), at the same speed.
+  int64_t block_size = 8;
   int64_t num_blocks = 0;                    // 0: as many as kv_cache_bytes holds
   size_t kv_cache_bytes = size_t{64} << 20;  // used when num_blocks is 0
   int64_t max_num_seqs = 64;                 // sequences in the running batch at most
