@@ -8,9 +8,13 @@
 // pipeline schedule table of the simulator. The PyTorch peer (bench/peers/torch_ddp.py: one
 // process, and DistributedDataParallel over gloo) trains the same model and global batch in
 // the same run; its tokens/s and octet's ratio to it are printed beside.
+// The layouts and the peer run in rounds (every octet layout then the peer, the peer first in
+// odd rounds): on a loaded machine two identical runs differ by up to 2x, so every ratio is
+// the median of per-round ratios (both sides measured within the same minutes), with its spread.
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -42,6 +46,7 @@ struct Options {
   int64_t seq_length = 256;
   int64_t iters = 6;
   int64_t warmup = 2;
+  int rounds = 2;  // each round runs every layout and the peer: a few multi-second runs
   std::string precision = "bf16";
   int pipeline_ranks = 4;
   int micro_batches = 8;
@@ -86,12 +91,16 @@ std::string config_path(const std::string& config) {
   return resolve_config(config).string();
 }
 
+// Whether the layout reduces gradients over data-parallel ranks (its grad comm figures count).
+bool is_data_parallel(const Layout& layout) {
+  return (layout.processes > 1 || layout.flags.find("distributed") != std::string::npos) &&
+         layout.flags.find("tensor-model-parallel") == std::string::npos;
+}
+
 Measured run_layout(const Options& o, const Layout& layout, double peak_gflops) {
   Measured m;
   m.layout = layout;
-  m.data_parallel =
-      (layout.processes > 1 || layout.flags.find("distributed") != std::string::npos) &&
-      layout.flags.find("tensor-model-parallel") == std::string::npos;
+  m.data_parallel = is_data_parallel(layout);
   const auto dir = std::filesystem::temp_directory_path() /
                    ("octet-bench-parallel-" + std::to_string(::getpid()));
   std::filesystem::create_directories(dir);
@@ -157,13 +166,15 @@ std::vector<nlohmann::json> measure_torch(const Options& o) {
     return {};
   }
   const std::string precision = o.precision == "fp32" ? "fp32" : "bf16";
+  // Bounded: the DDP peer was seen to hang in its teardown after printing both results (19 min
+  // at 26 s of CPU); its lines are read as they come, so killing it then loses nothing.
   const std::string command =
-      "/usr/bin/python3 '" + script.string() + "' --config '" + config_path(o.config) +
-      "' --precision " + precision + " --micro-batch-size " + std::to_string(o.micro_batch_size) +
-      " --seq-length " + std::to_string(o.seq_length) + " --global-batch-size " +
-      std::to_string(o.micro_batch_size * o.ranks) + " --ranks " + std::to_string(o.ranks) +
-      " --steps " + std::to_string(o.iters - o.warmup) + " --warmup " + std::to_string(o.warmup) +
-      " 2>/dev/null";
+      "timeout -s KILL 900 /usr/bin/python3 '" + script.string() + "' --config '" +
+      config_path(o.config) + "' --precision " + precision + " --micro-batch-size " +
+      std::to_string(o.micro_batch_size) + " --seq-length " + std::to_string(o.seq_length) +
+      " --global-batch-size " + std::to_string(o.micro_batch_size * o.ranks) + " --ranks " +
+      std::to_string(o.ranks) + " --steps " + std::to_string(o.iters - o.warmup) + " --warmup " +
+      std::to_string(o.warmup) + " 2>/dev/null";
   std::fflush(nullptr);
   FILE* pipe = popen(command.c_str(), "r");
   if (pipe == nullptr) return {};
@@ -181,11 +192,87 @@ std::vector<nlohmann::json> measure_torch(const Options& o) {
   return out;
 }
 
-double torch_tokens(const std::vector<nlohmann::json>& torch, const std::string& impl) {
-  for (const nlohmann::json& t : torch) {
-    if (t.value("impl", "") == impl) return t.value("tokens_per_s", NAN);
+// ---- rounds: every octet layout, then the peer (the peer first in odd rounds) --------------
+
+double median_or_nan(const std::vector<double>& values) {
+  return values.empty() ? NAN : bench::median(values);
+}
+
+void push_finite(std::vector<double>& values, double value) {
+  if (std::isfinite(value)) values.push_back(value);
+}
+
+nlohmann::json json_number(double value) {
+  return std::isfinite(value) ? nlohmann::json(value) : nlohmann::json(nullptr);
+}
+
+double hidden_fraction(const Measured& m) {
+  return m.grad_comm_ms > 0 ? 1.0 - m.grad_exposed_ms / m.grad_comm_ms : 1.0;
+}
+
+// One octet layout over the rounds: the figures of the rounds it ran (a failed round leaves
+// none), and the number and error of each round it failed.
+struct LayoutRounds {
+  Layout layout;
+  bool data_parallel = false;
+  std::vector<double> tokens_per_s;
+  std::vector<double> vs_single;  // tokens/s over the same round's single process
+  std::vector<double> grad_comm_ms, grad_exposed_ms, hidden_fraction, param_gather_ms;
+  std::vector<int> failed_rounds;  // 1-based
+  std::vector<std::string> errors;
+};
+
+// One torch layout over the rounds, beside octet's layout number `octet_layout`.
+struct PeerRounds {
+  std::string impl;  // torch_single | torch_ddp, as torch_ddp.py names its lines
+  std::string name;  // its table row
+  size_t octet_layout = 0;
+  nlohmann::json last;  // the peer's latest line for it (null: never printed)
+  std::vector<double> tokens_per_s, step_ms, octet_vs_torch;
+};
+
+// Adds round number `round` (0-based): `measured` in the layouts' order, `torch` the peer's
+// lines of the same round.
+void add_round(int round, const std::vector<Measured>& measured,
+               const std::vector<nlohmann::json>& torch, std::vector<LayoutRounds>& layouts,
+               std::vector<PeerRounds>& peers) {
+  const double single = measured.front().tokens_per_s;  // NaN when it failed
+  for (size_t i = 0; i < measured.size(); ++i) {
+    const Measured& m = measured[i];
+    LayoutRounds& r = layouts[i];
+    if (!m.error.empty()) {
+      r.failed_rounds.push_back(round + 1);
+      r.errors.push_back(m.error);
+      continue;
+    }
+    push_finite(r.tokens_per_s, m.tokens_per_s);
+    push_finite(r.vs_single, m.tokens_per_s / single);
+    if (r.data_parallel) {
+      push_finite(r.grad_comm_ms, m.grad_comm_ms);
+      push_finite(r.grad_exposed_ms, m.grad_exposed_ms);
+      push_finite(r.hidden_fraction, hidden_fraction(m));
+      push_finite(r.param_gather_ms, m.param_gather_ms);
+    }
   }
-  return NAN;
+  for (PeerRounds& p : peers) {
+    for (const nlohmann::json& line : torch) {
+      if (line.value("impl", "") != p.impl) continue;
+      p.last = line;
+      const double theirs = line.value("tokens_per_s", NAN);
+      push_finite(p.tokens_per_s, theirs);
+      push_finite(p.step_ms, line.value("step_ms", NAN));
+      push_finite(p.octet_vs_torch, measured[p.octet_layout].tokens_per_s / theirs);
+    }
+  }
+}
+
+// The median of the per-round ratios under `name`, its spread and the rounds' values beside.
+void put_ratio(nlohmann::json& line, const std::string& name, const std::vector<double>& rounds) {
+  const bool any = !rounds.empty();
+  line[name] = json_number(median_or_nan(rounds));
+  line[name + "_min"] = json_number(any ? *std::min_element(rounds.begin(), rounds.end()) : NAN);
+  line[name + "_max"] = json_number(any ? *std::max_element(rounds.begin(), rounds.end()) : NAN);
+  line[name + "_rounds"] = rounds;
 }
 
 // ---- pipeline layouts: a worker per rank, the parent compares with the simulator ----------
@@ -510,15 +597,119 @@ void print_pipeline_table(const Options& o, const std::vector<PipelineMeasured>&
   std::fflush(stdout);
 }
 
+void print_layouts_json(const Options& o, const std::vector<LayoutRounds>& layouts,
+                        const std::vector<PeerRounds>& peers) {
+  for (const LayoutRounds& r : layouts) {
+    nlohmann::json line = {{"impl", "octet"},
+                           {"config", o.config},
+                           {"precision", o.precision},
+                           {"layout", r.layout.name},
+                           {"processes", r.layout.processes},
+                           {"rounds", o.rounds}};
+    if (r.tokens_per_s.empty()) {
+      line["error"] = r.errors.empty() ? std::string("no measured round") : r.errors.front();
+      std::printf("%s\n", line.dump().c_str());
+      continue;
+    }
+    if (!r.errors.empty()) {
+      line["failed_rounds"] = r.failed_rounds;
+      line["round_errors"] = r.errors;
+    }
+    line["tokens_per_s"] = bench::median(r.tokens_per_s);
+    line["tokens_per_s_rounds"] = r.tokens_per_s;
+    put_ratio(line, "ratio_vs_single_process", r.vs_single);
+    if (r.data_parallel) {
+      line["grad_comm_ms_per_step"] = json_number(median_or_nan(r.grad_comm_ms));
+      line["grad_comm_exposed_ms_per_step"] = json_number(median_or_nan(r.grad_exposed_ms));
+      line["grad_comm_hidden_fraction"] = json_number(median_or_nan(r.hidden_fraction));
+      line["param_gather_ms_per_step"] = json_number(median_or_nan(r.param_gather_ms));
+    }
+    std::printf("%s\n", line.dump().c_str());
+  }
+  for (const PeerRounds& p : peers) {
+    if (p.last.is_null()) continue;  // the peer never measured this layout
+    nlohmann::json line = p.last;    // its fields of the last round, figures as medians
+    line["tokens_per_s"] = json_number(median_or_nan(p.tokens_per_s));
+    line["tokens_per_s_rounds"] = p.tokens_per_s;
+    if (!p.step_ms.empty()) line["step_ms"] = bench::median(p.step_ms);
+    line["rounds"] = o.rounds;
+    line["octet_tokens_per_s"] = json_number(median_or_nan(layouts[p.octet_layout].tokens_per_s));
+    put_ratio(line, "octet_vs_torch", p.octet_vs_torch);
+    std::printf("%s\n", line.dump().c_str());
+  }
+}
+
+std::string join_rounds(const std::vector<int>& rounds) {
+  std::string text;
+  for (int r : rounds) text += (text.empty() ? "" : ", ") + std::to_string(r);
+  return text;
+}
+
+void print_layouts_table(const Options& o, const std::vector<LayoutRounds>& layouts,
+                         const std::vector<PeerRounds>& peers) {
+  std::printf(
+      "bench parallel: %s, %s, micro-batch %lld x seq %lld, global batch %lld, %d cores; %d "
+      "rounds (octet's layouts, then the peer; the peer first in odd rounds)\n"
+      "tokens/s: median over rounds of each run's median over steps %lld..%lld; ratios: median "
+      "(min..max) of per-round ratios; comm: medians over rounds of per-step means\n",
+      o.config.c_str(), o.precision.c_str(), (long long)o.micro_batch_size, (long long)o.seq_length,
+      (long long)(o.micro_batch_size * o.ranks), o.ranks, o.rounds, (long long)o.warmup + 1,
+      (long long)o.iters);
+  std::printf("%-34s %10s %21s %14s %14s %8s %12s\n", "layout", "tokens/s", "vs 1 proc",
+              "grad comm ms", "exposed ms", "hidden", "gather ms");
+  for (const LayoutRounds& r : layouts) {
+    if (r.tokens_per_s.empty()) {
+      std::printf("%-34s %s\n", r.layout.name.c_str(),
+                  r.errors.empty() ? "no measured round" : r.errors.front().c_str());
+      continue;
+    }
+    std::printf("%-34s %10.0f %21s", r.layout.name.c_str(), bench::median(r.tokens_per_s),
+                bench::median_range(r.vs_single).c_str());
+    if (r.data_parallel) {
+      std::printf(" %14.1f %14.1f %7.0f%% %12.1f\n", median_or_nan(r.grad_comm_ms),
+                  median_or_nan(r.grad_exposed_ms), 100.0 * median_or_nan(r.hidden_fraction),
+                  median_or_nan(r.param_gather_ms));
+    } else {
+      std::printf(" %14s %14s %8s %12s\n", "-", "-", "-", "-");
+    }
+  }
+  // A layout that failed in some rounds only: its figures are the other rounds'.
+  for (const LayoutRounds& r : layouts) {
+    if (r.tokens_per_s.empty() || r.errors.empty()) continue;
+    std::printf("%s failed in round(s) %s of %d, its figures are the other rounds': %s\n",
+                r.layout.name.c_str(), join_rounds(r.failed_rounds).c_str(), o.rounds,
+                r.errors.front().c_str());
+  }
+  std::printf("\n");
+  const PeerRounds* measured_peer = nullptr;
+  for (const PeerRounds& p : peers) {
+    if (!p.last.is_null() && measured_peer == nullptr) measured_peer = &p;
+  }
+  if (measured_peer != nullptr) {
+    std::printf("PyTorch 1.13 peer, same model and global batch (%s), in the same rounds:\n",
+                measured_peer->last.value("precision", "").c_str());
+    std::printf("%-34s %11s %12s %21s\n", "layout", "torch tok/s", "octet tok/s", "octet/torch");
+    for (const PeerRounds& p : peers) {
+      std::printf("%-34s %11.0f %12.0f %21s\n", p.name.c_str(), median_or_nan(p.tokens_per_s),
+                  median_or_nan(layouts[p.octet_layout].tokens_per_s),
+                  bench::median_range(p.octet_vs_torch).c_str());
+    }
+    std::printf("\n");
+  }
+  std::fflush(stdout);
+}
+
 void run(const Options& o) {
   OCTET_CHECK(o.ranks >= 2, "--ranks expected >= 2, got ", o.ranks);
+  OCTET_CHECK(o.rounds >= 1, "--rounds expected >= 1, got ", o.rounds);
   OCTET_CHECK(o.iters > o.warmup, "--iters (", o.iters, ") must exceed --warmup (", o.warmup, ")");
   OCTET_CHECK(o.pipeline_iters > o.pipeline_warmup, "--pipeline-iters (", o.pipeline_iters,
               ") must exceed --pipeline-warmup (", o.pipeline_warmup, ")");
   const std::string n = std::to_string(o.ranks);
-  std::vector<Layout> layouts;
+  std::vector<LayoutRounds> layouts;
+  std::vector<PeerRounds> peers;
   if (!o.pipeline_only) {
-    layouts = {
+    const Layout all[] = {
         {"1 process x " + n + " threads", 1, ""},
         {"DP=" + n + ", reduce after backward", o.ranks, "--no-overlap-grad-reduce"},
         {"DP=" + n + ", overlapped", o.ranks, ""},
@@ -526,111 +717,90 @@ void run(const Options& o) {
         {"TP=" + n + ", sequence-parallel", o.ranks,
          "--tensor-model-parallel-size " + n + " --sequence-parallel"},
     };
+    for (const Layout& layout : all) {
+      LayoutRounds r;
+      r.layout = layout;
+      r.data_parallel = is_data_parallel(layout);
+      layouts.push_back(r);
+    }
+    // octet's layout beside each torch one: the single process, and DP overlapped (as DDP).
+    auto add_peer = [&](const std::string& impl, const std::string& name, size_t octet_layout) {
+      PeerRounds p;
+      p.impl = impl;
+      p.name = name;
+      p.octet_layout = octet_layout;
+      peers.push_back(p);
+    };
+    if (!o.no_torch) {
+      add_peer("torch_single", "1 process x " + n + " threads", 0);
+      for (size_t i = 0; i < layouts.size(); ++i) {
+        const Layout& layout = layouts[i].layout;
+        if (layout.flags.empty() && layout.processes > 1) {
+          add_peer("torch_ddp", "DP=" + n + " overlapped (torch DDP, gloo)", i);
+        }
+      }
+    }
   }
   const double peak = layouts.empty() ? 0.0 : measure_bf16_peak_gflops();
-  std::vector<Measured> results;
-  for (const Layout& layout : layouts) {
-    if (!o.json) std::fprintf(stderr, "bench parallel: %s ...\n", layout.name.c_str());
-    results.push_back(run_layout(o, layout, peak));
+  for (int round = 0; !layouts.empty() && round < o.rounds; ++round) {
+    std::vector<Measured> measured;
+    std::vector<nlohmann::json> torch;
+    auto run_octet = [&] {
+      for (const LayoutRounds& r : layouts) {
+        if (!o.json) {
+          std::fprintf(stderr, "bench parallel: round %d/%d: %s ...\n", round + 1, o.rounds,
+                       r.layout.name.c_str());
+        }
+        measured.push_back(run_layout(o, r.layout, peak));
+        if (!measured.back().error.empty()) {
+          std::fprintf(stderr, "bench parallel: round %d/%d: %s failed\n", round + 1, o.rounds,
+                       r.layout.name.c_str());
+        }
+      }
+    };
+    auto run_peer = [&] {
+      if (peers.empty()) return;
+      if (!o.json) {
+        std::fprintf(stderr, "bench parallel: round %d/%d: PyTorch peer (1 process, DDP) ...\n",
+                     round + 1, o.rounds);
+      }
+      torch = measure_torch(o);
+    };
+    if (round % 2 == 1) run_peer();  // who goes first alternates round by round
+    run_octet();
+    if (round % 2 == 0) run_peer();
+    add_round(round, measured, torch, layouts, peers);
+    if (!o.json) {
+      std::fprintf(stderr, "bench parallel: round %d/%d tokens/s:", round + 1, o.rounds);
+      for (const Measured& m : measured) {
+        std::fprintf(stderr, " %s %.0f;", m.layout.name.c_str(), m.tokens_per_s);
+      }
+      for (const nlohmann::json& t : torch) {
+        std::fprintf(stderr, " %s %.0f;", t.value("impl", "").c_str(),
+                     t.value("tokens_per_s", NAN));
+      }
+      std::fprintf(stderr, "\n");
+    }
   }
-  std::vector<nlohmann::json> torch;
-  if (!o.pipeline_only && !o.no_torch) {
-    if (!o.json) std::fprintf(stderr, "bench parallel: PyTorch peer (1 process, DDP) ...\n");
-    torch = measure_torch(o);
-  }
-  // octet's layout beside each torch one: the single process, and DP overlapped (as DDP).
-  const double octet_single = results.empty() ? NAN : results.front().tokens_per_s;
-  double octet_ddp = NAN;
-  for (const Measured& m : results) {
-    if (m.layout.flags.empty() && m.layout.processes > 1) octet_ddp = m.tokens_per_s;
-  }
+  // The pipeline layouts have no peer: one run each, after the rounds.
   std::vector<PipelineMeasured> pipelines;
   for (const std::string& schedule : split_list(o.pipeline_schedules)) {
     if (!o.json) std::fprintf(stderr, "bench parallel: PP=%d %s ...\n", o.ranks, schedule.c_str());
     pipelines.push_back(run_pipeline_layout(o, schedule));
   }
-  const double base = results.empty() ? NAN : results.front().tokens_per_s;
   if (o.json) {
-    for (const Measured& m : results) {
-      nlohmann::json line = {{"impl", "octet"},
-                             {"config", o.config},
-                             {"precision", o.precision},
-                             {"layout", m.layout.name},
-                             {"processes", m.layout.processes}};
-      if (!m.error.empty()) {
-        line["error"] = m.error;
-      } else {
-        line["tokens_per_s"] = m.tokens_per_s;
-        line["ratio_vs_single_process"] = m.tokens_per_s / base;
-        if (m.data_parallel) {
-          line["grad_comm_ms_per_step"] = m.grad_comm_ms;
-          line["grad_comm_exposed_ms_per_step"] = m.grad_exposed_ms;
-          line["grad_comm_hidden_fraction"] =
-              m.grad_comm_ms > 0 ? 1.0 - m.grad_exposed_ms / m.grad_comm_ms : 1.0;
-          line["param_gather_ms_per_step"] = m.param_gather_ms;
-        }
-      }
-      std::printf("%s\n", line.dump().c_str());
-    }
-    for (nlohmann::json t : torch) {
-      const bool ddp = t.value("impl", "") == "torch_ddp";
-      t["octet_tokens_per_s"] = ddp ? octet_ddp : octet_single;
-      t["octet_vs_torch"] = (ddp ? octet_ddp : octet_single) / t.value("tokens_per_s", NAN);
-      std::printf("%s\n", t.dump().c_str());
-    }
+    print_layouts_json(o, layouts, peers);
     for (const PipelineMeasured& m : pipelines) print_pipeline_json(o, m);
-  } else if (!results.empty()) {
-    std::printf(
-        "bench parallel: %s, %s, micro-batch %lld x seq %lld, global batch %lld, %d "
-        "cores; medians over steps %lld..%lld\n",
-        o.config.c_str(), o.precision.c_str(), (long long)o.micro_batch_size,
-        (long long)o.seq_length, (long long)(o.micro_batch_size * o.ranks), o.ranks,
-        (long long)o.warmup + 1, (long long)o.iters);
-    std::printf("%-34s %10s %8s %14s %14s %8s %12s\n", "layout", "tokens/s", "vs 1 proc",
-                "grad comm ms", "exposed ms", "hidden", "gather ms");
-    for (const Measured& m : results) {
-      if (!m.error.empty()) {
-        std::printf("%-34s %s\n", m.layout.name.c_str(), m.error.c_str());
-        continue;
-      }
-      std::printf("%-34s %10.0f %8.2fx", m.layout.name.c_str(), m.tokens_per_s,
-                  m.tokens_per_s / base);
-      if (m.data_parallel) {
-        std::printf(" %14.1f %14.1f %7.0f%% %12.1f\n", m.grad_comm_ms, m.grad_exposed_ms,
-                    100.0 * (m.grad_comm_ms > 0 ? 1.0 - m.grad_exposed_ms / m.grad_comm_ms : 1.0),
-                    m.param_gather_ms);
-      } else {
-        std::printf(" %14s %14s %8s %12s\n", "-", "-", "-", "-");
-      }
-    }
-    std::printf("\n");
-    if (!torch.empty()) {
-      std::printf("PyTorch 1.13 peer, same model and global batch (%s), in this run:\n",
-                  torch.front().value("precision", "").c_str());
-      std::printf("%-34s %10s %12s %14s\n", "layout", "torch tok/s", "octet tok/s", "octet/torch");
-      const struct {
-        std::string name, impl;
-        double octet;
-      } rows[] = {{"1 process x " + n + " threads", "torch_single", octet_single},
-                  {"DP=" + n + " overlapped (torch DDP, gloo)", "torch_ddp", octet_ddp}};
-      for (const auto& row : rows) {
-        const double theirs = torch_tokens(torch, row.impl);
-        std::printf("%-34s %10.0f %12.0f %13.2fx\n", row.name.c_str(), theirs, row.octet,
-                    row.octet / theirs);
-      }
-      std::printf("\n");
-    }
-    std::fflush(stdout);
+    return;
   }
-  if (!o.json) {
-    print_pipeline_table(o, pipelines);
-    // The pipeline schedules, from the simulator.
-    const std::string command = self_exe() + " schedule --pipeline-model-parallel-size " +
-                                std::to_string(o.pipeline_ranks) + " --num-microbatches " +
-                                std::to_string(o.micro_batches);
-    if (std::system(command.c_str()) != 0) {
-      std::printf("(octet schedule failed: %s)\n", command.c_str());
-    }
+  if (!layouts.empty()) print_layouts_table(o, layouts, peers);
+  print_pipeline_table(o, pipelines);
+  // The pipeline schedules, from the simulator.
+  const std::string command = self_exe() + " schedule --pipeline-model-parallel-size " +
+                              std::to_string(o.pipeline_ranks) + " --num-microbatches " +
+                              std::to_string(o.micro_batches);
+  if (std::system(command.c_str()) != 0) {
+    std::printf("(octet schedule failed: %s)\n", command.c_str());
   }
 }
 
@@ -649,6 +819,11 @@ void register_bench_parallel(CLI::App& bench) {
   cmd->add_option("--seq-length", o->seq_length, "Tokens per sequence")->check(at_least(1));
   cmd->add_option("--iters", o->iters, "Training steps per layout")->check(at_least(1));
   cmd->add_option("--warmup", o->warmup, "Steps left out of the figures")->check(at_least(0));
+  cmd->add_option("--rounds", o->rounds,
+                  "Rounds, each running every layout and the PyTorch peer in turn (ratios: "
+                  "median and spread of per-round ratios; default 2, as each layout is a "
+                  "multi-second mpirun run)")
+      ->check(at_least(1));
   cmd->add_option("--precision", o->precision, "fp32 | bf16 | fp8");
   cmd->add_option("--pipeline-model-parallel-size", o->pipeline_ranks,
                   "Ranks of the simulated pipeline schedule table")
