@@ -189,6 +189,13 @@ void pack_pairs_along_keys(const bfloat16* src, int64_t B, int64_t L, int64_t Hx
   }
 }
 
+// Storage for a pack: the BF16 packs write every element (padding as zeros), the F32 ones need
+// zeroed storage.
+Tensor pack_storage(bool bf16, Shape shape) {
+  return bf16 ? Tensor::empty(std::move(shape), DType::BF16)
+              : Tensor::zeros(std::move(shape), DType::F32);
+}
+
 // dst[0, n) := src[0, n) in T (BF16: the bulk conversion, nearest even).
 template <typename T>
 void store_row(const float* src, T* dst, int64_t n) {
@@ -414,11 +421,7 @@ void forward_typed(const Plan& p, const Tensor& q, const Tensor& k, const Tensor
                    Tensor& lse) {
   const AttentionShape& s = p.s;
   const bool bf16 = p.bf16_tiles;
-  // The BF16 packs write every element (padding as zeros); the F32 ones need zeroed storage.
-  auto pack = [bf16](Shape shape) {
-    return bf16 ? Tensor::empty(std::move(shape), DType::BF16)
-                : Tensor::zeros(std::move(shape), DType::F32);
-  };
+  auto pack = [bf16](Shape shape) { return pack_storage(bf16, std::move(shape)); };
   Tensor kt = pack({s.batch, s.kv_heads, p.k_tiles, p.dp, kBlockK});
   Tensor vp = pack({s.batch, s.kv_heads, p.padded_keys, p.dp});
   auto tile_fn = forward_tile_scalar<T>;
@@ -702,11 +705,7 @@ void backward_typed(const Plan& p, const Tensor& q, const Tensor& k, const Tenso
                                              std::min(kMaxSplits, p.k_tiles));
 
   const bool bf16 = p.bf16_tiles;
-  // The BF16 packs write every element (padding as zeros); the F32 ones need zeroed storage.
-  auto pack = [bf16](Shape shape) {
-    return bf16 ? Tensor::empty(std::move(shape), DType::BF16)
-                : Tensor::zeros(std::move(shape), DType::F32);
-  };
+  auto pack = [bf16](Shape shape) { return pack_storage(bf16, std::move(shape)); };
   const bool rows_in_place = bf16 && D == dp;
   Tensor qp = rows_in_place ? Tensor() : pack({B, H, queries, dp});
   Tensor dop = rows_in_place ? Tensor() : pack({B, H, queries, dp});
