@@ -13,6 +13,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <utility>
 
 #include "ops/simd.h"
 
@@ -56,24 +57,27 @@ OCTET_ALWAYS_INLINE float reduce_sum(F<W> v) {
 
 // Every lane := the max (or sum) over all lanes of v, by log2(W) butterfly steps (lane i meets
 // lane i ^ step): a few permutes instead of a scalar loop, and the result is already splat.
-template <int W>
-OCTET_ALWAYS_INLINE typename Types<W>::I butterfly_mask(int step) {
-  typename Types<W>::I mask;
-  for (int i = 0; i < W; ++i) mask[i] = i ^ step;
-  return mask;
+// __builtin_shufflevector (GCC 12 and clang) takes the lane indices as constants.
+template <int Step, int W, size_t... Lane>
+OCTET_ALWAYS_INLINE F<W> butterfly(F<W> v, std::index_sequence<Lane...>) {
+  return __builtin_shufflevector(v, v, static_cast<int>(Lane ^ Step)...);
 }
-template <int W>
+template <int W, int Step = W / 2>
 OCTET_ALWAYS_INLINE F<W> all_max(F<W> v) {
-  for (int step = W / 2; step > 0; step /= 2) {
-    const F<W> other = __builtin_shuffle(v, butterfly_mask<W>(step));
-    v = other > v ? other : v;
+  if constexpr (Step == 0) {
+    return v;
+  } else {
+    const F<W> other = butterfly<Step, W>(v, std::make_index_sequence<W>{});
+    return all_max<W, Step / 2>(other > v ? other : v);
   }
-  return v;
 }
-template <int W>
+template <int W, int Step = W / 2>
 OCTET_ALWAYS_INLINE F<W> all_sum(F<W> v) {
-  for (int step = W / 2; step > 0; step /= 2) v += __builtin_shuffle(v, butterfly_mask<W>(step));
-  return v;
+  if constexpr (Step == 0) {
+    return v;
+  } else {
+    return all_sum<W, Step / 2>(v + butterfly<Step, W>(v, std::make_index_sequence<W>{}));
+  }
 }
 
 // 2^x to about 2e-7 relative error (Cephes exp2f polynomial on [-0.5, 0.5]); exactly 0 below
