@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <bit>
 #include <chrono>
+#include <cmath>
 #include <csignal>
 #include <cstdint>
 #include <cstdio>
@@ -44,6 +45,18 @@ inline std::string median_range(const std::vector<double>& v, const char* format
   std::snprintf(high, sizeof high, "%.2f", *std::max_element(v.begin(), v.end()));
   std::snprintf(text, sizeof text, "%s (%s..%s)", median_text, low, high);
   return text;
+}
+
+// Per-round figures: a failed side (NaN) is left out of the median and the spread.
+inline void push_finite(std::vector<double>& values, double value) {
+  if (std::isfinite(value)) values.push_back(value);
+}
+inline double median_or_nan(const std::vector<double>& values) {
+  return values.empty() ? NAN : median(values);
+}
+// A JSON number, or null for NaN / Inf (which JSON cannot hold).
+inline nlohmann::json json_number(double value) {
+  return std::isfinite(value) ? nlohmann::json(value) : nlohmann::json(nullptr);
 }
 
 inline double elapsed_ms(std::chrono::steady_clock::time_point since) {

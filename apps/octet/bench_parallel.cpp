@@ -194,18 +194,6 @@ std::vector<nlohmann::json> measure_torch(const Options& o) {
 
 // ---- rounds: every octet layout, then the peer (the peer first in odd rounds) --------------
 
-double median_or_nan(const std::vector<double>& values) {
-  return values.empty() ? NAN : bench::median(values);
-}
-
-void push_finite(std::vector<double>& values, double value) {
-  if (std::isfinite(value)) values.push_back(value);
-}
-
-nlohmann::json json_number(double value) {
-  return std::isfinite(value) ? nlohmann::json(value) : nlohmann::json(nullptr);
-}
-
 double hidden_fraction(const Measured& m) {
   return m.grad_comm_ms > 0 ? 1.0 - m.grad_exposed_ms / m.grad_comm_ms : 1.0;
 }
@@ -245,13 +233,13 @@ void add_round(int round, const std::vector<Measured>& measured,
       r.errors.push_back(m.error);
       continue;
     }
-    push_finite(r.tokens_per_s, m.tokens_per_s);
-    push_finite(r.vs_single, m.tokens_per_s / single);
+    bench::push_finite(r.tokens_per_s, m.tokens_per_s);
+    bench::push_finite(r.vs_single, m.tokens_per_s / single);
     if (r.data_parallel) {
-      push_finite(r.grad_comm_ms, m.grad_comm_ms);
-      push_finite(r.grad_exposed_ms, m.grad_exposed_ms);
-      push_finite(r.hidden_fraction, hidden_fraction(m));
-      push_finite(r.param_gather_ms, m.param_gather_ms);
+      bench::push_finite(r.grad_comm_ms, m.grad_comm_ms);
+      bench::push_finite(r.grad_exposed_ms, m.grad_exposed_ms);
+      bench::push_finite(r.hidden_fraction, hidden_fraction(m));
+      bench::push_finite(r.param_gather_ms, m.param_gather_ms);
     }
   }
   for (PeerRounds& p : peers) {
@@ -259,9 +247,9 @@ void add_round(int round, const std::vector<Measured>& measured,
       if (line.value("impl", "") != p.impl) continue;
       p.last = line;
       const double theirs = line.value("tokens_per_s", NAN);
-      push_finite(p.tokens_per_s, theirs);
-      push_finite(p.step_ms, line.value("step_ms", NAN));
-      push_finite(p.octet_vs_torch, measured[p.octet_layout].tokens_per_s / theirs);
+      bench::push_finite(p.tokens_per_s, theirs);
+      bench::push_finite(p.step_ms, line.value("step_ms", NAN));
+      bench::push_finite(p.octet_vs_torch, measured[p.octet_layout].tokens_per_s / theirs);
     }
   }
 }
@@ -269,9 +257,11 @@ void add_round(int round, const std::vector<Measured>& measured,
 // The median of the per-round ratios under `name`, its spread and the rounds' values beside.
 void put_ratio(nlohmann::json& line, const std::string& name, const std::vector<double>& rounds) {
   const bool any = !rounds.empty();
-  line[name] = json_number(median_or_nan(rounds));
-  line[name + "_min"] = json_number(any ? *std::min_element(rounds.begin(), rounds.end()) : NAN);
-  line[name + "_max"] = json_number(any ? *std::max_element(rounds.begin(), rounds.end()) : NAN);
+  line[name] = bench::json_number(bench::median_or_nan(rounds));
+  line[name + "_min"] =
+      bench::json_number(any ? *std::min_element(rounds.begin(), rounds.end()) : NAN);
+  line[name + "_max"] =
+      bench::json_number(any ? *std::max_element(rounds.begin(), rounds.end()) : NAN);
   line[name + "_rounds"] = rounds;
 }
 
@@ -619,21 +609,25 @@ void print_layouts_json(const Options& o, const std::vector<LayoutRounds>& layou
     line["tokens_per_s_rounds"] = r.tokens_per_s;
     put_ratio(line, "ratio_vs_single_process", r.vs_single);
     if (r.data_parallel) {
-      line["grad_comm_ms_per_step"] = json_number(median_or_nan(r.grad_comm_ms));
-      line["grad_comm_exposed_ms_per_step"] = json_number(median_or_nan(r.grad_exposed_ms));
-      line["grad_comm_hidden_fraction"] = json_number(median_or_nan(r.hidden_fraction));
-      line["param_gather_ms_per_step"] = json_number(median_or_nan(r.param_gather_ms));
+      line["grad_comm_ms_per_step"] = bench::json_number(bench::median_or_nan(r.grad_comm_ms));
+      line["grad_comm_exposed_ms_per_step"] =
+          bench::json_number(bench::median_or_nan(r.grad_exposed_ms));
+      line["grad_comm_hidden_fraction"] =
+          bench::json_number(bench::median_or_nan(r.hidden_fraction));
+      line["param_gather_ms_per_step"] =
+          bench::json_number(bench::median_or_nan(r.param_gather_ms));
     }
     std::printf("%s\n", line.dump().c_str());
   }
   for (const PeerRounds& p : peers) {
     if (p.last.is_null()) continue;  // the peer never measured this layout
     nlohmann::json line = p.last;    // its fields of the last round, figures as medians
-    line["tokens_per_s"] = json_number(median_or_nan(p.tokens_per_s));
+    line["tokens_per_s"] = bench::json_number(bench::median_or_nan(p.tokens_per_s));
     line["tokens_per_s_rounds"] = p.tokens_per_s;
     if (!p.step_ms.empty()) line["step_ms"] = bench::median(p.step_ms);
     line["rounds"] = o.rounds;
-    line["octet_tokens_per_s"] = json_number(median_or_nan(layouts[p.octet_layout].tokens_per_s));
+    line["octet_tokens_per_s"] =
+        bench::json_number(bench::median_or_nan(layouts[p.octet_layout].tokens_per_s));
     put_ratio(line, "octet_vs_torch", p.octet_vs_torch);
     std::printf("%s\n", line.dump().c_str());
   }
@@ -666,9 +660,10 @@ void print_layouts_table(const Options& o, const std::vector<LayoutRounds>& layo
     std::printf("%-34s %10.0f %21s", r.layout.name.c_str(), bench::median(r.tokens_per_s),
                 bench::median_range(r.vs_single).c_str());
     if (r.data_parallel) {
-      std::printf(" %14.1f %14.1f %7.0f%% %12.1f\n", median_or_nan(r.grad_comm_ms),
-                  median_or_nan(r.grad_exposed_ms), 100.0 * median_or_nan(r.hidden_fraction),
-                  median_or_nan(r.param_gather_ms));
+      std::printf(" %14.1f %14.1f %7.0f%% %12.1f\n", bench::median_or_nan(r.grad_comm_ms),
+                  bench::median_or_nan(r.grad_exposed_ms),
+                  100.0 * bench::median_or_nan(r.hidden_fraction),
+                  bench::median_or_nan(r.param_gather_ms));
     } else {
       std::printf(" %14s %14s %8s %12s\n", "-", "-", "-", "-");
     }
@@ -690,8 +685,9 @@ void print_layouts_table(const Options& o, const std::vector<LayoutRounds>& layo
                 measured_peer->last.value("precision", "").c_str());
     std::printf("%-34s %11s %12s %21s\n", "layout", "torch tok/s", "octet tok/s", "octet/torch");
     for (const PeerRounds& p : peers) {
-      std::printf("%-34s %11.0f %12.0f %21s\n", p.name.c_str(), median_or_nan(p.tokens_per_s),
-                  median_or_nan(layouts[p.octet_layout].tokens_per_s),
+      std::printf("%-34s %11.0f %12.0f %21s\n", p.name.c_str(),
+                  bench::median_or_nan(p.tokens_per_s),
+                  bench::median_or_nan(layouts[p.octet_layout].tokens_per_s),
                   bench::median_range(p.octet_vs_torch).c_str());
     }
     std::printf("\n");

@@ -326,10 +326,6 @@ struct RoundRatios {
   std::vector<double> fp32_vs_torch, bf16_vs_torch, fp8_vs_torch_bf16, fp8_vs_bf16;
 };
 
-void push_finite(std::vector<double>& v, double value) {
-  if (std::isfinite(value)) v.push_back(value);
-}
-
 const Result* find(const std::vector<Result>& results, const std::string& impl,
                    const std::string& precision) {
   for (const Result& r : results) {
@@ -351,20 +347,16 @@ struct Ratios {
   double bf16_vs_torch_cpu = NAN, fp8_vs_bf16_cpu = NAN;
 };
 
-double median_or_nan(const std::vector<double>& v) {
-  return v.empty() ? NAN : bench::median(v);
-}
-
 Ratios ratios(const std::vector<Result>& results, const RoundRatios& rounds) {
   auto saved = [&](const char* impl, const char* precision) {
     const Result* r = find(results, impl, precision);
     return r ? static_cast<double>(r->saved_activation_bytes) : NAN;
   };
   Ratios q;
-  q.fp32_vs_torch = median_or_nan(rounds.fp32_vs_torch);
-  q.bf16_vs_torch = median_or_nan(rounds.bf16_vs_torch);
-  q.fp8_vs_torch_bf16 = median_or_nan(rounds.fp8_vs_torch_bf16);
-  q.fp8_vs_bf16_tokens = median_or_nan(rounds.fp8_vs_bf16);
+  q.fp32_vs_torch = bench::median_or_nan(rounds.fp32_vs_torch);
+  q.bf16_vs_torch = bench::median_or_nan(rounds.bf16_vs_torch);
+  q.fp8_vs_torch_bf16 = bench::median_or_nan(rounds.fp8_vs_torch_bf16);
+  q.fp8_vs_bf16_tokens = bench::median_or_nan(rounds.fp8_vs_bf16);
   q.fp8_vs_bf16_saved = saved("octet", "fp8") / saved("octet", "bf16");
   auto per_cpu = [&](const char* impl, const char* precision) {
     const Result* r = find(results, impl, precision);
@@ -373,10 +365,6 @@ Ratios ratios(const std::vector<Result>& results, const RoundRatios& rounds) {
   q.bf16_vs_torch_cpu = per_cpu("octet", "bf16") / per_cpu("torch_bf16", "bf16");
   q.fp8_vs_bf16_cpu = per_cpu("octet", "fp8") / per_cpu("octet", "bf16");
   return q;
-}
-
-nlohmann::json json_number(double value) {
-  return std::isfinite(value) ? nlohmann::json(value) : nlohmann::json(nullptr);
 }
 
 // Each category's ms per step, then "other" (the step's remainder: embeddings' gathers, residual
@@ -412,26 +400,26 @@ void print_json(const std::vector<Result>& results, const RoundRatios& rounds,
                            {"peak_gflops", peak_gflops},
                            {"peak_bytes", r.peak_bytes},
                            {"saved_activation_bytes", r.saved_activation_bytes},
-                           {"loss", json_number(r.loss)},
+                           {"loss", bench::json_number(r.loss)},
                            {"threads", num_threads()}};
     if (r.has_breakdown) line["breakdown_ms"] = breakdown_json(r);
     if (r.impl == "octet") {
       line["train_step_peak_bytes"] = r.step_peak_bytes;
       // Medians of the per-round ratios; the per-round values beside them.
       if (r.precision == "fp32") {
-        line["ratio_vs_torch"] = json_number(q.fp32_vs_torch);
+        line["ratio_vs_torch"] = bench::json_number(q.fp32_vs_torch);
         line["ratio_vs_torch_rounds"] = rounds.fp32_vs_torch;
       }
       if (r.precision == "bf16") {
-        line["ratio_vs_torch"] = json_number(q.bf16_vs_torch);
+        line["ratio_vs_torch"] = bench::json_number(q.bf16_vs_torch);
         line["ratio_vs_torch_rounds"] = rounds.bf16_vs_torch;
       }
       if (r.precision == "fp8") {
-        line["ratio_vs_torch_bf16"] = json_number(q.fp8_vs_torch_bf16);
+        line["ratio_vs_torch_bf16"] = bench::json_number(q.fp8_vs_torch_bf16);
         line["ratio_vs_torch_bf16_rounds"] = rounds.fp8_vs_torch_bf16;
-        line["ratio_vs_bf16_tokens"] = json_number(q.fp8_vs_bf16_tokens);
+        line["ratio_vs_bf16_tokens"] = bench::json_number(q.fp8_vs_bf16_tokens);
         line["ratio_vs_bf16_tokens_rounds"] = rounds.fp8_vs_bf16;
-        line["ratio_vs_bf16_saved_activations"] = json_number(q.fp8_vs_bf16_saved);
+        line["ratio_vs_bf16_saved_activations"] = bench::json_number(q.fp8_vs_bf16_saved);
       }
     }
     std::printf("%s\n", line.dump().c_str());
@@ -615,10 +603,10 @@ void run_bench(const Options& o) {
       }
       return NAN;
     };
-    push_finite(rounds.fp32_vs_torch, ours("fp32") / theirs("fp32"));
-    push_finite(rounds.bf16_vs_torch, ours("bf16") / theirs("bf16"));
-    push_finite(rounds.fp8_vs_torch_bf16, ours("fp8") / theirs("bf16"));
-    push_finite(rounds.fp8_vs_bf16, ours("fp8") / ours("bf16"));
+    bench::push_finite(rounds.fp32_vs_torch, ours("fp32") / theirs("fp32"));
+    bench::push_finite(rounds.bf16_vs_torch, ours("bf16") / theirs("bf16"));
+    bench::push_finite(rounds.fp8_vs_torch_bf16, ours("fp8") / theirs("bf16"));
+    bench::push_finite(rounds.fp8_vs_bf16, ours("fp8") / ours("bf16"));
     if (!o.json) {
       std::fprintf(stderr, "bench train: round %d/%d tokens/s:", round + 1, o.rounds);
       for (size_t i = 0; i < runs.size(); ++i) {

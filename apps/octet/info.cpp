@@ -86,8 +86,8 @@ void print_info(bool as_json) {
       "               GEMMs run widened to F32; OCTET_GEMM_BF16=widen|native|auto)\n",
       info["bf16_gemm"].get<std::string>().c_str(), gemm_bf16_dot_rate());
   std::printf(
-      "bf16 attention %s tiles (flash attention's products on BF16 inputs; bf16 pairs where BF16\n"
-      "               GEMMs run natively; OCTET_ATTENTION_TILES=bf16|f32|auto)\n",
+      "attention      %s tiles for BF16 inputs (bf16 pairs where VDPBF16PS does >= 0.75x the\n"
+      "               FMA's flops; OCTET_ATTENTION_TILES=bf16|f32|auto)\n",
       info["bf16_attention_tiles"].get<std::string>().c_str());
   std::printf("threads        %d\n", num_threads());
 }

@@ -9,9 +9,9 @@
 #include <unordered_map>
 
 #include "core/convert.h"
-#include "octet/cpu_features.h"
 #include "gemm/packed_weight.h"
 #include "gemm/workspace.h"
+#include "octet/cpu_features.h"
 
 namespace octet::gemm_detail {
 

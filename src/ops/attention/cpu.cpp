@@ -30,10 +30,9 @@ namespace {
 using attention_detail::AttentionShape;
 using attention_detail::KeyRange;
 
-constexpr int64_t kBlockQ = 64;            // queries per tile
-constexpr int64_t kBlockK = 64;            // keys per tile
-constexpr int64_t kPadD = 16;              // the widest vector: packed rows hold whole vectors
-constexpr int64_t kMaxHeadsTimesD = 4096;  // backward's delta widens a token's rows on the stack
+constexpr int64_t kBlockQ = 64;  // queries per tile
+constexpr int64_t kBlockK = 64;  // keys per tile
+constexpr int64_t kPadD = 16;    // the widest vector: packed rows hold whole vectors
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kInf = std::numeric_limits<float>::infinity();
 
@@ -56,9 +55,8 @@ struct Plan {
 
 // BF16 tiles for BF16 inputs where the processor has VDPBF16PS at least 0.75x as fast as its F32
 // FMA per flop (bf16_dot_rate(), the rule BF16 GEMMs follow), unless FP8 attention rounds P or
-// dS to FP8 (those stay F32 operands). OCTET_ATTENTION_TILES=bf16|f32
-// forces a path (bf16 only where the processor has it; the tests run both), auto (or unset)
-// chooses.
+// dS to FP8 (those stay F32 operands). OCTET_ATTENTION_TILES=bf16|f32 forces a path (bf16 only
+// where the processor has it; the tests run both), auto (or unset) chooses.
 bool use_bf16_tiles(const AttentionOptions& o, DType dtype) {
   const char* text = std::getenv("OCTET_ATTENTION_TILES");
   const std::string choice = text != nullptr ? text : "";
@@ -768,30 +766,24 @@ void backward_typed(const Plan& p, const Tensor& q, const Tensor& k, const Tenso
     const T* o = out.data<T>();
     const T* g = dout.data<T>();
     float* dl = delta.data<float>();
-    // BF16 rows are widened in bulk (a token's H heads at once), then summed in F32.
-#pragma omp parallel for collapse(2) schedule(static)
+    // BF16 rows are widened in bulk, then summed in F32.
+#pragma omp parallel for collapse(3) schedule(static)
     for (int64_t b = 0; b < B; ++b) {
       for (int64_t i = 0; i < queries; ++i) {
-        const int64_t at = (b * queries + i) * H * D;
-        float o_f32[kMaxHeadsTimesD], g_f32[kMaxHeadsTimesD];
-        const float* ov = o_f32;
-        const float* gv = g_f32;
-        if constexpr (std::is_same_v<T, float>) {
-          ov = o + at;
-          gv = g + at;
-        } else if (H * D <= kMaxHeadsTimesD) {
-          convert_bf16_to_f32(o + at, o_f32, static_cast<size_t>(H * D));
-          convert_bf16_to_f32(g + at, g_f32, static_cast<size_t>(H * D));
-        }
         for (int64_t h = 0; h < H; ++h) {
-          float sum = 0.0f;
-          if (std::is_same_v<T, float> || H * D <= kMaxHeadsTimesD) {
-            for (int64_t d = 0; d < D; ++d) sum += ov[h * D + d] * gv[h * D + d];
+          const int64_t at = ((b * queries + i) * H + h) * D;
+          float o_row[attention_detail::kMaxHeadDim], g_row[attention_detail::kMaxHeadDim];
+          const float* ov = o_row;
+          const float* gv = g_row;
+          if constexpr (std::is_same_v<T, float>) {
+            ov = o + at;
+            gv = g + at;
           } else {
-            for (int64_t d = 0; d < D; ++d) {
-              sum += simd::load(o[at + h * D + d]) * simd::load(g[at + h * D + d]);
-            }
+            convert_bf16_to_f32(o + at, o_row, static_cast<size_t>(D));
+            convert_bf16_to_f32(g + at, g_row, static_cast<size_t>(D));
           }
+          float sum = 0.0f;
+          for (int64_t d = 0; d < D; ++d) sum += ov[d] * gv[d];
           dl[(b * H + h) * queries + i] = sum;
         }
       }
