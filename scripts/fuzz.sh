@@ -2,7 +2,7 @@
 # Fuzzes octet's readers with libFuzzer under AddressSanitizer + UndefinedBehaviorSanitizer.
 #   scripts/fuzz.sh [seconds-per-target] [targets...]     (default: 60 s, every target)
 # Targets (tests/fuzz/fuzz_<target>.cpp): safetensors checkpoint token_shard model_config
-# tokenizer. Builds build-fuzz with clang, replays each target's kept crash inputs
+# tokenizer idx. Builds build-fuzz with clang, replays each target's kept crash inputs
 # (tests/fuzz/regressions/<target>/, each must now pass), then fuzzes a copy of its seed corpus
 # (tests/fuzz/corpus/<target>/) on one process for the given time. Prints per target the
 # executions, exec/s, corpus size and crashes; exits 1 on any crash, keeping the input under
@@ -14,7 +14,7 @@ seconds="${1:-60}"
 shift || true
 targets=("$@")
 if ((${#targets[@]} == 0)); then
-  targets=(safetensors checkpoint token_shard model_config tokenizer)
+  targets=(safetensors checkpoint token_shard model_config tokenizer idx)
 fi
 
 build_start=$SECONDS

@@ -9,6 +9,8 @@ packages=(
   ocl-icd-opencl-dev opencl-c-headers  # only because Debian's dnnl-config.cmake asks for OpenCL
   nlohmann-json3-dev        # JSON for --json output, configs, checkpoint headers
   libssl-dev                # OpenSSL: SHA-256 of checkpoint files (verified on load)
+  zlib1g-dev                # zlib: reads the gzip-compressed IDX files of dataset-fashion-mnist
+  dataset-fashion-mnist     # Fashion-MNIST (IDX files): ViT and image-text training
   libcli11-dev              # the octet command line
   libgtest-dev              # unit tests
   libcpp-httplib-dev        # octet serve: the HTTP server (and its tests' client)

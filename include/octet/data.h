@@ -1,4 +1,5 @@
-// Data: the GPT-2 byte-level BPE tokenizer and token shards (binary files of token ids).
+// Data: the GPT-2 byte-level BPE tokenizer, token shards (binary files of token ids) and
+// labelled images from IDX files (Fashion-MNIST).
 #pragma once
 
 #include <cstddef>
@@ -139,5 +140,32 @@ class TokenShard {
   int id_bytes_ = 0;
   int32_t vocab_size_ = 0;
 };
+
+// Images and their class labels from IDX files (the MNIST / Fashion-MNIST format: big-endian
+// magic 0x00000803 for uint8 images [count, rows, cols], 0x00000801 for uint8 labels [count]).
+// Plain or gzip-compressed files (read through zlib).
+struct ImageDataset {
+  int64_t count = 0, rows = 0, cols = 0;
+  int64_t num_classes = 0;
+  std::vector<uint8_t> pixels;  // [count, rows, cols], row-major
+  std::vector<uint8_t> labels;  // [count], each < num_classes
+  const uint8_t* image(int64_t i) const { return pixels.data() + i * rows * cols; }
+  // Reads both files; every defect is an octet::Error naming the file and what was expected:
+  // missing/unreadable file, corrupt gzip stream, wrong magic (say which magic was expected and
+  // which found), a dimension that is zero or > 65536 (the count: > 2^30), truncated data
+  // ("expected N bytes of pixels, found M"), trailing bytes after the data, images and labels
+  // counts that differ, a label >= num_classes (name the index and the value).
+  static ImageDataset load_idx(const std::string& images_path, const std::string& labels_path,
+                               int64_t num_classes);
+};
+// Fashion-MNIST's ten classes, in label order: "T-shirt/top", "Trouser", "Pullover", "Dress",
+// "Coat", "Sandal", "Shirt", "Sneaker", "Bag", "Ankle boot".
+const std::vector<std::string>& fashion_mnist_classes();
+// Debian's dataset-fashion-mnist directory: /usr/share/datasets/fashion-mnist.
+std::string default_fashion_mnist_dir();
+// DIR/{train|t10k}-images-idx3-ubyte[.gz] and the matching labels (the .gz name tried first,
+// then the plain one); a missing directory or file is an error that says to install the Debian
+// package dataset-fashion-mnist (scripts/setup.sh does).
+ImageDataset load_fashion_mnist(const std::string& dir, bool train);
 
 }  // namespace octet

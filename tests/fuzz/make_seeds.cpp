@@ -1,6 +1,10 @@
 // Writes the seed inputs of the fuzz targets that octet itself produces (safetensors files, a
-// checkpoint, token shards) into tests/fuzz/corpus/<target>/. Run once by hand after a format
-// change: build-fuzz/tests/fuzz/fuzz_make_seeds; the files are committed.
+// checkpoint, token shards), and small IDX image and label pairs, into tests/fuzz/corpus/<target>/.
+// Run once by hand after a format change: build-fuzz/tests/fuzz/fuzz_make_seeds; the files are
+// committed.
+#include <zlib.h>
+
+#include <cstdint>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -46,6 +50,34 @@ TensorMap small_tensors() {
   return tensors;
 }
 
+// An IDX file: big-endian magic and dimensions, then the uint8 data.
+std::string idx_bytes(uint32_t magic, const std::vector<uint32_t>& shape,
+                      const std::vector<uint8_t>& data) {
+  std::string bytes;
+  auto put = [&](uint32_t word) {
+    for (int shift = 24; shift >= 0; shift -= 8) bytes += static_cast<char>((word >> shift) & 0xFF);
+  };
+  put(magic);
+  for (uint32_t size : shape) put(size);
+  bytes.append(data.begin(), data.end());
+  return bytes;
+}
+
+std::string gzip_bytes(const std::string& bytes) {
+  const fs::path temp = fs::temp_directory_path() / "octet-seed.gz";
+  gzFile file = gzopen(temp.c_str(), "wb");
+  gzwrite(file, bytes.data(), static_cast<unsigned>(bytes.size()));
+  gzclose(file);
+  std::string compressed = read_bytes(temp);
+  fs::remove(temp);
+  return compressed;
+}
+
+// A fuzz_idx input: the images file's length in one byte, the images file, the labels file.
+std::string idx_pair(const std::string& images, const std::string& labels) {
+  return std::string(1, static_cast<char>(images.size())) + images + labels;
+}
+
 }  // namespace
 
 int main() {
@@ -83,6 +115,16 @@ int main() {
   write_token_shard(temp.string(), {}, 16);
   write_bytes(corpus / "token_shard/empty.bin", read_bytes(temp));
   fs::remove(temp);
+
+  std::vector<uint8_t> pixels(3 * 4 * 5);
+  for (size_t i = 0; i < pixels.size(); ++i) pixels[i] = static_cast<uint8_t>(i * 37 + 11);
+  write_bytes(corpus / "idx/three_4x5",
+              idx_pair(idx_bytes(0x803, {3, 4, 5}, pixels), idx_bytes(0x801, {3}, {9, 0, 4})));
+  write_bytes(corpus / "idx/one_1x1",
+              idx_pair(idx_bytes(0x803, {1, 1, 1}, {200}), idx_bytes(0x801, {1}, {0})));
+  pixels.resize(2 * 3 * 3);
+  write_bytes(corpus / "idx/two_3x3_gzip", idx_pair(gzip_bytes(idx_bytes(0x803, {2, 3, 3}, pixels)),
+                                                    gzip_bytes(idx_bytes(0x801, {2}, {1, 8}))));
   std::printf("seeds written under %s\n", corpus.c_str());
   return 0;
 }
