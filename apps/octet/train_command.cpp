@@ -1,4 +1,4 @@
-// `octet train`: trains a GPT (Megatron's flag names), see src/train/trainer.cpp.
+// `octet train`: trains a GPT or a ViT (Megatron's flag names), see src/train/trainer.cpp.
 #include <memory>
 
 #include "commands.h"
@@ -8,16 +8,21 @@
 namespace octet::cli {
 
 void register_train(CLI::App& app) {
-  CLI::App* cmd = app.add_subcommand("train", "Train a GPT on a token shard (or --mock-data)");
+  CLI::App* cmd = app.add_subcommand("train",
+                                     "Train a GPT on a token shard, or a ViT (a config with "
+                                     "\"model\": \"vit\") on IDX images (or --mock-data)");
   auto o = std::make_shared<TrainOptions>();
   o->config_path = "gpt-mini";
-  cmd->add_option("--config", o->config_path, "Model config JSON, or a name (gpt-mini)")
+  cmd->add_option("--config", o->config_path, "Model config JSON, or a name (gpt-mini, vit-fmnist)")
       ->check(model_config_validator());
-  cmd->add_option("--train-data", o->train_data, "Training token shard (octet tokenize -o)")
-      ->check(CLI::ExistingFile);
-  cmd->add_option("--valid-data", o->valid_data, "Validation token shard")
-      ->check(CLI::ExistingFile);
-  cmd->add_flag("--mock-data", o->mock_data, "Random tokens instead of a corpus");
+  cmd->add_option("--train-data", o->train_data,
+                  "Training token shard (octet tokenize -o); for a ViT a directory of IDX files "
+                  "(its train-* split, e.g. /usr/share/datasets/fashion-mnist)")
+      ->check(CLI::ExistingPath);
+  cmd->add_option("--valid-data", o->valid_data,
+                  "Validation token shard; for a ViT a directory of IDX files (its t10k-* split)")
+      ->check(CLI::ExistingPath);
+  cmd->add_flag("--mock-data", o->mock_data, "Random tokens (or images) instead of a corpus");
   cmd->add_option("--seq-length", o->seq_length, "Tokens per sequence (default: the config's)")
       ->check(at_least(0));
   cmd->add_option("--vocab-size", o->vocab_size,

@@ -58,19 +58,10 @@ struct TiedOutputCache {
   void invalidate();  // after the parameters changed
 };
 
-// Which part of a GPT this process holds. Under pipeline parallelism (Megatron's pre_process /
-// post_process, generalized to several chunks per rank) the model is cut into `stages` equal
-// runs of layers, and chunk c of this rank holds stage stage_of_chunk[c]. The default, one
-// stage held as chunk 0, is the whole model. Under tensor parallelism (a group given) every
-// layer, the token embedding and the tied output layer are split across the group.
-struct GPTLayout {
-  int stages = 1;
-  std::vector<int> stage_of_chunk = {0};  // pipeline::stages_of_rank(schedule, rank)
-  Communicator* tensor = nullptr;         // the tensor-parallel group; null: none
-  // With a group: the residual stream, norms and position embedding on token shards
-  // [B*T/TP, C] (B*T divisible by TP at run time).
-  bool sequence_parallel = false;
-};
+// Which part of a GPT this process holds: a ModelLayout (trainable_model.h), whose pipeline
+// stages are equal runs of layers and whose tensor group splits every layer, the token
+// embedding and the tied output layer.
+using GPTLayout = ModelLayout;
 
 // A GPT, or the part of one that a rank holds: chunk c holds layers [s*L/stages,
 // (s+1)*L/stages) of stage s = stage_of_chunk[c], plus the embeddings (wte, wpe) when s is the

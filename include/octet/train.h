@@ -125,9 +125,9 @@ class Fp8StatsSummary {
 
 // Everything `octet train` takes (Megatron's flag names in the CLI).
 struct TrainOptions {
-  std::string config_path;  // configs/gpt-mini.json
-  std::string train_data;   // token shard (octet tokenize -o)
-  std::string valid_data;   // token shard for validation; empty = none
+  std::string config_path;  // configs/gpt-mini.json (GPT), configs/vit-fmnist.json (ViT)
+  std::string train_data;   // token shard (octet tokenize -o); ViT: a directory of IDX files
+  std::string valid_data;   // the same for validation (ViT: the directory's test split)
   bool mock_data = false;   // random tokens instead of the shards
   int64_t seq_length = 0;   // 0 = the config's max_seq_len
   int64_t vocab_size = 0;   // 0 = the config's vocab_size (else overrides it)
@@ -214,7 +214,8 @@ struct TrainResult {
   int64_t iterations = 0;
   float last_loss = 0;
   float last_val_loss = NAN;
-  std::vector<float> losses;  // per iteration
+  float last_val_accuracy = NAN;  // classifiers (ViT): the last validation's accuracy
+  std::vector<float> losses;      // per iteration
   double tokens_per_second = 0;
   double mfu = 0;
   int world_size = 1;

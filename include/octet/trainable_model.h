@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <utility>
 #include <vector>
 
 #include "octet/modules.h"
@@ -15,6 +16,21 @@
 
 namespace octet {
 
+// Which part of a model this process holds (every model of octet: GPT, ViT). Under pipeline
+// parallelism (Megatron's pre_process / post_process, generalized to several chunks per rank)
+// the model is cut into `stages` equal runs of layers, and chunk c of this rank holds stage
+// stage_of_chunk[c]. The default, one stage held as chunk 0, is the whole model. Under tensor
+// parallelism (a group given) every layer is split across the group (and what else the model
+// says).
+struct ModelLayout {
+  int stages = 1;
+  std::vector<int> stage_of_chunk = {0};  // pipeline::stages_of_rank(schedule, rank)
+  Communicator* tensor = nullptr;         // the tensor-parallel group; null: none
+  // With a group: the residual stream and norms on token shards [B*T/TP, C] (B*T divisible
+  // by TP at run time).
+  bool sequence_parallel = false;
+};
+
 class TrainableModel : public pipeline::StagedModel {
  public:
   // One micro-batch through the whole model (one stage held): forward in `dtype` (F32 or
@@ -23,6 +39,9 @@ class TrainableModel : public pipeline::StagedModel {
   virtual float train_step(const pipeline::MicroBatch& batch, DType dtype, float grad_scale) = 0;
   // The micro-batch's mean loss, without gradients.
   virtual float evaluate(const pipeline::MicroBatch& batch, DType dtype) = 0;
+  // Classifiers: the correct predictions and the samples that evaluation saw since the last
+  // call (each counted by one rank of the model group); {0, 0} for other models.
+  virtual std::pair<int64_t, int64_t> take_eval_counts() { return {0, 0}; }
 
   // Every FP8 state of the part held, and each one's index in the whole model's list: a
   // checkpoint's fp8.{index}. entries name the same GEMM at every layout.

@@ -2,65 +2,36 @@
 #include <cmath>
 #include <fstream>
 #include <limits>
-#include <set>
-#include <type_traits>
 
+#include "models/config_json.h"
 #include "octet/model.h"
 #include "octet/ops/activation.h"
 
 namespace octet {
 
+namespace models_detail {
+
+nlohmann::json read_config_file(const std::string& path) {
+  std::ifstream in(path);
+  OCTET_CHECK(in.good(), "model config '", path, "' not found");
+  nlohmann::json json = nlohmann::json::parse(in, nullptr, false);
+  OCTET_CHECK(!json.is_discarded(), "model config '", path, "' is not valid JSON");
+  return json;
+}
+
+}  // namespace models_detail
+
 GPTConfig GPTConfig::from_json(const nlohmann::json& json) {
   OCTET_CHECK(json.is_object(), "model config: expected a JSON object");
-  static const std::set<std::string> known = {"name",
-                                              "vocab_size",
-                                              "max_seq_len",
-                                              "num_layers",
-                                              "hidden",
-                                              "num_heads",
-                                              "num_gqa_groups",
-                                              "ffn_hidden",
-                                              "activation",
-                                              "normalization",
-                                              "position_embedding",
-                                              "rope_theta",
-                                              "layernorm_eps",
-                                              "dropout",
-                                              "bias",
-                                              "tied_embeddings",
-                                              "init_std"};
-  for (const auto& [key, value] : json.items()) {
-    OCTET_CHECK(known.count(key), "model config: unknown key '", key, "'");
-  }
   GPTConfig c;
-  // Each field takes only its own JSON type: nlohmann's conversions would truncate 1e300 into
-  // an int64 or a float (undefined behaviour) and wrap 2^64-1 to -1.
-  auto get = [&](const char* key, auto& field) {
-    if (!json.contains(key)) return;
-    const nlohmann::json& value = json.at(key);
-    using Field = std::decay_t<decltype(field)>;
-    bool fits = false;
-    const char* expected = "";
-    if constexpr (std::is_same_v<Field, bool>) {
-      fits = value.is_boolean();
-      expected = "true or false";
-    } else if constexpr (std::is_same_v<Field, std::string>) {
-      fits = value.is_string();
-      expected = "a string";
-    } else if constexpr (std::is_same_v<Field, int64_t>) {
-      fits = value.is_number_integer() &&
-             !(value.is_number_unsigned() && value.get<uint64_t>() > uint64_t{INT64_MAX});
-      expected = "an integer";
-    } else {
-      static_assert(std::is_same_v<Field, float>);
-      fits = value.is_number() && std::isfinite(value.get<double>()) &&
-             std::fabs(value.get<double>()) <= std::numeric_limits<float>::max();
-      expected = "a finite number";
-    }
-    OCTET_CHECK(fits, "model config: '", key, "' expected ", expected, ", got ",
-                value.is_primitive() ? value.dump().substr(0, 64) : value.type_name());
-    field = value.get<Field>();
-  };
+  std::string model = "gpt";
+  auto get = [&](const char* key, auto& field) { models_detail::read_field(json, key, field); };
+  get("model", model);
+  OCTET_CHECK(model == "gpt", "model config: 'model' expected \"gpt\" here, got '", model, "'");
+  models_detail::check_known_keys(
+      json, {"model", "name", "vocab_size", "max_seq_len", "num_layers", "hidden", "num_heads",
+             "num_gqa_groups", "ffn_hidden", "activation", "normalization", "position_embedding",
+             "rope_theta", "layernorm_eps", "dropout", "bias", "tied_embeddings", "init_std"});
   get("name", c.name);
   get("vocab_size", c.vocab_size);
   get("max_seq_len", c.max_seq_len);
@@ -114,10 +85,7 @@ GPTConfig GPTConfig::from_json(const nlohmann::json& json) {
 }
 
 GPTConfig GPTConfig::load(const std::string& path) {
-  std::ifstream in(path);
-  OCTET_CHECK(in.good(), "model config '", path, "' not found");
-  nlohmann::json json = nlohmann::json::parse(in, nullptr, false);
-  OCTET_CHECK(!json.is_discarded(), "model config '", path, "' is not valid JSON");
+  const nlohmann::json json = models_detail::read_config_file(path);
   try {
     return from_json(json);
   } catch (const Error& e) {

@@ -6,7 +6,9 @@
 #include <vector>
 
 #include "octet/error.h"
+#include "octet/model.h"
 #include "octet/rng.h"
+#include "octet/vit.h"
 
 namespace octet::train_detail {
 
@@ -41,6 +43,83 @@ void Batcher::fill(int64_t batch_index, int64_t micro_batch, Tensor& ids, Tensor
     std::copy(window.begin(), window.end() - 1, ids.data<int32_t>() + b * seq_len_);
     std::copy(window.begin() + 1, window.end(), targets.data<int32_t>() + b * seq_len_);
   }
+}
+
+pipeline::MicroBatch Batcher::batch(int64_t index, int64_t size) const {
+  Tensor ids, targets;
+  fill(index, size, ids, targets);
+  return gpt_micro_batch(ids, targets);
+}
+
+ImageBatcher::ImageBatcher(ImageDataset data, bool shuffle, uint64_t seed, uint64_t stream)
+    : data_(std::move(data)), shuffle_(shuffle), seed_(seed), stream_(stream) {
+  OCTET_CHECK(data_.count > 0, "image data: no images");
+  // The dataset's own statistics (Fashion-MNIST's training set: mean 0.286, std 0.353).
+  double sum = 0, squares = 0;
+  for (uint8_t p : data_.pixels) {
+    sum += p;
+    squares += double(p) * p;
+  }
+  const double n = static_cast<double>(data_.pixels.size());
+  const double mean = sum / n / 255.0, variance = squares / n / (255.0 * 255.0) - mean * mean;
+  mean_ = static_cast<float>(mean);
+  inv_std_ = static_cast<float>(1.0 / std::sqrt(std::max(variance, 1e-12)));
+}
+
+ImageBatcher::ImageBatcher(int64_t pixels, int64_t num_classes, uint64_t seed, uint64_t stream)
+    : mock_(true), mock_pixels_(pixels), mock_classes_(num_classes), seed_(seed), stream_(stream) {}
+
+int64_t ImageBatcher::sample(int64_t position) const {
+  const int64_t count = data_.count;
+  if (!shuffle_) return position % count;
+  const int64_t epoch = position / count;
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (epoch != epoch_) {
+    order_.resize(static_cast<size_t>(count));
+    for (int64_t i = 0; i < count; ++i) order_[static_cast<size_t>(i)] = i;
+    // Fisher-Yates with Philox(seed, epoch, stream): the same order on every rank and resume.
+    for (int64_t i = count - 1; i > 0; --i) {
+      const auto w = philox4x32(
+          seed_, static_cast<uint64_t>(epoch) * (uint64_t{1} << 32) + static_cast<uint64_t>(i),
+          stream_);
+      const uint64_t r = (uint64_t{w[0]} << 32) | w[1];
+      std::swap(order_[static_cast<size_t>(i)], order_[r % static_cast<uint64_t>(i + 1)]);
+    }
+    epoch_ = epoch;
+  }
+  return order_[static_cast<size_t>(position % count)];
+}
+
+pipeline::MicroBatch ImageBatcher::batch(int64_t index, int64_t size) const {
+  const int64_t pixels = mock_ ? mock_pixels_ : data_.rows * data_.cols;
+  Tensor x = Tensor::empty({size, pixels}, DType::F32);
+  Tensor labels = Tensor::empty({size}, DType::I32);
+  float* out = x.data<float>();
+  int32_t* y = labels.data<int32_t>();
+  for (int64_t b = 0; b < size; ++b) {
+    const uint64_t position = static_cast<uint64_t>(index * size + b);
+    if (mock_) {
+      for (int64_t p = 0; p < pixels; p += 2) {
+        // Box-Muller on two Philox words: two Gaussian pixels.
+        const auto w =
+            philox4x32(seed_ ^ 0x5bd1e995u, position * 65536 + static_cast<uint64_t>(p), stream_);
+        const double u1 = (w[0] + 1.0) / 4294967297.0, u2 = w[1] / 4294967296.0;
+        const double r = std::sqrt(-2.0 * std::log(u1)), angle = 6.283185307179586 * u2;
+        out[b * pixels + p] = static_cast<float>(r * std::cos(angle));
+        if (p + 1 < pixels) out[b * pixels + p + 1] = static_cast<float>(r * std::sin(angle));
+      }
+      y[b] = static_cast<int32_t>(philox4x32(seed_, position, stream_)[2] %
+                                  static_cast<uint64_t>(mock_classes_));
+      continue;
+    }
+    const int64_t i = sample(static_cast<int64_t>(position));
+    const uint8_t* image = data_.image(i);
+    for (int64_t p = 0; p < pixels; ++p) {
+      out[b * pixels + p] = (static_cast<float>(image[p]) * (1.0f / 255.0f) - mean_) * inv_std_;
+    }
+    y[b] = data_.labels[static_cast<size_t>(i)];
+  }
+  return vit_micro_batch(x, labels);
 }
 
 double unigram_entropy(const std::string& path) {

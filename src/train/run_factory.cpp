@@ -64,19 +64,7 @@ bool contains(const std::vector<Parameter*>& set, const Parameter* p) {
 }  // namespace
 
 TrainingRun::TrainingRun(const TrainOptions& options) : o_(options) {
-  config_ = GPTConfig::load(o_.config_path);
-  if (!o_.vocab_dir.empty()) {
-    // The tokenizer the shards were made with: its size is the model's unless --vocab-size
-    // says otherwise, and it travels in every checkpoint so that generation decodes with it.
-    const Gpt2Tokenizer tokenizer = Gpt2Tokenizer::load(o_.vocab_dir);
-    const int64_t size = o_.vocab_size ? o_.vocab_size : tokenizer.vocab_size();
-    OCTET_CHECK(size >= tokenizer.vocab_size(), "--vocab-size ", size,
-                " expected at least the tokenizer's ", tokenizer.vocab_size(), " (--vocab-dir ",
-                o_.vocab_dir, ")");
-    config_.vocab_size = size;
-  } else if (o_.vocab_size) {
-    config_.vocab_size = o_.vocab_size;
-  }
+  family_ = ModelFamily::from_options(o_);
   check_options();
   // Without a launcher the world is this process alone, and MPI is never started.
   world_ = launcher_world_size() > 1 ? world_communicator() : self_communicator();
@@ -100,7 +88,7 @@ TrainingRun::TrainingRun(const TrainOptions& options) : o_(options) {
   if (pipelined_) {
     build_pipeline();
   } else {
-    model_ = make_model(GPTLayout{});
+    model_ = make_model(ModelLayout{});
   }
   if (!o_.load.empty()) load_checkpoint_state();
   if (data_parallel_) build_data_parallel();
@@ -110,7 +98,7 @@ TrainingRun::TrainingRun(const TrainOptions& options) : o_(options) {
   if (fp8_ && !o_.load.empty()) restore_fp8_state();
 
   peak_gflops_ = o_.peak_gflops > 0 ? o_.peak_gflops : measure_bf16_peak_gflops();
-  flops_per_token_ = config_.train_flops_per_token(seq_len_);
+  flops_per_token_ = family_->train_flops_per_token(seq_len_);
   tokens_per_iteration_ = global_batch_ * seq_len_;
   if (!quiet_) print_setup();
   metrics_ = std::make_unique<MetricsWriter>(chief_ ? o_.metrics : std::string());
@@ -147,17 +135,14 @@ void TrainingRun::check_options() {
   if (!o_.dump_grads.empty()) check_writable_directory(o_.dump_grads, "--dump-grads");
   if (!o_.metrics.empty()) check_writable_file(o_.metrics, "--metrics");
   if (!o_.plot.empty()) check_writable_file(o_.plot, "--plot");
-  seq_len_ = o_.seq_length ? o_.seq_length : config_.max_seq_len;
-  OCTET_CHECK(seq_len_ > 0 && seq_len_ <= config_.max_seq_len, "--seq-length ", seq_len_,
-              " expected in [1, ", config_.max_seq_len, "]");
+  seq_len_ = family_->seq_len(o_);
   global_batch_ = o_.global_batch_size ? o_.global_batch_size : o_.micro_batch_size;
   OCTET_CHECK(o_.micro_batch_size > 0 && global_batch_ % o_.micro_batch_size == 0,
               "--global-batch-size (", global_batch_,
               ") must be a positive multiple of --micro-batch-size (", o_.micro_batch_size, ")");
   OCTET_CHECK(o_.train_iters > 0, "--train-iters must be positive, got ", o_.train_iters);
-  OCTET_CHECK(o_.mock_data || !o_.train_data.empty(),
-              "no training data: give --train-data SHARD (from `octet tokenize -o`) or "
-              "--mock-data");
+  OCTET_CHECK(o_.mock_data || !o_.train_data.empty(), "no training data: give ",
+              family_->data_hint());
   OCTET_CHECK(o_.dump_steps.empty() || !o_.dump_grads.empty(),
               "--dump-steps names the steps --dump-grads writes: give --dump-grads DIR too");
   for (int64_t step : o_.dump_steps) {
@@ -179,10 +164,10 @@ void TrainingRun::check_options() {
               o_.precision);
   OCTET_CHECK(
       !o_.first_last_layers_bf16 ||
-          o_.num_layers_at_start_in_bf16 + o_.num_layers_at_end_in_bf16 <= config_.num_layers,
+          o_.num_layers_at_start_in_bf16 + o_.num_layers_at_end_in_bf16 <= family_->num_layers(),
       "--num-layers-at-start-in-bf16 (", o_.num_layers_at_start_in_bf16,
       ") + --num-layers-at-end-in-bf16 (", o_.num_layers_at_end_in_bf16,
-      ") expected at most the model's ", config_.num_layers, " layers");
+      ") expected at most the model's ", family_->num_layers(), " layers");
   OCTET_CHECK(!o_.fp8_stats || fp8_ || fp4_,
               "--fp8-stats measures FP8 / FP4 GEMM inputs: it needs --precision fp8 or fp4, got "
               "--precision ",
@@ -190,30 +175,26 @@ void TrainingRun::check_options() {
 }
 
 void TrainingRun::open_data() {
-  train_batches_ = std::make_unique<Batcher>(o_.train_data, o_.mock_data, config_.vocab_size,
-                                             seq_len_, o_.seed, 1);
-  entropy_ = o_.mock_data || !chief_ ? NAN : unigram_entropy(o_.train_data);
+  train_batches_ = family_->open_data(o_, /*train=*/true, seq_len_);
+  entropy_ = chief_ ? family_->baseline_loss(o_) : NAN;
   if (!quiet_ && std::isfinite(entropy_)) {
-    std::printf("training data: unigram entropy %.3f nats (a model below it uses context)\n",
-                entropy_);
+    if (family_->classifies()) {
+      std::printf("training data: %.3f nats for a uniform guess (a model below it sees)\n",
+                  entropy_);
+    } else {
+      std::printf("training data: unigram entropy %.3f nats (a model below it uses context)\n",
+                  entropy_);
+    }
   }
-  if (o_.mock_data || !o_.valid_data.empty()) {
-    valid_batches_ = std::make_unique<Batcher>(o_.mock_data ? "" : o_.valid_data, o_.mock_data,
-                                               config_.vocab_size, seq_len_, o_.seed, 2);
-  }
+  valid_batches_ = family_->open_data(o_, /*train=*/false, seq_len_);
 }
 
-std::unique_ptr<TrainableModel> TrainingRun::make_model(GPTLayout layout) const {
+std::unique_ptr<TrainableModel> TrainingRun::make_model(ModelLayout layout) const {
   if (parallel_->tensor_size() > 1) {
     layout.tensor = &parallel_->tensor();
     layout.sequence_parallel = o_.sequence_parallel;
   }
-  auto model = std::make_unique<GPT>(config_, o_.seed, std::move(layout), o_.recompute_activations);
-  model->set_tp_comm_overlap(o_.tp_comm_overlap);
-  if (o_.first_last_layers_bf16) {
-    model->set_high_precision_layers(o_.num_layers_at_start_in_bf16, o_.num_layers_at_end_in_bf16);
-  }
-  return model;
+  return family_->make_model(std::move(layout), o_);
 }
 
 void TrainingRun::build_pipeline() {
@@ -221,7 +202,7 @@ void TrainingRun::build_pipeline() {
       pipeline::parse_schedule_kind(o_.pipeline_schedule), parallel_->pipeline_size(),
       static_cast<int>(accumulation_), static_cast<int>(o_.virtual_stages));
   model_ = make_model(
-      GPTLayout{schedule.stages, pipeline::stages_of_rank(schedule, parallel_->pipeline_rank())});
+      ModelLayout{schedule.stages, pipeline::stages_of_rank(schedule, parallel_->pipeline_rank())});
   pipeline::ExecutorOptions options;
   options.dtype = dtype_;
   if (delayed_scaling_ && parallel_->tensor_and_data().size() > 1) {
@@ -255,7 +236,7 @@ void TrainingRun::build_pipeline() {
 
 void TrainingRun::load_checkpoint_state() {
   Checkpoint checkpoint = load_checkpoint(o_.load);
-  OCTET_CHECK(checkpoint.trainer.value("config", nlohmann::json()) == config_.to_json(),
+  OCTET_CHECK(checkpoint.trainer.value("config", nlohmann::json()) == family_->config_json(),
               "checkpoint '", o_.load, "' was trained with another model config (",
               checkpoint.trainer.value("config", nlohmann::json()).dump(), ")");
   // A JSON object lacking a key would otherwise escape as nlohmann's exception.
@@ -359,7 +340,7 @@ void TrainingRun::print_setup() const {
       : fp4_ ? std::string(" (") + fp4_recipe_name(fp4_options_.recipe) + ", Linear GEMMs)"
              : "";
   std::printf("octet train: %s, %.2fM parameters, seq %lld, micro-batch %lld x %lld, %s%s\n",
-              config_.name.c_str(), config_.num_parameters() / 1e6, (long long)seq_len_,
+              family_->name().c_str(), family_->num_parameters() / 1e6, (long long)seq_len_,
               (long long)o_.micro_batch_size, (long long)accumulation_, o_.precision.c_str(),
               recipe.c_str());
   const ParallelState& parallel = *parallel_;

@@ -142,6 +142,10 @@ TrainResult TrainingRun::run() {
         (last || (o_.eval_interval > 0 && (iteration + 1) % o_.eval_interval == 0))) {
       result_.last_val_loss = evaluate();
       record["val_loss"] = result_.last_val_loss;
+      if (family_->classifies()) {
+        result_.last_val_accuracy = last_val_accuracy_;
+        record["val_accuracy"] = last_val_accuracy_;
+      }
       valid_curve_.push_back({static_cast<double>(iteration + 1), result_.last_val_loss});
     }
     if (chief_) metrics_->write(record);
@@ -168,10 +172,8 @@ TrainResult TrainingRun::run() {
 double TrainingRun::run_micro_batches(int64_t iteration) {
   const float grad_scale = 1.0f / static_cast<float>(accumulation_ * dp_);
   auto batch = [&](int64_t micro) {
-    Tensor ids, targets;
-    train_batches_->fill(iteration * micro_batches_per_step_ + micro * dp_ + dp_rank_,
-                         o_.micro_batch_size, ids, targets);
-    return gpt_micro_batch(ids, targets);
+    return train_batches_->batch(iteration * micro_batches_per_step_ + micro * dp_ + dp_rank_,
+                                 o_.micro_batch_size);
   };
   // Training micro-batches only: evaluation's forwards would overwrite the stats.
   fp8_stats_scope stats_scope(o_.fp8_stats);
@@ -261,21 +263,31 @@ float TrainingRun::evaluate() {
   const int64_t first = fp8_ ? 0 : dp_rank_, stride = fp8_ ? 1 : dp_;
   double sum = 0;
   for (int64_t k = first; k < o_.eval_iters; k += stride) {
-    Tensor ids, targets;
-    valid_batches_->fill(k, o_.micro_batch_size, ids, targets);
+    const pipeline::MicroBatch batch = valid_batches_->batch(k, o_.micro_batch_size);
     fp8_autocast scope(fp8_, recipe_);
     fp4_autocast fp4_scope(fp4_, fp4_options_);
     if (executor_) {
       // Through the pipeline stages, forward only (the executor's after_compute keeps the
       // FP8 amaxes equal over each stage's tensor x data ranks).
-      sum += executor_->evaluate({gpt_micro_batch(ids, targets)});
+      sum += executor_->evaluate({batch});
     } else {
-      sum += model_->evaluate(gpt_micro_batch(ids, targets), dtype_);
+      sum += model_->evaluate(batch, dtype_);
       // Tensor shards' weight amaxes differ: reduce so the tensor ranks keep equal scales.
       if (delayed_scaling_) reduce_fp8_amax(fp8_part_, parallel_->tensor());
     }
   }
   if (!fp8_) sum = parallel_->data().all_reduce(sum, ReduceOp::Sum);
+  if (family_->classifies()) {
+    // Counted where the head ran (the last stage, tensor rank 0); under FP8 every data rank
+    // ran every batch, so data rank 0's counts are the whole.
+    auto [correct, seen] = model_->take_eval_counts();
+    const bool counts = !fp8_ || dp_rank_ == 0;
+    const double total_correct =
+        parallel_->world().all_reduce(counts ? static_cast<double>(correct) : 0.0, ReduceOp::Sum);
+    const double total_seen =
+        parallel_->world().all_reduce(counts ? static_cast<double>(seen) : 0.0, ReduceOp::Sum);
+    last_val_accuracy_ = total_seen > 0 ? static_cast<float>(total_correct / total_seen) : NAN;
+  }
   return static_cast<float>(sum / static_cast<double>(o_.eval_iters));
 }
 
@@ -286,7 +298,7 @@ int64_t TrainingRun::optimizer_steps() const {
 nlohmann::json TrainingRun::trainer_state(int64_t iteration) const {
   return {{"iteration", iteration},
           {"optimizer_steps", optimizer_steps()},
-          {"config", config_.to_json()},
+          {"config", family_->config_json()},
           {"seed", o_.seed},
           {"precision", o_.precision}};
 }
@@ -375,7 +387,8 @@ void TrainingRun::dump(int64_t step, TensorMap tensors) {
   for (size_t i = 0; i < fp8_part_.size(); ++i) {
     fp8_part_[i]->save_state(part.optimizer, "fp8." + std::to_string(fp8_index_[i]) + ".");
   }
-  part.trainer = {{"iteration", step}, {"config", config_.to_json()}, {"precision", o_.precision}};
+  part.trainer = {
+      {"iteration", step}, {"config", family_->config_json()}, {"precision", o_.precision}};
   save_checkpoint_sharded(o_.dump_grads + "/step-" + std::to_string(step), part, *parallel_);
 }
 
@@ -424,6 +437,8 @@ void TrainingRun::print_progress(int64_t iteration, const nlohmann::json& record
       record["tokens_per_s"].get<double>(), 100 * record["mfu"].get<double>(),
       format_duration(eta).c_str());
   if (record.contains("val_loss")) std::printf(" | val loss %.4f", result_.last_val_loss);
+  if (record.contains("val_accuracy"))
+    std::printf(" | val accuracy %.2f%%", 100 * last_val_accuracy_);
   std::printf("\n");
   std::fflush(stdout);
 }
@@ -433,11 +448,11 @@ void TrainingRun::finish(double run_seconds) {
     std::vector<std::pair<std::string, std::vector<CurvePoint>>> series = {{"train", train_curve_}};
     if (!valid_curve_.empty()) series.emplace_back("validation", valid_curve_);
     if (std::isfinite(entropy_) && !train_curve_.empty()) {
-      series.emplace_back("unigram entropy",
+      series.emplace_back(family_->classifies() ? "uniform guess" : "unigram entropy",
                           std::vector<CurvePoint>{{train_curve_.front().x, entropy_},
                                                   {train_curve_.back().x, entropy_}});
     }
-    write_loss_svg(o_.plot, config_.name + " loss (" + o_.precision + ")", series);
+    write_loss_svg(o_.plot, family_->name() + " loss (" + o_.precision + ")", series);
   }
   if (quiet_) return;
   const int64_t trained = result_.iterations - start_iteration_;
@@ -445,7 +460,9 @@ void TrainingRun::finish(double run_seconds) {
               (long long)trained, format_duration(run_seconds).c_str(), result_.tokens_per_second,
               100 * result_.mfu, result_.last_loss);
   if (std::isfinite(result_.last_val_loss)) std::printf(", val loss %.4f", result_.last_val_loss);
-  if (std::isfinite(result_.last_val_loss) && std::isfinite(entropy_)) {
+  if (std::isfinite(result_.last_val_accuracy)) {
+    std::printf(", val accuracy %.2f%%", 100 * result_.last_val_accuracy);
+  } else if (std::isfinite(result_.last_val_loss) && std::isfinite(entropy_)) {
     const double gap = entropy_ - result_.last_val_loss;
     std::printf(" (%.3f nats %s the unigram entropy %.3f)", std::fabs(gap),
                 gap >= 0 ? "below" : "above", entropy_);

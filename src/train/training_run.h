@@ -18,6 +18,7 @@
 #include "octet/recipe.h"
 #include "octet/train.h"
 #include "train/batcher.h"
+#include "train/model_family.h"
 
 namespace octet::train_detail {
 
@@ -32,7 +33,7 @@ class TrainingRun {
   // --- the factory (run_factory.cpp) ---
   void check_options();
   void open_data();
-  std::unique_ptr<TrainableModel> make_model(GPTLayout layout) const;
+  std::unique_ptr<TrainableModel> make_model(ModelLayout layout) const;
   void build_pipeline();
   void load_checkpoint_state();
   void build_data_parallel();
@@ -62,7 +63,7 @@ class TrainingRun {
   int64_t optimizer_steps() const;
 
   const TrainOptions& o_;
-  GPTConfig config_;
+  std::unique_ptr<ModelFamily> family_;  // what is trained: GPT, ViT
   int64_t seq_len_ = 0, global_batch_ = 0;
   DType dtype_ = DType::F32;
   bool fp8_ = false, delayed_scaling_ = false;
@@ -78,8 +79,11 @@ class TrainingRun {
   // is the step's (k * DP + d)-th, so any DP size sees the same global batch.
   int64_t accumulation_ = 1, micro_batches_per_step_ = 1;
 
-  std::unique_ptr<Batcher> train_batches_, valid_batches_;
+  std::unique_ptr<DataSource> train_batches_, valid_batches_;
+  // Nats of a model that ignores its input (a language model's unigram entropy, a
+  // classifier's uniform guess); NaN: not known.
   double entropy_ = 0;
+  float last_val_accuracy_ = NAN;  // classifiers
 
   std::unique_ptr<TrainableModel> model_;                 // this rank's part of the model
   std::unique_ptr<pipeline::PipelineExecutor> executor_;  // pipeline parallelism only

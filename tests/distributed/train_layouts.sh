@@ -9,10 +9,14 @@
 #   AdamW's sign-like first update hides from the losses) fails the run;
 # - the printed per-step losses (4 decimals) and gradient norms (3 decimals) must be equal.
 # Usage:
-#   train_layouts.sh OCTET_BINARY CONFIG
+#   train_layouts.sh OCTET_BINARY CONFIG [all|core]
+# `core` (for another model family on the same trainer, e.g. a ViT config) runs one layout of
+# each kind - ZeRO-1, TP, PP, TP x DP with SP, TP x PP with SP and recomputation, PP x DP -
+# in FP32 instead of every schedule, option, FP8 layout and resume.
 set -euo pipefail
 octet="$1"
 config="$2"
+layouts="${3:-all}"
 here="$(cd "$(dirname "$0")" && pwd)"
 python=/usr/bin/python3  # numpy lives with Debian's interpreter
 dir="$(mktemp -d)"
@@ -73,7 +77,18 @@ run() {
   compare "$name" "$dir/reference" "$dir/candidate" --grad-rtol "$grad_rtol" \
     --update-rtol "$update_rtol" --param-rtol "$param_rtol"
 }
-run 2 "DP=2" 
+if [ "$layouts" = core ]; then
+  run 2 "DP=2 ZeRO-1" --use-distributed-optimizer
+  run 2 "TP=2" --tensor-model-parallel-size 2
+  run 2 "PP=2 1F1B" --pipeline-model-parallel-size 2 --pipeline-schedule 1f1b
+  run 4 "TP=2 x DP=2 sequence-parallel" --tensor-model-parallel-size 2 --sequence-parallel
+  run 4 "TP=2 x PP=2 sequence-parallel ZeRO-1, recompute" --tensor-model-parallel-size 2 \
+    --pipeline-model-parallel-size 2 --sequence-parallel --use-distributed-optimizer \
+    --recompute-activations
+  run 4 "PP=2 x DP=2 ZB1P" --pipeline-model-parallel-size 2 --pipeline-schedule zb1p
+  exit $status
+fi
+run 2 "DP=2"
 run 2 "DP=2 ZeRO-1" --use-distributed-optimizer
 # ZeRO-1 in every layout: the clipping norm counts each parameter once over the model group.
 run 4 "PP=2 x DP=2 ZeRO-1" --pipeline-model-parallel-size 2 --use-distributed-optimizer

@@ -40,7 +40,10 @@ expect_error "--metrics: output file '/proc/octet-metrics.jsonl': cannot create 
 expect_error "--plot: output file '$dir/dir': exists and is not a regular file" "${train[@]}" --plot "$dir/dir"
 expect_error "--dump-grads: output directory '$dir/file/x'" "${train[@]}" --dump-grads "$dir/file/x"
 expect_error "--load: Directory does not exist" "${train[@]}" --load "$dir/missing"
-expect_error "--train-data: File does not exist" train --config gpt-tiny --train-data "$dir/missing.bin"
+expect_error "--train-data: Path does not exist" train --config gpt-tiny --train-data "$dir/missing.bin"
+# A ViT config: its data is a directory of IDX files, its sequence the patches.
+expect_error "found neither: install the Debian package dataset-fashion-mnist" train --config vit-tiny --train-data "$dir"
+expect_error "--seq-length 10: a ViT's sequence is its 16 patches and the class token (17)" train --config vit-tiny --mock-data --seq-length 10
 expect_error "--max-new-tokens: expected a finite number >= 1, got -5" generate --ckpt "$dir/dir" --max-new-tokens -5
 expect_error "--temperature: expected a finite number >= 0, got nan" generate --ckpt "$dir/dir" --temperature nan
 expect_error "--top-p: expected a finite number in (0, 1], got 0" generate --ckpt "$dir/dir" --top-p 0

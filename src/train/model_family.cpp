@@ -1,0 +1,136 @@
+// The model families the trainer runs: GPT on token shards, ViT on labelled images.
+#include "train/model_family.h"
+
+#include <cmath>
+
+#include "octet/data.h"
+#include "octet/model.h"
+#include "octet/vit.h"
+
+namespace octet::train_detail {
+
+namespace {
+
+class GptFamily : public ModelFamily {
+ public:
+  explicit GptFamily(const TrainOptions& o) : config_(GPTConfig::load(o.config_path)) {
+    if (!o.vocab_dir.empty()) {
+      // The tokenizer the shards were made with: its size is the model's unless --vocab-size
+      // says otherwise, and it travels in every checkpoint so that generation decodes with it.
+      const Gpt2Tokenizer tokenizer = Gpt2Tokenizer::load(o.vocab_dir);
+      const int64_t size = o.vocab_size ? o.vocab_size : tokenizer.vocab_size();
+      OCTET_CHECK(size >= tokenizer.vocab_size(), "--vocab-size ", size,
+                  " expected at least the tokenizer's ", tokenizer.vocab_size(), " (--vocab-dir ",
+                  o.vocab_dir, ")");
+      config_.vocab_size = size;
+    } else if (o.vocab_size) {
+      config_.vocab_size = o.vocab_size;
+    }
+  }
+  std::string name() const override { return config_.name; }
+  nlohmann::json config_json() const override { return config_.to_json(); }
+  int64_t num_parameters() const override { return config_.num_parameters(); }
+  int64_t num_layers() const override { return config_.num_layers; }
+  int64_t seq_len(const TrainOptions& o) const override {
+    const int64_t seq_len = o.seq_length ? o.seq_length : config_.max_seq_len;
+    OCTET_CHECK(seq_len > 0 && seq_len <= config_.max_seq_len, "--seq-length ", seq_len,
+                " expected in [1, ", config_.max_seq_len, "]");
+    return seq_len;
+  }
+  double train_flops_per_token(int64_t seq_len) const override {
+    return config_.train_flops_per_token(seq_len);
+  }
+  bool classifies() const override { return false; }
+  std::string data_hint() const override {
+    return "--train-data SHARD (from `octet tokenize -o`) or --mock-data";
+  }
+  std::unique_ptr<TrainableModel> make_model(ModelLayout layout,
+                                             const TrainOptions& o) const override {
+    auto model = std::make_unique<GPT>(config_, o.seed, std::move(layout), o.recompute_activations);
+    model->set_tp_comm_overlap(o.tp_comm_overlap);
+    if (o.first_last_layers_bf16) {
+      model->set_high_precision_layers(o.num_layers_at_start_in_bf16, o.num_layers_at_end_in_bf16);
+    }
+    return model;
+  }
+  std::unique_ptr<DataSource> open_data(const TrainOptions& o, bool train,
+                                        int64_t seq_len) const override {
+    if (train) {
+      return std::make_unique<Batcher>(o.train_data, o.mock_data, config_.vocab_size, seq_len,
+                                       o.seed, 1);
+    }
+    if (!o.mock_data && o.valid_data.empty()) return nullptr;
+    return std::make_unique<Batcher>(o.mock_data ? "" : o.valid_data, o.mock_data,
+                                     config_.vocab_size, seq_len, o.seed, 2);
+  }
+  double baseline_loss(const TrainOptions& o) const override {
+    return o.mock_data ? NAN : unigram_entropy(o.train_data);
+  }
+
+ private:
+  GPTConfig config_;
+};
+
+class VitFamily : public ModelFamily {
+ public:
+  explicit VitFamily(const TrainOptions& o) : config_(ViTConfig::load(o.config_path)) {
+    OCTET_CHECK(o.vocab_dir.empty() && o.vocab_size == 0,
+                "--vocab-dir and --vocab-size are a language model's: the config '", o.config_path,
+                "' is a ViT");
+    OCTET_CHECK(!o.first_last_layers_bf16,
+                "--first-last-layers-bf16: a ViT's patch embedding and head always run outside "
+                "FP8; its encoder layers all use the recipe");
+  }
+  std::string name() const override { return config_.name; }
+  nlohmann::json config_json() const override { return config_.to_json(); }
+  int64_t num_parameters() const override { return config_.num_parameters(); }
+  int64_t num_layers() const override { return config_.num_layers; }
+  int64_t seq_len(const TrainOptions& o) const override {
+    OCTET_CHECK(o.seq_length == 0 || o.seq_length == config_.seq_len(), "--seq-length ",
+                o.seq_length, ": a ViT's sequence is its ", config_.num_patches(),
+                " patches and the class token (", config_.seq_len(), "); leave it out");
+    return config_.seq_len();
+  }
+  double train_flops_per_token(int64_t) const override { return config_.train_flops_per_token(); }
+  bool classifies() const override { return true; }
+  std::string data_hint() const override {
+    return "--train-data DIR (IDX images and labels, e.g. " + default_fashion_mnist_dir() +
+           " from Debian's dataset-fashion-mnist) or --mock-data";
+  }
+  std::unique_ptr<TrainableModel> make_model(ModelLayout layout,
+                                             const TrainOptions& o) const override {
+    return std::make_unique<ViT>(config_, o.seed, std::move(layout), o.recompute_activations);
+  }
+  std::unique_ptr<DataSource> open_data(const TrainOptions& o, bool train, int64_t) const override {
+    if (o.mock_data) {
+      return std::make_unique<ImageBatcher>(config_.pixels(), config_.num_classes, o.seed,
+                                            train ? 1 : 2);
+    }
+    if (!train && o.valid_data.empty()) return nullptr;
+    // --train-data DIR: its training split; --valid-data DIR: its test split.
+    ImageDataset data = load_fashion_mnist(train ? o.train_data : o.valid_data, train);
+    OCTET_CHECK(
+        config_.channels == 1 && data.rows == config_.image_size && data.cols == config_.image_size,
+        "image data '", train ? o.train_data : o.valid_data, "' holds ", data.rows, "x", data.cols,
+        " grey images; the config expects ", config_.channels, "x", config_.image_size, "x",
+        config_.image_size);
+    OCTET_CHECK(data.num_classes <= config_.num_classes, "image data has ", data.num_classes,
+                " classes; the config's head has ", config_.num_classes);
+    return std::make_unique<ImageBatcher>(std::move(data), train, o.seed, train ? 1 : 2);
+  }
+  double baseline_loss(const TrainOptions&) const override {
+    return std::log(static_cast<double>(config_.num_classes));  // a uniform guess
+  }
+
+ private:
+  ViTConfig config_;
+};
+
+}  // namespace
+
+std::unique_ptr<ModelFamily> ModelFamily::from_options(const TrainOptions& o) {
+  if (config_model_family(o.config_path) == "vit") return std::make_unique<VitFamily>(o);
+  return std::make_unique<GptFamily>(o);
+}
+
+}  // namespace octet::train_detail
