@@ -1,6 +1,7 @@
-// `octet bench train`: timed training steps of a GPT on mock tokens — tokens/s, MFU against
-// the measured BF16 GEMM peak, peak memory, saved activations — beside the same GPT in eager
-// PyTorch 1.13 (bench/peers/torch_gpt.py: fp32, and bf16 autocast) kept running beside ours.
+// `octet bench train`: timed training steps of a GPT on mock tokens or a ViT on mock images
+// (the config's family) — tokens/s (and images/s), MFU against the measured BF16 GEMM peak,
+// peak memory, saved activations — beside the same model in eager PyTorch 1.13
+// (bench/peers/torch_train.py: fp32, and bf16 autocast) kept running beside ours.
 // Both sides take their steps in rounds (ours then the peer's, the peer's then ours, ...) and
 // the ratios the goals speak of are the medians of per-round ratios, with their spread: on a
 // shared machine one side timed after the other can be 2x off.
@@ -24,6 +25,7 @@
 #include "octet/profile.h"
 #include "octet/recipe.h"
 #include "octet/train.h"
+#include "octet/vit.h"
 
 namespace octet::cli {
 namespace {
@@ -39,7 +41,7 @@ struct Options {
   // Debian's torch runs FP32 GEMMs on a generic BLAS (~2 GFLOP/s): a full gpt-mini micro-batch
   // would take minutes per step, so torch fp32 times fewer sequences (tokens/s is per token).
   int64_t torch_fp32_micro_batch_size = 1;
-  int64_t seq_length = 256;
+  int64_t seq_length = 0;  // 0 = the config's (GPT: max_seq_len; a ViT's is its patches + 1)
   double peak_gflops = 0;  // 0 = measure
   uint64_t seed = 1234;
   bool json = false;
@@ -104,53 +106,102 @@ void mock_batch(int64_t B, int64_t T, int64_t vocab, uint64_t seed, Tensor& ids,
   }
 }
 
-// Bytes the layer stack's contexts keep from forward to backward: one forward of [B,T,C]
-// hidden states (created inside the window, as the embedding output is) with every context
-// held, after a first forward that built the weight caches (BF16 / FP8 copies live until the
-// next optimizer step and are not activations).
-int64_t saved_activation_bytes(GPT& model, int64_t B, int64_t T, DType dtype, bool fp8,
-                               const recipe::Recipe& recipe) {
-  const int64_t C = model.config().hidden;
-  auto forward = [&](std::vector<TransformerLayer::Context>& contexts) {
-    Tensor x = Tensor::zeros({B, T, C}, DType::F32);
-    float* values = x.data<float>();
-    for (int64_t i = 0; i < x.numel(); ++i) values[i] = 0.02f * static_cast<float>(i % 97 - 48);
-    Tensor h = dtype == DType::F32 ? x : x.to(dtype);
-    x = Tensor();
-    fp8_autocast scope(fp8, recipe);
-    contexts.assign(model.layers().size(), TransformerLayer::Context{});
-    for (size_t i = 0; i < model.layers().size(); ++i)
-      h = model.layers()[i].forward(h, contexts[i]);
-    return h;  // the final norm's input: saved too
-  };
-  {
-    std::vector<TransformerLayer::Context> warm;
-    forward(warm);
+// The model under test, from the config's family: a GPT on mock tokens or a ViT on mock
+// images.
+struct BenchModel {
+  std::string family = "gpt", name;
+  GPTConfig gpt;
+  ViTConfig vit;
+  int64_t seq_length = 0;  // tokens per sample
+
+  BenchModel(const std::string& config_path, int64_t seq_length_option) {
+    family = config_model_family(config_path);
+    if (family == "vit") {
+      vit = ViTConfig::load(config_path);
+      name = vit.name;
+      OCTET_CHECK(seq_length_option == 0 || seq_length_option == vit.seq_len(),
+                  "bench train: --seq-length ", seq_length_option, ": a ViT's sequence is its ",
+                  vit.num_patches(), " patches and the class token (", vit.seq_len(), ")");
+      seq_length = vit.seq_len();
+      return;
+    }
+    gpt = GPTConfig::load(config_path);
+    name = gpt.name;
+    seq_length = seq_length_option ? seq_length_option : gpt.max_seq_len;
+    OCTET_CHECK(seq_length >= 1 && seq_length <= gpt.max_seq_len,
+                "bench train: ", "--seq-length expected in [1, ", gpt.max_seq_len, "] for ",
+                gpt.name, ", got ", seq_length);
   }
+  bool is_vit() const { return family == "vit"; }
+  double num_parameters() const {
+    return static_cast<double>(is_vit() ? vit.num_parameters() : gpt.num_parameters());
+  }
+  double flops_per_token() const {
+    return is_vit() ? vit.train_flops_per_token() : gpt.train_flops_per_token(seq_length);
+  }
+  std::unique_ptr<TrainableModel> make(uint64_t seed) const {
+    if (is_vit()) return std::make_unique<ViT>(vit, seed);
+    return std::make_unique<GPT>(gpt, seed);
+  }
+  // Mock micro-batch: tokens and their next tokens, or Gaussian pixels and labels.
+  pipeline::MicroBatch batch(int64_t B, uint64_t seed) const {
+    if (!is_vit()) {
+      Tensor ids, targets;
+      mock_batch(B, seq_length, gpt.vocab_size, seed, ids, targets);
+      return gpt_micro_batch(ids, targets);
+    }
+    Tensor pixels = Tensor::empty({B, vit.pixels()}, DType::F32);
+    Tensor labels = Tensor::empty({B}, DType::I32);
+    uint64_t state = seed * 0x9E3779B97F4A7C15ull + 1;
+    auto next = [&] {
+      state ^= state << 13;
+      state ^= state >> 7;
+      state ^= state << 17;
+      return state;
+    };
+    for (int64_t i = 0; i < pixels.numel(); ++i) {
+      pixels.data<float>()[i] = static_cast<float>(next() % 2001) / 1000.0f - 1.0f;
+    }
+    for (int64_t b = 0; b < B; ++b) {
+      labels.data<int32_t>()[b] =
+          static_cast<int32_t>(next() % static_cast<uint64_t>(vit.num_classes));
+    }
+    return vit_micro_batch(pixels, labels);
+  }
+};
+
+// Bytes the model's context keeps from forward to backward: one forward of a micro-batch with
+// its context held, after a first forward that built the weight caches and workspaces (BF16 /
+// FP8 weight copies live until the next optimizer step and are not activations).
+int64_t saved_activation_bytes(TrainableModel& model, const pipeline::MicroBatch& batch,
+                               DType dtype, bool fp8, const recipe::Recipe& recipe) {
+  auto forward = [&] {
+    auto ctx = model.make_context();
+    fp8_autocast scope(fp8, recipe);
+    model.forward(0, Tensor(), batch, dtype, 1.0f, *ctx);
+    return ctx;
+  };
+  forward();
   const int64_t before = memory_stats().current_bytes;
-  std::vector<TransformerLayer::Context> contexts;
-  Tensor out = forward(contexts);
+  auto ctx = forward();
   return memory_stats().current_bytes - before;
 }
 
 // One precision's model, optimizer and mock batches, timed one training step at a time.
 class OctetRun {
  public:
-  OctetRun(const GPTConfig& config, const std::string& precision, const Options& o)
+  OctetRun(const BenchModel& bench_model, const std::string& precision, const Options& o)
       : constructed_from_bytes_(memory_stats().current_bytes),
         fp8_(precision == "fp8"),
         dtype_(precision == "fp32" ? DType::F32 : DType::BF16),
-        model_(config, o.seed),
-        optimizer_(model_.parameters(), AdamWOptions{}),
-        batches_(4) {
+        model_(bench_model.make(o.seed)),
+        optimizer_(model_->parameters(), AdamWOptions{}) {
     recipe::DelayedScaling delayed;  // trainer.cpp's make_recipe: delayed, HYBRID, history 16
     delayed.fp8_format = recipe::Format::HYBRID;
     delayed.amax_history_len = 16;
     recipe_ = delayed;
-    for (size_t i = 0; i < batches_.size(); ++i) {
-      mock_batch(o.micro_batch_size, o.seq_length, config.vocab_size, o.seed + i, batches_[i].first,
-                 batches_[i].second);
-    }
+    for (uint64_t i = 0; i < 4; ++i)
+      batches_.push_back(bench_model.batch(o.micro_batch_size, o.seed + i));
     result_.impl = "octet";
     result_.precision = precision;
     result_.micro_batch_size = o.micro_batch_size;
@@ -160,21 +211,21 @@ class OctetRun {
 
   // zero_grad + train_step + AdamW + on_parameters_updated; timed unless `warmup`.
   void step(bool warmup) {
-    const auto& [ids, targets] = batches_[static_cast<size_t>(step_++) % batches_.size()];
+    const pipeline::MicroBatch& batch = batches_[static_cast<size_t>(step_++) % batches_.size()];
     const int64_t start_bytes = memory_stats().current_bytes;
     reset_peak_memory();
     const auto start = std::chrono::steady_clock::now();
     const double cpu_start = process_cpu_seconds();
     if (!warmup) profile::start();
-    model_.zero_grad();
+    model_->zero_grad();
     float loss = 0;
     {
       fp8_autocast scope(fp8_, recipe_);
-      loss = model_.train_step(ids, targets, dtype_, 1.0f);
+      loss = model_->train_step(batch, dtype_, 1.0f);
     }
     const int64_t train_step_peak = memory_stats().peak_bytes - start_bytes;
     optimizer_.step(6e-4f);
-    model_.on_parameters_updated();
+    model_->on_parameters_updated();
     const double elapsed =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     const double cpu_elapsed = process_cpu_seconds() - cpu_start;
@@ -208,7 +259,8 @@ class OctetRun {
     result_.step_ms = bench::median(seconds_) * 1e3;
     result_.cpu_ms = bench::median(cpu_seconds_) * 1e3;
     result_.tokens_per_s = static_cast<double>(B * T) / (result_.step_ms / 1e3);
-    result_.saved_activation_bytes = saved_activation_bytes(model_, B, T, dtype_, fp8_, recipe_);
+    result_.saved_activation_bytes =
+        saved_activation_bytes(*model_, batches_.front(), dtype_, fp8_, recipe_);
     const double steps = static_cast<double>(seconds_.size());
     result_.has_breakdown = true;
     for (int c = 0; c < profile::kCategories; ++c) {
@@ -226,9 +278,9 @@ class OctetRun {
   bool fp8_;
   DType dtype_;
   recipe::Recipe recipe_;
-  GPT model_;
+  std::unique_ptr<TrainableModel> model_;
   AdamW optimizer_;
-  std::vector<std::pair<Tensor, Tensor>> batches_;
+  std::vector<pipeline::MicroBatch> batches_;
   Result result_;
   std::vector<double> seconds_, cpu_seconds_;
   size_t round_start_ = 0;
@@ -236,28 +288,28 @@ class OctetRun {
   int step_ = 0;
 };
 
-// The peer: one torch_gpt.py process per precision (so that its resident-memory high-water
+// The peer: one torch_train.py process per precision (so that its resident-memory high-water
 // mark is that precision's), kept running and asked for a few steps each round.
 class TorchPeer {
  public:
   TorchPeer(const std::filesystem::path& config_path, const std::string& precision,
-            const Options& o)
-      : seq_length_(o.seq_length) {
+            const Options& o, int64_t seq_length)
+      : seq_length_(seq_length) {
     result_.impl = "torch_" + precision;
     result_.precision = precision;
     result_.micro_batch_size = precision == "fp32"
                                    ? std::min(o.torch_fp32_micro_batch_size, o.micro_batch_size)
                                    : o.micro_batch_size;
     result_.warmup = o.warmup;
-    const std::filesystem::path script = bench::find_peer_script("torch_gpt.py");
+    const std::filesystem::path script = bench::find_peer_script("torch_train.py");
     if (script.empty()) {
-      std::fprintf(stderr, "bench train: bench/peers/torch_gpt.py not found; no torch figures\n");
+      std::fprintf(stderr, "bench train: bench/peers/torch_train.py not found; no torch figures\n");
       return;
     }
     running_ = process_.start(
         {"/usr/bin/python3", script.string(), "--config", config_path.string(), "--precision",
          precision, "--micro-batch-size", std::to_string(result_.micro_batch_size), "--seq-length",
-         std::to_string(o.seq_length), "--warmup", std::to_string(o.warmup), "--threads",
+         std::to_string(seq_length), "--warmup", std::to_string(o.warmup), "--threads",
          std::to_string(num_threads()), "--seed", std::to_string(o.seed)});
     if (!running_) std::fprintf(stderr, "bench train: torch %s did not start\n", precision.c_str());
   }
@@ -382,14 +434,15 @@ nlohmann::json breakdown_json(const Result& r) {
 }
 
 void print_json(const std::vector<Result>& results, const RoundRatios& rounds,
-                const GPTConfig& config, const Options& o, double peak_gflops) {
+                const BenchModel& model, const Options& o, double peak_gflops) {
   const Ratios q = ratios(results, rounds);
   for (const Result& r : results) {
     nlohmann::json line = {{"impl", r.impl},
-                           {"config", config.name},
+                           {"config", model.name},
+                           {"model", model.family},
                            {"precision", r.precision},
                            {"micro_batch_size", r.micro_batch_size},
-                           {"seq_length", o.seq_length},
+                           {"seq_length", model.seq_length},
                            {"steps", r.steps},
                            {"rounds", o.rounds},
                            {"warmup", r.warmup},
@@ -426,7 +479,7 @@ void print_json(const std::vector<Result>& results, const RoundRatios& rounds,
   }
 }
 
-void print_breakdown(const std::vector<Result>& results, const GPTConfig& config, const Options& o,
+void print_breakdown(const std::vector<Result>& results, const BenchModel& model, const Options& o,
                      double peak_gflops) {
   std::vector<const Result*> shown;
   for (const Result& r : results) {
@@ -456,8 +509,8 @@ void print_breakdown(const std::vector<Result>& results, const GPTConfig& config
   }
   // The model's FLOPs at the measured GEMM peak: the step every category but GEMMs would have
   // to vanish to reach (and GEMMs run at the peak).
-  const double at_peak_ms = config.train_flops_per_token(o.seq_length) *
-                            static_cast<double>(o.micro_batch_size * o.seq_length) /
+  const double at_peak_ms = model.flops_per_token() *
+                            static_cast<double>(o.micro_batch_size * model.seq_length) /
                             (peak_gflops * 1e9) * 1e3;
   std::printf(
       "octet: each operator's entry point timed (exclusive of the operators it calls; FP8\n"
@@ -474,15 +527,20 @@ const char* verdict(double value, double goal, bool at_least) {
 }
 
 void print_table(const std::vector<Result>& results, const RoundRatios& rounds,
-                 const GPTConfig& config, const Options& o, double peak_gflops) {
+                 const BenchModel& model, const Options& o, double peak_gflops) {
   const double mb = 1024.0 * 1024.0;
   std::printf(
       "octet bench train: %s (%.1fM parameters), micro-batch %lld x seq %lld = %lld "
       "tokens/step, %d threads\n",
-      config.name.c_str(), config.num_parameters() / 1e6, (long long)o.micro_batch_size,
-      (long long)o.seq_length, (long long)(o.micro_batch_size * o.seq_length), num_threads());
+      model.name.c_str(), model.num_parameters() / 1e6, (long long)o.micro_batch_size,
+      (long long)model.seq_length, (long long)(o.micro_batch_size * model.seq_length),
+      num_threads());
+  if (model.is_vit()) {
+    std::printf("a ViT: images/s = tokens/s / %lld (its patches and the class token)\n",
+                (long long)model.seq_length);
+  }
   std::printf("measured BF16 GEMM peak %.1f GFLOP/s; %.3f GFLOP per token (MFU counts these)\n",
-              peak_gflops, config.train_flops_per_token(o.seq_length) / 1e9);
+              peak_gflops, model.flops_per_token() / 1e9);
   std::printf("%-11s %-5s %3s %5s %9s %9s %6s %9s %9s %9s %9s %8s\n", "impl", "prec", "B", "steps",
               "step_ms", "tokens/s", "MFU%", "tok/cpu_s", "peak_MB", "step_MB", "saved_MB", "loss");
   for (const Result& r : results) {
@@ -528,7 +586,7 @@ void print_table(const std::vector<Result>& results, const RoundRatios& rounds,
       "peak_MB: octet: Tensor storage (params, grads, AdamW state, activations, workspaces);\n"
       "  torch: the peer process's resident-memory growth from before the model was built.\n"
       "step_MB: octet's peak during train_step above the bytes held before it.\n"
-      "saved_MB: octet: what the layer stack's contexts hold after one forward (the BF16 or\n"
+      "saved_MB: octet: what the model's context holds after one forward (the BF16 or\n"
       "  FP8 weight copies, made once per optimizer step, are not counted); torch: the\n"
       "  distinct storages autograd saved in one forward (parameters excluded).\n",
       o.steps, o.torch_steps, o.warmup,
@@ -543,10 +601,7 @@ void run_bench(const Options& o) {
   OCTET_CHECK(o.micro_batch_size >= 1, "bench train: --micro-batch-size expected >= 1, got ",
               o.micro_batch_size);
   const std::filesystem::path config_path = resolve_config(o.config);
-  const GPTConfig config = GPTConfig::load(config_path.string());
-  OCTET_CHECK(o.seq_length >= 1 && o.seq_length <= config.max_seq_len,
-              "bench train: ", "--seq-length expected in [1, ", config.max_seq_len, "] for ",
-              config.name, ", got ", o.seq_length);
+  const BenchModel model(config_path.string(), o.seq_length);
   const std::vector<std::string> precisions = split_list(o.precision);
   OCTET_CHECK(!precisions.empty(), "bench train: --precision is empty");
   for (const std::string& p : precisions) {
@@ -563,7 +618,7 @@ void run_bench(const Options& o) {
   measure_peak();
   std::vector<std::unique_ptr<OctetRun>> runs;
   for (const std::string& precision : precisions) {
-    runs.push_back(std::make_unique<OctetRun>(config, precision, o));
+    runs.push_back(std::make_unique<OctetRun>(model, precision, o));
   }
   // One peer per torch precision: bf16 stands beside fp8.
   std::vector<std::unique_ptr<TorchPeer>> peers;
@@ -573,13 +628,13 @@ void run_bench(const Options& o) {
                                      [&](const auto& p) { return p->impl() == "torch_" + peer; });
     if (o.no_torch || started) continue;
     if (!o.json) std::fprintf(stderr, "bench train: starting torch %s ...\n", peer.c_str());
-    peers.push_back(std::make_unique<TorchPeer>(config_path, peer, o));
+    peers.push_back(std::make_unique<TorchPeer>(config_path, peer, o, model.seq_length));
   }
   for (int i = 0; i < o.warmup; ++i) {
     for (auto& run : runs) run->step(/*warmup=*/true);
   }
   RoundRatios rounds;
-  const int64_t B = o.micro_batch_size, T = o.seq_length;
+  const int64_t B = o.micro_batch_size, T = model.seq_length;
   for (int round = 0; round < o.rounds; ++round) {
     std::vector<double> peer_tokens(peers.size(), NAN);
     auto run_peers = [&] {
@@ -625,14 +680,14 @@ void run_bench(const Options& o) {
   for (auto& peer : peers) {
     if (auto r = peer->finish()) results.push_back(*r);
   }
-  const double flops_per_token = config.train_flops_per_token(o.seq_length);
+  const double flops_per_token = model.flops_per_token();
   for (Result& r : results) r.mfu = flops_per_token * r.tokens_per_s / (peak_gflops * 1e9);
 
   if (o.json) {
-    print_json(results, rounds, config, o, peak_gflops);
+    print_json(results, rounds, model, o, peak_gflops);
   } else {
-    print_table(results, rounds, config, o, peak_gflops);
-    print_breakdown(results, config, o, peak_gflops);
+    print_table(results, rounds, model, o, peak_gflops);
+    print_breakdown(results, model, o, peak_gflops);
   }
 }
 
@@ -640,7 +695,8 @@ void run_bench(const Options& o) {
 
 void register_bench_train(CLI::App& bench) {
   CLI::App* cmd = bench.add_subcommand(
-      "train", "GPT training steps: tokens/s, MFU, memory; beside PyTorch fp32 and bf16");
+      "train",
+      "Training steps of a GPT or ViT config: tokens/s, MFU, memory; beside PyTorch fp32 and bf16");
   auto o = std::make_shared<Options>();
   cmd->add_option("--config", o->config, "Model config JSON, or a name in configs/")
       ->capture_default_str();
@@ -665,7 +721,8 @@ void register_bench_train(CLI::App& bench) {
   cmd->add_option("--micro-batch-size", o->micro_batch_size, "Sequences per step")
       ->capture_default_str()
       ->check(at_least(1));
-  cmd->add_option("--seq-length", o->seq_length, "Tokens per sequence")
+  cmd->add_option("--seq-length", o->seq_length,
+                  "Tokens per sequence (0: the config's; a ViT: its patches + 1)")
       ->capture_default_str()
       ->check(at_least(1));
   cmd->add_option("--peak-gflops", o->peak_gflops, "BF16 GEMM peak for MFU (0: measure)")

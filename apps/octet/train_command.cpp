@@ -23,6 +23,8 @@ void register_train(CLI::App& app) {
                   "Validation token shard; for a ViT a directory of IDX files (its t10k-* split)")
       ->check(CLI::ExistingPath);
   cmd->add_flag("--mock-data", o->mock_data, "Random tokens (or images) instead of a corpus");
+  cmd->add_flag("--image-augment", o->image_augment,
+                "Image models: random left-right flips and shifts of up to 2 pixels (training)");
   cmd->add_option("--seq-length", o->seq_length, "Tokens per sequence (default: the config's)")
       ->check(at_least(0));
   cmd->add_option("--vocab-size", o->vocab_size,
@@ -105,7 +107,8 @@ void register_train(CLI::App& app) {
                 "stopping the run; the update never happens either way");
   cmd->add_option("--metrics", o->metrics, "Write metrics as JSON lines to FILE")
       ->check(output_file());
-  cmd->add_option("--plot", o->plot, "Write the loss curve as an SVG to FILE")
+  cmd->add_option("--plot", o->plot,
+                  "Write the loss curve as an SVG to FILE (classifiers: also FILE-accuracy.svg)")
       ->check(output_file());
   cmd->add_option("--seed", o->seed, "Seed for initialization and data order");
   cmd->add_option("--peak-gflops", o->peak_gflops,

@@ -1,31 +1,16 @@
 #!/usr/bin/env python3
-"""The peer of `octet bench train`: the same GPT trained in eager PyTorch 1.13 on mock tokens.
+"""The GPT of `octet bench train`'s peer (bench/peers/torch_train.py runs it), in eager PyTorch 1.13.
 
 The model is the one octet's configs describe: token + learned position embeddings, pre-norm
 blocks (LayerNorm, fused QKV attention with a causal mask, GELU-tanh MLP, biases), a final
-LayerNorm and the output layer tied to the token embedding; AdamW (betas 0.9/0.95, weight
-decay 0.1 on matrices only, foreach off as torch 1.13's CPU default) with global-norm clipping
-at 1.0, as octet's trainer does. torch 1.13 has no fused attention: softmax(QK^T)V is explicit.
-
-One process per precision (fp32 eager, or bf16 = torch.autocast("cpu", bfloat16) over FP32
-weights), kept running beside octet so that both take their steps in the same minute: after the
-warm-up steps it prints {"ready": true, "impl": "torch_fp32"|"torch_bf16", ...}, then answers one
-JSON line per request line on stdin:
-  {"steps": N}      -> {"seconds": [...], "cpu_seconds": [...], "loss"}: N timed steps, wall
-                       and process CPU time each;
-  {"op": "report"}  -> {"peak_bytes": the process's resident-memory high-water mark above its
-                       resident memory before the model was built, "saved_activation_bytes":
-                       unique storages autograd saved during one forward, parameters excluded};
-  {"op": "profile"} -> {"categories": {"GEMMs": ms, "attention": ms, ...}, "step_ms"}: one
-                       step under torch.profiler, its ops' self CPU time by octet's categories.
-Run it with Debian's /usr/bin/python3 (torch 1.13).
+LayerNorm and the output layer tied to the token embedding. torch 1.13 has no fused attention:
+softmax(QK^T)V is explicit. Also here: what the peers share (resident memory, the saved
+activations of one forward, one step under torch.profiler by octet's categories, answers).
+Run with Debian's /usr/bin/python3 (torch 1.13).
 """
-import argparse
-import contextlib
 import json
 import math
 import resource
-import sys
 import time
 
 import torch
@@ -55,7 +40,9 @@ class Block(nn.Module):
         q, k, v = self.c_attn(x).split(c, dim=2)
         q, k, v = (y.view(b, t, self.heads, d).transpose(1, 2) for y in (q, k, v))  # [B,H,T,D]
         scores = torch.matmul(q, k.transpose(-1, -2)) * (1.0 / math.sqrt(d))
-        probs = torch.softmax(scores.masked_fill(mask[:t, :t], float("-inf")), dim=-1)
+        if mask is not None:  # causal (GPT); a ViT's patches see each other
+            scores = scores.masked_fill(mask[:t, :t], float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
         y = torch.matmul(probs, v).transpose(1, 2).reshape(b, t, c)
         return self.attn_proj(y)
 
@@ -105,7 +92,7 @@ def check_config(config):
         raise SystemExit("torch_gpt.py: grouped-query attention is not supported")
 
 
-def saved_activation_bytes(model, ids, targets, autocast):
+def saved_activation_bytes(model, inputs, autocast):
     """Bytes of the distinct storages autograd keeps for backward in one forward."""
     params = {p.data_ptr() for p in model.parameters()}
     seen = {}
@@ -118,82 +105,9 @@ def saved_activation_bytes(model, ids, targets, autocast):
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast():
-        loss = model(ids, targets)
+        loss = model(*inputs)
     del loss
     return sum(seen.values())
-
-
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", required=True, help="octet model config JSON")
-    parser.add_argument("--precision", default="bf16", help="fp32 | bf16")
-    parser.add_argument("--micro-batch-size", type=int, default=8)
-    parser.add_argument("--seq-length", type=int, default=0, help="0 = the config's max_seq_len")
-    parser.add_argument("--warmup", type=int, default=1, help="untimed steps before ready")
-    parser.add_argument("--threads", type=int, default=0, help="0 keeps torch's default")
-    parser.add_argument("--seed", type=int, default=1234)
-    args = parser.parse_args()
-    if args.threads > 0:
-        torch.set_num_threads(args.threads)
-    with open(args.config) as f:
-        config = json.load(f)
-    check_config(config)
-    batch, seq = args.micro_batch_size, args.seq_length or config["max_seq_len"]
-    precision = args.precision
-    if precision not in ("fp32", "bf16"):
-        raise SystemExit(f"torch_gpt.py: --precision expected fp32 or bf16, got {precision!r}")
-    torch.manual_seed(args.seed)
-    baseline = resident_bytes()
-    model = GPT(config)
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
-    optimizer = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=6e-4, betas=(0.9, 0.95), eps=1e-8)
-    batches = [torch.randint(0, config["vocab_size"], (batch, seq + 1)) for _ in range(4)]
-
-    def autocast():
-        return torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16")
-
-    taken = 0
-
-    def step(optimizer_range=contextlib.nullcontext):
-        nonlocal taken
-        tokens = batches[taken % len(batches)]
-        taken += 1
-        optimizer.zero_grad(set_to_none=True)
-        with autocast():
-            loss = model(tokens[:, :-1], tokens[:, 1:])
-        loss.backward()
-        with optimizer_range():
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            optimizer.step()
-        return loss.item()
-
-    for _ in range(args.warmup):
-        step()
-    answer({"ready": True, "impl": "torch_" + precision, "micro_batch_size": batch,
-            "seq_length": seq, "threads": torch.get_num_threads()})
-    for line in sys.stdin:
-        request = json.loads(line)
-        if request.get("op") == "report":
-            peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - baseline
-            tokens = batches[0]
-            saved = saved_activation_bytes(model, tokens[:, :-1], tokens[:, 1:], autocast)
-            answer({"peak_bytes": peak, "saved_activation_bytes": saved})
-            continue
-        if request.get("op") == "profile":
-            answer(profile_step(step))
-            continue
-        seconds, cpu_seconds, loss = [], [], float("nan")
-        for _ in range(int(request["steps"])):
-            start, cpu_start = time.perf_counter(), time.process_time()
-            loss = step()
-            seconds.append(time.perf_counter() - start)
-            cpu_seconds.append(time.process_time() - cpu_start)
-        answer({"seconds": seconds, "cpu_seconds": cpu_seconds,
-                "loss": loss if math.isfinite(loss) else None})
-    return 0
 
 
 # torch ops (self CPU time) by octet's profile categories; the rest of the step is "other".
@@ -231,6 +145,3 @@ def profile_step(step):
 def answer(value):
     print(json.dumps(value), flush=True)
 
-
-if __name__ == "__main__":
-    sys.exit(main())

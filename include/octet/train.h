@@ -129,9 +129,12 @@ struct TrainOptions {
   std::string train_data;   // token shard (octet tokenize -o); ViT: a directory of IDX files
   std::string valid_data;   // the same for validation (ViT: the directory's test split)
   bool mock_data = false;   // random tokens instead of the shards
-  int64_t seq_length = 0;   // 0 = the config's max_seq_len
-  int64_t vocab_size = 0;   // 0 = the config's vocab_size (else overrides it)
-  std::string vocab_dir;    // the tokenizer the data was made with: copied into checkpoints
+  // Image models: each training image flipped left-right with probability 1/2 and shifted by
+  // up to 2 pixels each way (zero fill), drawn from (seed, sample): the same on resume.
+  bool image_augment = false;
+  int64_t seq_length = 0;  // 0 = the config's max_seq_len
+  int64_t vocab_size = 0;  // 0 = the config's vocab_size (else overrides it)
+  std::string vocab_dir;   // the tokenizer the data was made with: copied into checkpoints
   int64_t micro_batch_size = 8;
   int64_t global_batch_size = 0;  // a multiple of micro_batch_size (accumulation); 0 = micro
   int64_t train_iters = 100;

@@ -51,8 +51,9 @@ pipeline::MicroBatch Batcher::batch(int64_t index, int64_t size) const {
   return gpt_micro_batch(ids, targets);
 }
 
-ImageBatcher::ImageBatcher(ImageDataset data, bool shuffle, uint64_t seed, uint64_t stream)
-    : data_(std::move(data)), shuffle_(shuffle), seed_(seed), stream_(stream) {
+ImageBatcher::ImageBatcher(ImageDataset data, bool shuffle, uint64_t seed, uint64_t stream,
+                           bool augment)
+    : data_(std::move(data)), shuffle_(shuffle), augment_(augment), seed_(seed), stream_(stream) {
   OCTET_CHECK(data_.count > 0, "image data: no images");
   // The dataset's own statistics (Fashion-MNIST's training set: mean 0.286, std 0.353).
   double sum = 0, squares = 0;
@@ -114,10 +115,29 @@ pipeline::MicroBatch ImageBatcher::batch(int64_t index, int64_t size) const {
     }
     const int64_t i = sample(static_cast<int64_t>(position));
     const uint8_t* image = data_.image(i);
-    for (int64_t p = 0; p < pixels; ++p) {
-      out[b * pixels + p] = (static_cast<float>(image[p]) * (1.0f / 255.0f) - mean_) * inv_std_;
-    }
     y[b] = data_.labels[static_cast<size_t>(i)];
+    float* row = out + b * pixels;
+    if (!augment_) {
+      for (int64_t p = 0; p < pixels; ++p) {
+        row[p] = (static_cast<float>(image[p]) * (1.0f / 255.0f) - mean_) * inv_std_;
+      }
+      continue;
+    }
+    const auto w = philox4x32(seed_ ^ 0xa5a5a5a5u, position, stream_);
+    const bool flip = w[0] & 1;
+    const int64_t span = 2 * kMaxShift + 1;
+    const int64_t dy = static_cast<int64_t>(w[1] % span) - kMaxShift;
+    const int64_t dx = static_cast<int64_t>(w[2] % span) - kMaxShift;
+    const int64_t H = data_.rows, W = data_.cols;
+    for (int64_t r = 0; r < H; ++r) {
+      for (int64_t c = 0; c < W; ++c) {
+        const int64_t sr = r + dy, sc0 = c + dx, sc = flip ? W - 1 - sc0 : sc0;
+        const bool inside = sr >= 0 && sr < H && sc0 >= 0 && sc0 < W;
+        const float value =
+            inside ? static_cast<float>(image[sr * W + sc]) * (1.0f / 255.0f) : 0.0f;
+        row[r * W + c] = (value - mean_) * inv_std_;
+      }
+    }
   }
   return vit_micro_batch(x, labels);
 }

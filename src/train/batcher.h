@@ -47,7 +47,11 @@ class Batcher : public DataSource {
 // order. Mock data: Gaussian pixels and uniform labels from Philox.
 class ImageBatcher : public DataSource {
  public:
-  ImageBatcher(ImageDataset data, bool shuffle, uint64_t seed, uint64_t stream);
+  // augment: each image flipped left-right with probability 1/2 and shifted by up to
+  // kMaxShift pixels each way (the gap filled with zero pixels), drawn from (seed, position).
+  ImageBatcher(ImageDataset data, bool shuffle, uint64_t seed, uint64_t stream,
+               bool augment = false);
+  static constexpr int64_t kMaxShift = 2;
   ImageBatcher(int64_t pixels, int64_t num_classes, uint64_t seed, uint64_t stream);  // mock
   pipeline::MicroBatch batch(int64_t index, int64_t size) const override;
   int64_t size() const { return data_.count; }
@@ -56,7 +60,7 @@ class ImageBatcher : public DataSource {
   int64_t sample(int64_t position) const;  // the image at a position of the whole stream
 
   ImageDataset data_;
-  bool mock_ = false, shuffle_ = false;
+  bool mock_ = false, shuffle_ = false, augment_ = false;
   int64_t mock_pixels_ = 0, mock_classes_ = 0;
   uint64_t seed_, stream_;
   float mean_ = 0, inv_std_ = 1;

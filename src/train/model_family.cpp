@@ -14,6 +14,8 @@ namespace {
 class GptFamily : public ModelFamily {
  public:
   explicit GptFamily(const TrainOptions& o) : config_(GPTConfig::load(o.config_path)) {
+    OCTET_CHECK(!o.image_augment, "--image-augment is for image models; the config '",
+                o.config_path, "' is a GPT");
     if (!o.vocab_dir.empty()) {
       // The tokenizer the shards were made with: its size is the model's unless --vocab-size
       // says otherwise, and it travels in every checkpoint so that generation decodes with it.
@@ -77,6 +79,8 @@ class VitFamily : public ModelFamily {
     OCTET_CHECK(o.vocab_dir.empty() && o.vocab_size == 0,
                 "--vocab-dir and --vocab-size are a language model's: the config '", o.config_path,
                 "' is a ViT");
+    OCTET_CHECK(!o.image_augment || !o.mock_data,
+                "--image-augment transforms real images: give --train-data DIR, not --mock-data");
     OCTET_CHECK(!o.first_last_layers_bf16,
                 "--first-last-layers-bf16: a ViT's patch embedding and head always run outside "
                 "FP8; its encoder layers all use the recipe");
@@ -116,7 +120,8 @@ class VitFamily : public ModelFamily {
         config_.image_size);
     OCTET_CHECK(data.num_classes <= config_.num_classes, "image data has ", data.num_classes,
                 " classes; the config's head has ", config_.num_classes);
-    return std::make_unique<ImageBatcher>(std::move(data), train, o.seed, train ? 1 : 2);
+    return std::make_unique<ImageBatcher>(std::move(data), train, o.seed, train ? 1 : 2,
+                                          train && o.image_augment);
   }
   double baseline_loss(const TrainOptions&) const override {
     return std::log(static_cast<double>(config_.num_classes));  // a uniform guess

@@ -145,6 +145,7 @@ TrainResult TrainingRun::run() {
       if (family_->classifies()) {
         result_.last_val_accuracy = last_val_accuracy_;
         record["val_accuracy"] = last_val_accuracy_;
+        accuracy_curve_.push_back({static_cast<double>(iteration + 1), 100.0 * last_val_accuracy_});
       }
       valid_curve_.push_back({static_cast<double>(iteration + 1), result_.last_val_loss});
     }
@@ -453,6 +454,18 @@ void TrainingRun::finish(double run_seconds) {
                                                   {train_curve_.back().x, entropy_}});
     }
     write_loss_svg(o_.plot, family_->name() + " loss (" + o_.precision + ")", series);
+    if (!accuracy_curve_.empty()) {
+      // Beside the loss curve: PLOT's name with -accuracy before its extension.
+      const size_t dot = o_.plot.rfind('.');
+      const size_t slash = o_.plot.rfind('/');
+      const bool has_extension =
+          dot != std::string::npos && (slash == std::string::npos || dot > slash);
+      const std::string path = has_extension
+                                   ? o_.plot.substr(0, dot) + "-accuracy" + o_.plot.substr(dot)
+                                   : o_.plot + "-accuracy.svg";
+      write_loss_svg(path, family_->name() + " validation accuracy, % (" + o_.precision + ")",
+                     {{"validation accuracy", accuracy_curve_}});
+    }
   }
   if (quiet_) return;
   const int64_t trained = result_.iterations - start_iteration_;

@@ -109,6 +109,7 @@ class TrainingRun {
   Fp8StatsSummary fp8_summary_;
   TrainResult result_;
   std::vector<CurvePoint> train_curve_, valid_curve_;
+  std::vector<CurvePoint> accuracy_curve_;  // classifiers: validation accuracy in percent
 };
 
 }  // namespace octet::train_detail

@@ -363,10 +363,39 @@ TEST(ViT, FashionMnistEpochVisitsEveryImageOnce) {
   EXPECT_NE(e0.at("labels").to_floats(), e1.at("labels").to_floats());
   train_detail::ImageBatcher in_order(load_fashion_mnist(default_fashion_mnist_dir(), true),
                                       /*shuffle=*/false, 5, 2);
-  const pipeline::MicroBatch first = in_order.batch(0, 4);
+  const pipeline::MicroBatch first = in_order.batch(0, 64);
   for (int64_t i = 0; i < 4; ++i) {
     EXPECT_EQ(first.at("labels").data<int32_t>()[i], labels[static_cast<size_t>(i)]);
   }
+  // Augmented: each image is the plain one flipped or not and shifted by at most 2 pixels
+  // (zero pixels filling the gap), and the 50 transforms are all drawn.
+  train_detail::ImageBatcher augmented(load_fashion_mnist(default_fashion_mnist_dir(), true),
+                                       /*shuffle=*/false, 5, 2, /*augment=*/true);
+  const pipeline::MicroBatch changed = augmented.batch(0, 64);
+  const Tensor plain = first.at("pixels"), moved = changed.at("pixels");
+  const float zero = plain.data<float>()[0];  // the top-left pixel of image 0 is black
+  std::set<int64_t> transforms;
+  for (int64_t i = 0; i < 64; ++i) {
+    const float* a = plain.data<float>() + i * 784;
+    const float* b = moved.data<float>() + i * 784;
+    int64_t found = -1;
+    for (int64_t t = 0; t < 50 && found < 0; ++t) {
+      const bool flip = t >= 25;
+      const int64_t dy = (t % 25) / 5 - 2, dx = t % 5 - 2;
+      bool same = true;
+      for (int64_t r = 0; r < 28 && same; ++r) {
+        for (int64_t c = 0; c < 28 && same; ++c) {
+          const int64_t sr = r + dy, sc0 = c + dx, sc = flip ? 27 - sc0 : sc0;
+          const bool inside = sr >= 0 && sr < 28 && sc0 >= 0 && sc0 < 28;
+          same = b[r * 28 + c] == (inside ? a[sr * 28 + sc] : zero);
+        }
+      }
+      if (same) found = t;
+    }
+    EXPECT_GE(found, 0) << "image " << i << " is no flip + shift of the plain one";
+    transforms.insert(found);
+  }
+  EXPECT_GE(transforms.size(), 20u);  // 64 draws from 50 transforms
 }
 
 }  // namespace
