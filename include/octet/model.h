@@ -78,7 +78,7 @@ using GPTLayout = ModelLayout;
 // load_state_dict() takes this rank's slices (TensorShard), so checkpoints load at any layout.
 // Activations between stages are [B,T,C], or this rank's token rows [B*T/TP, C] under
 // sequence parallelism. No dropout under TP yet; KV-cache inference runs without it.
-class GPT : public TrainableModel {
+class GPT : public TransformerStack {
  public:
   // recompute_activations: each layer keeps only its input and recomputes in backward.
   GPT(const GPTConfig& config, uint64_t seed, bool recompute_activations = false);
@@ -136,24 +136,16 @@ class GPT : public TrainableModel {
   Tensor backward(int chunk, const Tensor& doutput, StagedModel::Context& ctx) override;
   Tensor evaluate(int chunk, const Tensor& input, const pipeline::MicroBatch& batch, DType dtype,
                   float* loss) override;
-  int chunks() const override { return static_cast<int>(layout_.stage_of_chunk.size()); }
-  int stages() const override { return layout_.stages; }
-  int stage_of_chunk(int chunk) const override {
-    return layout_.stage_of_chunk.at(static_cast<size_t>(chunk));
-  }
   Shape activation_shape(const pipeline::MicroBatch& batch) const override;
   // wte, held by the first stage (the token embedding) and the last (the output layer).
   std::vector<pipeline::TiedParameters> tied_parameters() override;
   std::vector<Parameter*> chunk_parameters(int chunk) override;
-  bool holds_first_stage() const { return has_first_; }
-  bool holds_last_stage() const { return has_last_; }
 
   void collect_parameters(std::vector<Parameter*>& out) override;
   void on_parameters_updated() override;
-  // Backward calls the hook with the parameters whose gradients became final for the
-  // micro-batch: the final norm, each layer from the last, then the embeddings. Data
+  // Backward calls the grad-ready hook with the parameters whose gradients became final for
+  // the micro-batch: the final norm, each layer from the last, then the embeddings. Data
   // parallelism starts reducing them while backward continues.
-  void set_grad_ready_hook(GradReadyHook hook) override { grad_ready_hook_ = std::move(hook); }
   // With this hook, the token embedding's backward hands its rows to the hook (rows[n]
   // belongs to row ids[n] of wte; ids [N] I32, rows [N,C] F32) instead of adding them into
   // wte.grad. wte's gradient is then final right after the output layer, at the start of
@@ -161,38 +153,12 @@ class GPT : public TrainableModel {
   bool set_embedding_grad_hook(EmbeddingGradHook hook) override;  // not under TP: false
   // Every parameter, in the order the hooks report them (both hooks set).
   std::vector<Parameter*> parameters_in_backward_order() override;
-  // Tensor parallelism: whole tensors from shards and back, and each element counted once in
-  // a norm over the model group (identities without a group).
-  Tensor gather(const Parameter& p, const Tensor& local) override;
-  Tensor shard(const Parameter& p, const Tensor& whole) const override;
-  std::vector<Parameter*> counted_in_norm(const std::vector<Parameter*>& candidates) const override;
   // --tp-comm-overlap: every column GEMM's sequence-parallel all-gather overlapped with the
   // GEMM of this rank's own rows.
   void set_tp_comm_overlap(bool on);
-  // Megatron's --first-last-layers-bf16: the first `first` and last `last` transformer layers
-  // of the whole model run outside fp8_autocast / fp4_autocast (in the step's dtype), forward,
-  // backward and recomputation alike, as the published NVFP4 recipe keeps them.
-  void set_high_precision_layers(int64_t first, int64_t last);
-  bool is_high_precision_layer(int64_t layer) const;
   // This rank's rows of the vocabulary (all of it without a group).
   VocabRange vocab() const { return vocab_; }
   const GPTConfig& config() const { return config_; }
-  const GPTLayout& layout() const { return layout_; }
-  // The layers of the whole model (one stage held), or of one chunk.
-  std::vector<TransformerLayer>& layers();
-  std::vector<TransformerLayer>& layers(int chunk) {
-    return layers_.at(static_cast<size_t>(chunk));
-  }
-  // Every FP8 state (per layer: QKV, projection, FC1, FC2) of the chunks held, in stage order,
-  // and each one's index in the whole model's list.
-  std::vector<Fp8State*> fp8_states() override;
-  std::vector<int64_t> fp8_state_indices() override;
-  // This rank's parameters under the whole model's names (Hugging Face GPT-2 names come from
-  // to_hf_gpt2_names).
-  TensorMap state_dict() override;
-  // Loads this rank's parameters from a whole-model (or this part's) state dict; missing or
-  // mismatched tensors are errors, and so are extra ones when the whole model is held.
-  void load_state_dict(const TensorMap& tensors) override;
   // Checkpoints hold Hugging Face GPT-2 names (to_hf_gpt2_names).
   TensorMap to_checkpoint_names(const TensorMap& ours) const override;
   TensorMap from_checkpoint_names(const TensorMap& theirs) const override;
@@ -203,11 +169,7 @@ class GPT : public TrainableModel {
   Parameter wpe;  // [max_seq_len, C] on the first stage (learned positions only)
 
  private:
-  bool is_first(int chunk) const { return stage_of_chunk(chunk) == 0; }
-  bool is_last(int chunk) const { return stage_of_chunk(chunk) == layout_.stages - 1; }
-  void check_whole(const char* what) const;
   void check_inference(const char* what) const;  // the whole model, no tensor group
-  bool sequence_parallel() const { return layout_.tensor && layout_.sequence_parallel; }
   void check_micro_batch(const Tensor& ids, DType dtype) const;
   // ids [B,T] -> token + position embeddings [B*T(/TP), C] F32, and their backward from dx.
   Tensor embed(const Tensor& ids);
@@ -221,20 +183,11 @@ class GPT : public TrainableModel {
   const Tensor& wte_as(DType dtype);
   // Final norm then the tied output layer: hidden [B,C] -> logits [B,V] F32.
   Tensor logits_of_last(const Tensor& hidden);
-  void grads_ready(std::vector<Parameter*> parameters) const {
-    if (grad_ready_hook_) grad_ready_hook_(parameters);
-  }
-  GradReadyHook grad_ready_hook_;
   EmbeddingGradHook embedding_grad_hook_;
 
   GPTConfig config_;
-  GPTLayout layout_;
   VocabRange vocab_;
-  bool has_first_ = false, has_last_ = false;
-  int64_t high_precision_first_ = 0, high_precision_last_ = 0;
-  int64_t global_layer(int chunk, size_t i) const;
-  std::vector<std::vector<TransformerLayer>> layers_;  // [chunk][layer of that stage]
-  std::optional<Norm> final_norm_;                     // last stage only
+  std::optional<Norm> final_norm_;  // last stage only
   TiedOutputCache output_cache_;
   std::optional<Fp8WeightOnly> wte_fp8_;  // set_inference_fp8_weights
 };
@@ -244,14 +197,6 @@ class GPT : public TrainableModel {
 pipeline::MicroBatch gpt_micro_batch(const Tensor& ids, const Tensor& targets);
 std::vector<pipeline::MicroBatch> gpt_micro_batches(const std::vector<Tensor>& ids,
                                                     const std::vector<Tensor>& targets);
-
-// Each of a part's FP8 states' index in the whole model's list, for models whose layers all
-// hold the same number of states: the identity for the whole model (`states` states), and
-// for a pipeline part its layers' places in the model of num_layers layers cut into
-// part.stages() equal stages (`states` = the part's list size, its chunks in stage order).
-std::vector<int64_t> fp8_state_indices(size_t states);
-std::vector<int64_t> fp8_state_indices(const pipeline::StagedModel& part, size_t states,
-                                       int64_t num_layers);
 
 // Checkpoint names: a state_dict() renamed to Hugging Face GPT-2's names where the layer
 // matches (transformer.h.{i}.ln_1 / attn.c_attn / attn.c_proj / ln_2 / mlp.c_fc / mlp.c_proj,

@@ -230,6 +230,8 @@ struct TrainResult {
   double param_gather_seconds = 0;
 };
 
+// Trains the model options.config_path describes, a GPT or a ViT (its "model" key), in the
+// layout mpirun gives (the name is the first model's).
 TrainResult train_gpt(const TrainOptions& options);
 // GFLOP/s of a BF16 2048^3 GEMM on this machine: the peak MFU is measured against.
 double measure_bf16_peak_gflops();

@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -86,5 +87,87 @@ class TrainableModel : public pipeline::StagedModel {
       std::function<void(Parameter& table, const Tensor& ids, const Tensor& rows)>;
   virtual bool set_embedding_grad_hook(EmbeddingGradHook hook) { return false; }
 };
+
+// What octet's models share (Megatron's TransformerBlock with pre_process / post_process): a
+// stack of num_layers TransformerLayers cut into a ModelLayout's equal pipeline stages (chunk c
+// holds the layers of stage stage_of_chunk[c]) and split over its tensor group. It answers the
+// layout's part of the training interface - chunks and stages, tensor-shard gathering and
+// slicing, FP8 states and their whole-model indices, state dicts under whole-model names - so
+// that a model (GPT, ViT) adds its embeddings, its head and its loss.
+class TransformerStack : public TrainableModel {
+ public:
+  int chunks() const override { return static_cast<int>(layout_.stage_of_chunk.size()); }
+  int stages() const override { return layout_.stages; }
+  int stage_of_chunk(int chunk) const override {
+    return layout_.stage_of_chunk.at(static_cast<size_t>(chunk));
+  }
+  const ModelLayout& layout() const { return layout_; }
+  bool holds_first_stage() const { return has_first_; }
+  bool holds_last_stage() const { return has_last_; }
+  // The layers of the whole model (one stage held), or of one chunk.
+  std::vector<TransformerLayer>& layers();
+  std::vector<TransformerLayer>& layers(int chunk) {
+    return layers_.at(static_cast<size_t>(chunk));
+  }
+
+  void set_grad_ready_hook(GradReadyHook hook) override { grad_ready_hook_ = std::move(hook); }
+  // Tensor parallelism: whole tensors from shards and back, and each element counted once in
+  // a norm over the model group (identities without a group).
+  Tensor gather(const Parameter& p, const Tensor& local) override;
+  Tensor shard(const Parameter& p, const Tensor& whole) const override;
+  std::vector<Parameter*> counted_in_norm(const std::vector<Parameter*>& candidates) const override;
+  // Every layer's FP8 states, chunks in stage order, and each one's whole-model index.
+  std::vector<Fp8State*> fp8_states() override;
+  std::vector<int64_t> fp8_state_indices() override;
+  // This rank's parameters under whole-model names (shards gathered), and loading this part
+  // from a whole-model map: missing or mismatched tensors are errors, and so are extra ones
+  // when the whole model is held.
+  TensorMap state_dict() override;
+  void load_state_dict(const TensorMap& tensors) override;
+  void on_parameters_updated() override;  // the layers' weight caches
+  // Megatron's --first-last-layers-bf16: the first `first` and last `last` transformer layers
+  // of the whole model run outside fp8_autocast / fp4_autocast (in the step's dtype), forward,
+  // backward and recomputation alike, as the published NVFP4 recipe keeps them.
+  void set_high_precision_layers(int64_t first, int64_t last);
+  bool is_high_precision_layer(int64_t layer) const;
+
+ protected:
+  // who: the model's name in errors ("gpt"); layer(i): the options of layer i (global index)
+  // of the whole model, so that every layout builds the same parameters.
+  TransformerStack(std::string who, int64_t num_layers, ModelLayout layout,
+                   const std::function<TransformerLayerOptions(int64_t)>& layer);
+  bool is_first(int chunk) const { return stage_of_chunk(chunk) == 0; }
+  bool is_last(int chunk) const { return stage_of_chunk(chunk) == layout_.stages - 1; }
+  bool sequence_parallel() const { return layout_.tensor && layout_.sequence_parallel; }
+  // An error unless this rank holds the whole model (one stage).
+  void check_whole(const char* what) const;
+  int64_t global_layer(int chunk, size_t i) const;  // layer i of the chunk, in the whole model
+  void grads_ready(const std::vector<Parameter*>& parameters) const {
+    if (grad_ready_hook_) grad_ready_hook_(parameters);
+  }
+  // The chunk's layers over h ([B,T,C], or this rank's token rows [B*T/TP, C] with seq_len = T
+  // under sequence parallelism). With `contexts` each layer's is kept there for backward.
+  Tensor forward_layers(int chunk, Tensor h, std::vector<TransformerLayer::Context>* contexts,
+                        int64_t seq_len);
+  // Backward through the chunk's layers from the last: each context released, each layer's
+  // parameters reported to the grad-ready hook as they become final.
+  Tensor backward_layers(int chunk, Tensor dx, std::vector<TransformerLayer::Context>& contexts);
+
+  std::string who_;
+  int64_t num_layers_ = 0;
+  ModelLayout layout_;
+  bool has_first_ = false, has_last_ = false;
+  int64_t high_precision_first_ = 0, high_precision_last_ = 0;
+  std::vector<std::vector<TransformerLayer>> layers_;  // [chunk][layer of that stage]
+  GradReadyHook grad_ready_hook_;
+};
+
+// Each of a part's FP8 states' index in the whole model's list, for models whose layers all
+// hold the same number of states: the identity for the whole model (`states` states), and
+// for a pipeline part its layers' places in the model of num_layers layers cut into
+// part.stages() equal stages (`states` = the part's list size, its chunks in stage order).
+std::vector<int64_t> fp8_state_indices(size_t states);
+std::vector<int64_t> fp8_state_indices(const pipeline::StagedModel& part, size_t states,
+                                       int64_t num_layers);
 
 }  // namespace octet

@@ -67,7 +67,7 @@ pipeline::MicroBatch vit_micro_batch(const Tensor& pixels, const Tensor& labels)
 // ranks' rows and the class tokens gathered back before the head). The patch embedding and
 // the head always run in the step's dtype outside FP8 / FP4 (TransformerEngine keeps the
 // first and last GEMMs in high precision): FP8 recipes quantize the encoder layers' GEMMs.
-class ViT : public TrainableModel {
+class ViT : public TransformerStack {
  public:
   ViT(const ViTConfig& config, uint64_t seed, ModelLayout layout = {},
       bool recompute_activations = false);
@@ -94,42 +94,22 @@ class ViT : public TrainableModel {
   Tensor backward(int chunk, const Tensor& doutput, StagedModel::Context& ctx) override;
   Tensor evaluate(int chunk, const Tensor& input, const pipeline::MicroBatch& batch, DType dtype,
                   float* loss) override;
-  int chunks() const override { return static_cast<int>(layout_.stage_of_chunk.size()); }
-  int stages() const override { return layout_.stages; }
-  int stage_of_chunk(int chunk) const override {
-    return layout_.stage_of_chunk.at(static_cast<size_t>(chunk));
-  }
   Shape activation_shape(const pipeline::MicroBatch& batch) const override;
   std::vector<pipeline::TiedParameters> tied_parameters() override { return {}; }
   std::vector<Parameter*> chunk_parameters(int chunk) override;
 
   void collect_parameters(std::vector<Parameter*>& out) override;
   void on_parameters_updated() override;
-  void set_grad_ready_hook(GradReadyHook hook) override { grad_ready_hook_ = std::move(hook); }
   std::vector<Parameter*> parameters_in_backward_order() override;
-  Tensor gather(const Parameter& p, const Tensor& local) override;
-  Tensor shard(const Parameter& p, const Tensor& whole) const override;
-  std::vector<Parameter*> counted_in_norm(const std::vector<Parameter*>& candidates) const override;
-  std::vector<Fp8State*> fp8_states() override;
-  std::vector<int64_t> fp8_state_indices() override;
-  TensorMap state_dict() override;
-  void load_state_dict(const TensorMap& tensors) override;
   TensorMap to_checkpoint_names(const TensorMap& ours) const override { return ours; }
   TensorMap from_checkpoint_names(const TensorMap& theirs) const override { return theirs; }
 
   const ViTConfig& config() const { return config_; }
-  std::vector<TransformerLayer>& layers(int chunk) {
-    return layers_.at(static_cast<size_t>(chunk));
-  }
 
   // First stage: the class token [1, C] and the positions [T, C] (T = seq_len()).
   Parameter cls_token, pos_embed;
 
  private:
-  bool is_first(int chunk) const { return stage_of_chunk(chunk) == 0; }
-  bool is_last(int chunk) const { return stage_of_chunk(chunk) == layout_.stages - 1; }
-  bool sequence_parallel() const { return layout_.tensor && layout_.sequence_parallel; }
-  void check_whole(const char* what) const;
   // pixels [B, C*H*W] -> tokens [B*T, C] F32 (class token and positions added).
   Tensor embed(const Tensor& pixels, DType dtype, Linear::Context& patch_ctx);
   void embed_backward(const Tensor& dx, int64_t batch, Linear::Context& patch_ctx);
@@ -139,18 +119,11 @@ class ViT : public TrainableModel {
                   float grad_scale, Context* ctx, bool count);
   Tensor run_forward(int chunk, const Tensor& input, const pipeline::MicroBatch& batch, DType dtype,
                      float grad_scale, Context* ctx, float* loss);
-  void grads_ready(const std::vector<Parameter*>& params) {
-    if (grad_ready_hook_) grad_ready_hook_(params);
-  }
 
   ViTConfig config_;
-  ModelLayout layout_;
-  bool has_first_ = false, has_last_ = false;
-  std::vector<std::vector<TransformerLayer>> layers_;  // [chunk][layer of that stage]
-  std::optional<Linear> patch_embed_;                  // first stage
-  std::optional<Norm> final_norm_;                     // last stage
-  std::optional<Linear> head_;                         // last stage
-  GradReadyHook grad_ready_hook_;
+  std::optional<Linear> patch_embed_;  // first stage
+  std::optional<Norm> final_norm_;     // last stage
+  std::optional<Linear> head_;         // last stage
   int64_t eval_correct_ = 0, eval_seen_ = 0;
 };
 

@@ -28,31 +28,16 @@ GPT::GPT(const GPTConfig& config, uint64_t seed, bool recompute_activations)
     : GPT(config, seed, GPTLayout{}, recompute_activations) {}
 
 GPT::GPT(const GPTConfig& config, uint64_t seed, GPTLayout layout, bool recompute_activations)
-    : config_(config), layout_(std::move(layout)) {
+    : TransformerStack("gpt", config.num_layers, std::move(layout),
+                       [&](int64_t i) {
+                         return gpt_parts::layer_options(config, i, seed, recompute_activations);
+                       }),
+      config_(config) {
   Communicator* tp = layout_.tensor;
   OCTET_CHECK(tp == nullptr || config.vocab_size >= tp->size(), "gpt: vocabulary ",
               config.vocab_size, " smaller than TP=", tp ? tp->size() : 1);
   vocab_ = tp ? vocab_range(config.vocab_size, tp->rank(), tp->size())
               : VocabRange{0, config.vocab_size};
-  const int stages = layout_.stages;
-  OCTET_CHECK(stages >= 1 && config.num_layers % stages == 0, "gpt: num_layers (",
-              config.num_layers, ") expected a multiple of the pipeline stages (", stages,
-              ": ranks x chunks per rank)");
-  OCTET_CHECK(!layout_.stage_of_chunk.empty(), "gpt: a rank must hold at least one chunk");
-  const int64_t per_stage = config.num_layers / stages;
-  for (int stage : layout_.stage_of_chunk) {
-    OCTET_CHECK(stage >= 0 && stage < stages, "gpt: stage ", stage, " outside 0..", stages - 1);
-    has_first_ = has_first_ || stage == 0;
-    has_last_ = has_last_ || stage == stages - 1;
-    std::vector<TransformerLayer> layers;
-    layers.reserve(static_cast<size_t>(per_stage));
-    for (int64_t i = stage * per_stage; i < (stage + 1) * per_stage; ++i) {
-      TransformerLayerOptions o = gpt_parts::layer_options(config, i, seed, recompute_activations);
-      o.sequence_parallel = sequence_parallel();
-      layers.emplace_back(o, tp);
-    }
-    layers_.push_back(std::move(layers));
-  }
   if (has_first_ || has_last_) {
     wte = gpt_parts::token_embedding(config, seed);
     if (tp) {
@@ -77,64 +62,10 @@ bool GPT::set_embedding_grad_hook(EmbeddingGradHook hook) {
   return true;
 }
 
-void GPT::set_high_precision_layers(int64_t first, int64_t last) {
-  OCTET_CHECK(first >= 0 && last >= 0 && first + last <= config_.num_layers,
-              "gpt: layers kept in high precision (first ", first, ", last ", last,
-              ") expected >= 0 and at most num_layers=", config_.num_layers, " together");
-  high_precision_first_ = first;
-  high_precision_last_ = last;
-}
-
-bool GPT::is_high_precision_layer(int64_t layer) const {
-  return layer < high_precision_first_ || layer >= config_.num_layers - high_precision_last_;
-}
-
-int64_t GPT::global_layer(int chunk, size_t i) const {
-  const int64_t per_stage = config_.num_layers / layout_.stages;
-  return stage_of_chunk(chunk) * per_stage + static_cast<int64_t>(i);
-}
-
-namespace {
-
-// Outside FP8 and FP4 for the scope's lifetime when `plain`, else nothing changes.
-struct HighPrecisionScope {
-  explicit HighPrecisionScope(bool plain) {
-    if (plain) {
-      fp8.emplace(false);
-      fp4.emplace(false);
-    }
-  }
-  std::optional<fp8_autocast> fp8;
-  std::optional<fp4_autocast> fp4;
-};
-
-}  // namespace
-
 void GPT::set_tp_comm_overlap(bool on) {
   for (std::vector<TransformerLayer>& stack : layers_) {
     for (TransformerLayer& layer : stack) layer.set_overlap_gather(on);
   }
-}
-
-Tensor GPT::gather(const Parameter& p, const Tensor& local) {
-  return layout_.tensor ? gather_shards(p, local, *layout_.tensor) : local;
-}
-
-Tensor GPT::shard(const Parameter& p, const Tensor& whole) const {
-  if (layout_.tensor) return shard_of(p, whole, *layout_.tensor);
-  check_shape(whole, p.value.shape(), "checkpoint: tensor '" + p.name + "'");
-  check_dtype(whole, DType::F32, "checkpoint: tensor '" + p.name + "'");
-  return whole;
-}
-
-std::vector<Parameter*> GPT::counted_in_norm(const std::vector<Parameter*>& candidates) const {
-  return layout_.tensor ? counted_once(candidates, *layout_.tensor) : candidates;
-}
-
-void GPT::check_whole(const char* what) const {
-  OCTET_CHECK(layout_.stages == 1, "gpt: ", what, " needs the whole model; this rank holds ",
-              chunks(), " of ", layout_.stages,
-              " pipeline stages (run them through the pipeline executor)");
 }
 
 void GPT::check_inference(const char* what) const {
@@ -142,11 +73,6 @@ void GPT::check_inference(const char* what) const {
   OCTET_CHECK(layout_.tensor == nullptr, "gpt: ", what,
               " runs without tensor parallelism (this model is split over ", layout_.tensor->size(),
               " tensor ranks)");
-}
-
-std::vector<TransformerLayer>& GPT::layers() {
-  check_whole("layers()");
-  return layers_.front();
 }
 
 std::vector<Parameter*> GPT::chunk_parameters(int chunk) {
@@ -195,25 +121,7 @@ std::vector<Parameter*> GPT::parameters_in_backward_order() {
 
 void GPT::on_parameters_updated() {
   output_cache_.invalidate();
-  for (std::vector<TransformerLayer>& chunk : layers_) {
-    for (TransformerLayer& layer : chunk) layer.on_parameters_updated();
-  }
-}
-
-std::vector<Fp8State*> GPT::fp8_states() {
-  std::vector<Fp8State*> out;
-  for (int chunk : chunks_in_stage_order()) {
-    for (TransformerLayer& layer : layers(chunk)) {
-      for (Fp8State* s : layer.fp8_states()) out.push_back(s);
-    }
-  }
-  return out;
-}
-
-std::vector<int64_t> GPT::fp8_state_indices() {
-  const size_t states = fp8_states().size();
-  return layout_.stages == 1 ? octet::fp8_state_indices(states)
-                             : octet::fp8_state_indices(*this, states, config_.num_layers);
+  TransformerStack::on_parameters_updated();
 }
 
 TensorMap GPT::to_checkpoint_names(const TensorMap& ours) const {
@@ -391,14 +299,8 @@ Tensor GPT::run_forward(int chunk, const Tensor& input, const Tensor& ids, const
     check_dtype(input, dtype, what);
     h = input;
   }
-  std::vector<TransformerLayer>& stack = layers(chunk);
-  if (ctx) ctx->layers.assign(stack.size(), TransformerLayer::Context{});
-  const int64_t seq_len = sequence_parallel() ? T : 0;  // the layers' token rows are a shard
-  for (size_t i = 0; i < stack.size(); ++i) {
-    TransformerLayer::Context scratch;
-    HighPrecisionScope scope(is_high_precision_layer(global_layer(chunk, i)));
-    h = stack[i].forward(h, ctx ? ctx->layers[i] : scratch, nullptr, nullptr, nullptr, seq_len);
-  }
+  // Under sequence parallelism the layers' token rows are a shard of the T tokens.
+  h = forward_layers(chunk, h, ctx ? &ctx->layers : nullptr, sequence_parallel() ? T : 0);
   if (!is_last(chunk)) return h;
   Norm::Context norm_scratch;
   Tensor hidden = final_norm_->forward(h, ctx ? ctx->final_norm : norm_scratch);
@@ -423,15 +325,7 @@ Tensor GPT::backward(int chunk, const Tensor& doutput, StagedModel::Context& bas
   } else {
     dx = doutput;
   }
-  std::vector<TransformerLayer>& stack = layers(chunk);
-  OCTET_CHECK(ctx.layers.size() == stack.size(), "gpt: backward of chunk ", chunk,
-              " before its forward");
-  for (size_t i = stack.size(); i-- > 0;) {
-    HighPrecisionScope scope(is_high_precision_layer(global_layer(chunk, i)));
-    dx = stack[i].backward(dx, ctx.layers[i]);
-    ctx.layers[i] = TransformerLayer::Context{};
-    grads_ready(stack[i].parameters());
-  }
+  dx = backward_layers(chunk, dx, ctx.layers);
   if (!is_first(chunk)) {
     ctx = Context{};
     return dx;
@@ -444,26 +338,6 @@ Tensor GPT::backward(int chunk, const Tensor& doutput, StagedModel::Context& bas
   if (!embeddings.empty()) grads_ready(embeddings);
   ctx = Context{};
   return Tensor();
-}
-
-TensorMap GPT::state_dict() {
-  TensorMap out;
-  for (Parameter* p : parameters()) out[p->name] = gather(*p, p->value);
-  return out;
-}
-
-void GPT::load_state_dict(const TensorMap& tensors) {
-  std::vector<Parameter*> params = parameters();
-  for (Parameter* p : params) {
-    auto it = tensors.find(p->name);
-    OCTET_CHECK(it != tensors.end(), "checkpoint: missing tensor '", p->name,
-                "' (does the checkpoint match this model config?)");
-    p->value.copy_from(shard(*p, it->second));
-  }
-  // Another stage's tensors are expected in a whole-model map; the whole model has no others.
-  OCTET_CHECK(layout_.stages > 1 || tensors.size() == params.size(), "checkpoint: holds ",
-              tensors.size(), " tensors, the model has ", params.size(), " parameters");
-  on_parameters_updated();
 }
 
 }  // namespace octet

@@ -6,6 +6,7 @@
 #include <random>
 
 #include "core/convert.h"
+#include "modules/common.h"
 #include "octet/ops/embedding.h"
 #include "octet/ops/loss.h"
 
@@ -23,15 +24,6 @@ namespace {
 // Rows of logits computed at once: bounds the [rows, V] F32 buffer to ~64 MB.
 int64_t logits_chunk_rows(int64_t vocab) {
   return std::max<int64_t>(16, (16 << 20) / vocab);
-}
-
-Parameter normal_parameter(std::string name, Shape shape, float std, uint64_t seed) {
-  Parameter p{std::move(name), Tensor::empty(shape, DType::F32), Tensor::zeros(shape, DType::F32)};
-  std::mt19937_64 rng(seed);
-  std::normal_distribution<float> normal(0.0f, std);
-  float* v = p.value.data<float>();
-  for (int64_t i = 0; i < p.value.numel(); ++i) v[i] = normal(rng);
-  return p;
 }
 
 }  // namespace
@@ -72,14 +64,14 @@ NormOptions final_norm_options(const GPTConfig& c) {
 }
 
 Parameter token_embedding(const GPTConfig& c, uint64_t seed) {
-  return normal_parameter("transformer.wte.weight", {c.vocab_size, c.hidden}, c.init_std,
-                          seed * 7919 + 1);
+  return modules_detail::make_parameter("transformer.wte.weight", {c.vocab_size, c.hidden},
+                                        c.init_std, seed * 7919 + 1);
 }
 
 Parameter position_embedding(const GPTConfig& c, uint64_t seed) {
   if (c.position_embedding != "learned") return Parameter{};
-  return normal_parameter("transformer.wpe.weight", {c.max_seq_len, c.hidden}, c.init_std / 2,
-                          seed * 7919 + 2);
+  return modules_detail::make_parameter("transformer.wpe.weight", {c.max_seq_len, c.hidden},
+                                        c.init_std / 2, seed * 7919 + 2);
 }
 
 Tensor embed(const Tensor& ids, const Parameter& wte, const Parameter& wpe,
@@ -155,30 +147,4 @@ float tied_output_loss(const Tensor& hidden, const Tensor& targets, Parameter& w
 }
 
 }  // namespace gpt_parts
-std::vector<int64_t> fp8_state_indices(size_t states) {
-  std::vector<int64_t> out(states);
-  for (size_t i = 0; i < states; ++i) out[i] = static_cast<int64_t>(i);
-  return out;
-}
-
-std::vector<int64_t> fp8_state_indices(const pipeline::StagedModel& part, size_t states,
-                                       int64_t num_layers) {
-  const int64_t per_stage = num_layers / part.stages();
-  const int64_t layers_held = per_stage * part.chunks();
-  OCTET_CHECK(layers_held > 0 && static_cast<int64_t>(states) % layers_held == 0,
-              "fp8 states: ", states, " states over ", layers_held,
-              " layers held: expected the same number per layer");
-  const int64_t per_layer = static_cast<int64_t>(states) / layers_held;
-  // The part lists its chunks in stage order, each chunk's layers in order.
-  const std::vector<int> chunks = part.chunks_in_stage_order();
-  std::vector<int64_t> out(states);
-  for (int64_t i = 0; i < static_cast<int64_t>(states); ++i) {
-    const int64_t local_layer = i / per_layer;
-    const int stage = part.stage_of_chunk(chunks[static_cast<size_t>(local_layer / per_stage)]);
-    const int64_t layer = stage * per_stage + local_layer % per_stage;
-    out[static_cast<size_t>(i)] = layer * per_layer + i % per_layer;
-  }
-  return out;
-}
-
 }  // namespace octet

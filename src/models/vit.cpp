@@ -6,13 +6,11 @@
 
 #include <algorithm>
 #include <cstring>
-#include <random>
 
+#include "modules/common.h"
 #include "octet/fp4.h"
 #include "octet/mappings.h"
-#include "octet/model.h"
 #include "octet/ops/loss.h"
-#include "octet/tensor_parallel.h"
 
 namespace octet {
 
@@ -21,15 +19,6 @@ pipeline::MicroBatch vit_micro_batch(const Tensor& pixels, const Tensor& labels)
 }
 
 namespace {
-
-Parameter normal_parameter(std::string name, Shape shape, float std, uint64_t seed) {
-  Parameter p{std::move(name), Tensor::empty(shape, DType::F32), Tensor::zeros(shape, DType::F32)};
-  std::mt19937_64 rng(seed);
-  std::normal_distribution<float> normal(0.0f, std);
-  float* v = p.value.data<float>();
-  for (int64_t i = 0; i < p.value.numel(); ++i) v[i] = normal(rng);
-  return p;
-}
 
 // The patch embedding and the head run outside FP8 and FP4 for the scope's lifetime.
 struct HighPrecisionScope {
@@ -68,8 +57,8 @@ ViT::Context& own_context(pipeline::StagedModel::Context& base) {
   return *ctx;
 }
 
-// Rows rows[i] of x [N, C] (any dtype) -> [rows.size(), C]; and the adjoint: y's rows into
-// the given rows of a zeroed [N, C].
+// Rows first, first + stride, ... (count of them) of x [N, C] (any dtype) -> [count, C]; and
+// the adjoint: y's rows into those rows of a zeroed [rows, C].
 Tensor take_rows(const Tensor& x, int64_t first, int64_t stride, int64_t count) {
   const int64_t C = x.dim(-1);
   const size_t row_bytes = static_cast<size_t>(C) * dtype_bytes(x.dtype());
@@ -97,27 +86,10 @@ Tensor put_rows(const Tensor& y, int64_t rows, int64_t first, int64_t stride) {
 }  // namespace
 
 ViT::ViT(const ViTConfig& config, uint64_t seed, ModelLayout layout, bool recompute_activations)
-    : config_(config), layout_(std::move(layout)) {
-  Communicator* tp = layout_.tensor;
-  const int stages = layout_.stages;
-  OCTET_CHECK(stages >= 1 && config.num_layers % stages == 0, "vit: num_layers (",
-              config.num_layers, ") expected a multiple of the pipeline stages (", stages,
-              ": ranks x chunks per rank)");
-  OCTET_CHECK(!layout_.stage_of_chunk.empty(), "vit: a rank must hold at least one chunk");
-  const int64_t per_stage = config.num_layers / stages;
-  for (int stage : layout_.stage_of_chunk) {
-    OCTET_CHECK(stage >= 0 && stage < stages, "vit: stage ", stage, " outside 0..", stages - 1);
-    has_first_ = has_first_ || stage == 0;
-    has_last_ = has_last_ || stage == stages - 1;
-    std::vector<TransformerLayer> layers;
-    layers.reserve(static_cast<size_t>(per_stage));
-    for (int64_t i = stage * per_stage; i < (stage + 1) * per_stage; ++i) {
-      TransformerLayerOptions o = layer_options(config, i, seed, recompute_activations);
-      o.sequence_parallel = sequence_parallel();
-      layers.emplace_back(o, tp);
-    }
-    layers_.push_back(std::move(layers));
-  }
+    : TransformerStack(
+          "vit", config.num_layers, std::move(layout),
+          [&](int64_t i) { return layer_options(config, i, seed, recompute_activations); }),
+      config_(config) {
   if (has_first_) {
     LinearOptions patch;
     patch.in_features = config.patch_dim();
@@ -126,11 +98,11 @@ ViT::ViT(const ViTConfig& config, uint64_t seed, ModelLayout layout, bool recomp
     patch.seed = seed * 7919 + 11;
     patch.name = "vit.embeddings.patch_embeddings";
     patch_embed_.emplace(patch);
-    cls_token = normal_parameter("vit.embeddings.cls_token", {1, config.hidden}, config.init_std,
-                                 seed * 7919 + 12);
-    pos_embed =
-        normal_parameter("vit.embeddings.position_embeddings", {config.seq_len(), config.hidden},
-                         config.init_std, seed * 7919 + 13);
+    cls_token = modules_detail::make_parameter("vit.embeddings.cls_token", {1, config.hidden},
+                                               config.init_std, seed * 7919 + 12);
+    pos_embed = modules_detail::make_parameter("vit.embeddings.position_embeddings",
+                                               {config.seq_len(), config.hidden}, config.init_std,
+                                               seed * 7919 + 13);
   }
   if (has_last_) {
     NormOptions norm;
@@ -147,12 +119,6 @@ ViT::ViT(const ViTConfig& config, uint64_t seed, ModelLayout layout, bool recomp
     head.name = "classifier";
     head_.emplace(head);
   }
-}
-
-void ViT::check_whole(const char* what) const {
-  OCTET_CHECK(layout_.stages == 1, "vit: ", what, " needs the whole model; this rank holds ",
-              chunks(), " of ", layout_.stages,
-              " pipeline stages (run them through the pipeline executor)");
 }
 
 std::vector<Parameter*> ViT::chunk_parameters(int chunk) {
@@ -198,42 +164,9 @@ std::vector<Parameter*> ViT::parameters_in_backward_order() {
 }
 
 void ViT::on_parameters_updated() {
-  for (std::vector<TransformerLayer>& chunk : layers_) {
-    for (TransformerLayer& layer : chunk) layer.on_parameters_updated();
-  }
+  TransformerStack::on_parameters_updated();
   if (patch_embed_) patch_embed_->on_parameters_updated();
   if (head_) head_->on_parameters_updated();
-}
-
-Tensor ViT::gather(const Parameter& p, const Tensor& local) {
-  return layout_.tensor ? gather_shards(p, local, *layout_.tensor) : local;
-}
-
-Tensor ViT::shard(const Parameter& p, const Tensor& whole) const {
-  if (layout_.tensor) return shard_of(p, whole, *layout_.tensor);
-  check_shape(whole, p.value.shape(), "checkpoint: tensor '" + p.name + "'");
-  check_dtype(whole, DType::F32, "checkpoint: tensor '" + p.name + "'");
-  return whole;
-}
-
-std::vector<Parameter*> ViT::counted_in_norm(const std::vector<Parameter*>& candidates) const {
-  return layout_.tensor ? counted_once(candidates, *layout_.tensor) : candidates;
-}
-
-std::vector<Fp8State*> ViT::fp8_states() {
-  std::vector<Fp8State*> out;
-  for (int chunk : chunks_in_stage_order()) {
-    for (TransformerLayer& layer : layers(chunk)) {
-      for (Fp8State* s : layer.fp8_states()) out.push_back(s);
-    }
-  }
-  return out;
-}
-
-std::vector<int64_t> ViT::fp8_state_indices() {
-  const size_t states = fp8_states().size();
-  return layout_.stages == 1 ? octet::fp8_state_indices(states)
-                             : octet::fp8_state_indices(*this, states, config_.num_layers);
 }
 
 std::unique_ptr<pipeline::StagedModel::Context> ViT::make_context() const {
@@ -379,13 +312,7 @@ Tensor ViT::run_forward(int chunk, const Tensor& input, const pipeline::MicroBat
     check_dtype(input, dtype, what);
     h = input;
   }
-  std::vector<TransformerLayer>& stack = layers(chunk);
-  if (ctx) ctx->layers.assign(stack.size(), TransformerLayer::Context{});
-  const int64_t seq_len = sequence_parallel() ? T : 0;
-  for (size_t i = 0; i < stack.size(); ++i) {
-    TransformerLayer::Context scratch;
-    h = stack[i].forward(h, ctx ? ctx->layers[i] : scratch, nullptr, nullptr, nullptr, seq_len);
-  }
+  h = forward_layers(chunk, h, ctx ? &ctx->layers : nullptr, sequence_parallel() ? T : 0);
   if (!is_last(chunk)) return h;
   *loss = head_loss(h, pipeline::batch_tensor(batch, "labels", "vit"), B, dtype, grad_scale, ctx,
                     /*count=*/ctx == nullptr);
@@ -423,14 +350,7 @@ Tensor ViT::backward(int chunk, const Tensor& doutput, StagedModel::Context& bas
   } else {
     dx = doutput;
   }
-  std::vector<TransformerLayer>& stack = layers(chunk);
-  OCTET_CHECK(ctx.layers.size() == stack.size(), "vit: backward of chunk ", chunk,
-              " before its forward");
-  for (size_t i = stack.size(); i-- > 0;) {
-    dx = stack[i].backward(dx, ctx.layers[i]);
-    ctx.layers[i] = TransformerLayer::Context{};
-    grads_ready(stack[i].parameters());
-  }
+  dx = backward_layers(chunk, dx, ctx.layers);
   if (!is_first(chunk)) {
     ctx = Context{};
     return dx;
@@ -470,10 +390,7 @@ Tensor ViT::logits(const Tensor& pixels, DType dtype) {
   Linear::Context patch;
   Tensor h = embed(pixels, dtype, patch);
   h = (dtype == DType::F32 ? h : h.to(dtype)).reshape({B, config_.seq_len(), config_.hidden});
-  for (TransformerLayer& layer : layers(0)) {
-    TransformerLayer::Context scratch;
-    h = layer.forward(h, scratch);
-  }
+  h = forward_layers(0, h, nullptr, 0);
   const Tensor cls =
       take_rows(h.reshape({h.numel() / config_.hidden, config_.hidden}), 0, config_.seq_len(), B);
   HighPrecisionScope scope;
@@ -487,25 +404,6 @@ std::pair<int64_t, int64_t> ViT::take_eval_counts() {
   std::pair<int64_t, int64_t> counts{eval_correct_, eval_seen_};
   eval_correct_ = eval_seen_ = 0;
   return counts;
-}
-
-TensorMap ViT::state_dict() {
-  TensorMap out;
-  for (Parameter* p : parameters()) out[p->name] = gather(*p, p->value);
-  return out;
-}
-
-void ViT::load_state_dict(const TensorMap& tensors) {
-  std::vector<Parameter*> params = parameters();
-  for (Parameter* p : params) {
-    auto it = tensors.find(p->name);
-    OCTET_CHECK(it != tensors.end(), "checkpoint: missing tensor '", p->name,
-                "' (does the checkpoint match this model config?)");
-    p->value.copy_from(shard(*p, it->second));
-  }
-  OCTET_CHECK(layout_.stages > 1 || tensors.size() == params.size(), "checkpoint: holds ",
-              tensors.size(), " tensors, the model has ", params.size(), " parameters");
-  on_parameters_updated();
 }
 
 }  // namespace octet

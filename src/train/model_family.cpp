@@ -81,9 +81,6 @@ class VitFamily : public ModelFamily {
                 "' is a ViT");
     OCTET_CHECK(!o.image_augment || !o.mock_data,
                 "--image-augment transforms real images: give --train-data DIR, not --mock-data");
-    OCTET_CHECK(!o.first_last_layers_bf16,
-                "--first-last-layers-bf16: a ViT's patch embedding and head always run outside "
-                "FP8; its encoder layers all use the recipe");
   }
   std::string name() const override { return config_.name; }
   nlohmann::json config_json() const override { return config_.to_json(); }
@@ -103,7 +100,11 @@ class VitFamily : public ModelFamily {
   }
   std::unique_ptr<TrainableModel> make_model(ModelLayout layout,
                                              const TrainOptions& o) const override {
-    return std::make_unique<ViT>(config_, o.seed, std::move(layout), o.recompute_activations);
+    auto model = std::make_unique<ViT>(config_, o.seed, std::move(layout), o.recompute_activations);
+    if (o.first_last_layers_bf16) {
+      model->set_high_precision_layers(o.num_layers_at_start_in_bf16, o.num_layers_at_end_in_bf16);
+    }
+    return model;
   }
   std::unique_ptr<DataSource> open_data(const TrainOptions& o, bool train, int64_t) const override {
     if (o.mock_data) {

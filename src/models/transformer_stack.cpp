@@ -1,0 +1,191 @@
+// TransformerStack: the layer stack a model part holds (pipeline stages, tensor shards), and the
+// training interface's layout-only answers built on it.
+#include <optional>
+
+#include "octet/fp4.h"
+#include "octet/tensor_parallel.h"
+#include "octet/trainable_model.h"
+
+namespace octet {
+
+namespace {
+
+// Outside FP8 and FP4 for the scope's lifetime when `plain`, else nothing changes.
+struct HighPrecisionScope {
+  explicit HighPrecisionScope(bool plain) {
+    if (plain) {
+      fp8.emplace(false);
+      fp4.emplace(false);
+    }
+  }
+  std::optional<fp8_autocast> fp8;
+  std::optional<fp4_autocast> fp4;
+};
+
+}  // namespace
+
+TransformerStack::TransformerStack(std::string who, int64_t num_layers, ModelLayout layout,
+                                   const std::function<TransformerLayerOptions(int64_t)>& layer)
+    : who_(std::move(who)), num_layers_(num_layers), layout_(std::move(layout)) {
+  const int stages = layout_.stages;
+  OCTET_CHECK(stages >= 1 && num_layers % stages == 0, who_, ": num_layers (", num_layers,
+              ") expected a multiple of the pipeline stages (", stages,
+              ": ranks x chunks per rank)");
+  OCTET_CHECK(!layout_.stage_of_chunk.empty(), who_, ": a rank must hold at least one chunk");
+  const int64_t per_stage = num_layers / stages;
+  for (int stage : layout_.stage_of_chunk) {
+    OCTET_CHECK(stage >= 0 && stage < stages, who_, ": stage ", stage, " outside 0..", stages - 1);
+    has_first_ = has_first_ || stage == 0;
+    has_last_ = has_last_ || stage == stages - 1;
+    std::vector<TransformerLayer> stack;
+    stack.reserve(static_cast<size_t>(per_stage));
+    for (int64_t i = stage * per_stage; i < (stage + 1) * per_stage; ++i) {
+      TransformerLayerOptions options = layer(i);
+      options.sequence_parallel = sequence_parallel();
+      stack.emplace_back(options, layout_.tensor);
+    }
+    layers_.push_back(std::move(stack));
+  }
+}
+
+void TransformerStack::check_whole(const char* what) const {
+  OCTET_CHECK(layout_.stages == 1, who_, ": ", what, " needs the whole model; this rank holds ",
+              chunks(), " of ", layout_.stages,
+              " pipeline stages (run them through the pipeline executor)");
+}
+
+std::vector<TransformerLayer>& TransformerStack::layers() {
+  check_whole("layers()");
+  return layers_.front();
+}
+
+int64_t TransformerStack::global_layer(int chunk, size_t i) const {
+  const int64_t per_stage = num_layers_ / layout_.stages;
+  return stage_of_chunk(chunk) * per_stage + static_cast<int64_t>(i);
+}
+
+Tensor TransformerStack::gather(const Parameter& p, const Tensor& local) {
+  return layout_.tensor ? gather_shards(p, local, *layout_.tensor) : local;
+}
+
+Tensor TransformerStack::shard(const Parameter& p, const Tensor& whole) const {
+  if (layout_.tensor) return shard_of(p, whole, *layout_.tensor);
+  check_shape(whole, p.value.shape(), "checkpoint: tensor '" + p.name + "'");
+  check_dtype(whole, DType::F32, "checkpoint: tensor '" + p.name + "'");
+  return whole;
+}
+
+std::vector<Parameter*> TransformerStack::counted_in_norm(
+    const std::vector<Parameter*>& candidates) const {
+  return layout_.tensor ? counted_once(candidates, *layout_.tensor) : candidates;
+}
+
+std::vector<Fp8State*> TransformerStack::fp8_states() {
+  std::vector<Fp8State*> out;
+  for (int chunk : chunks_in_stage_order()) {
+    for (TransformerLayer& layer : layers(chunk)) {
+      for (Fp8State* s : layer.fp8_states()) out.push_back(s);
+    }
+  }
+  return out;
+}
+
+std::vector<int64_t> TransformerStack::fp8_state_indices() {
+  const size_t states = fp8_states().size();
+  return layout_.stages == 1 ? octet::fp8_state_indices(states)
+                             : octet::fp8_state_indices(*this, states, num_layers_);
+}
+
+TensorMap TransformerStack::state_dict() {
+  TensorMap out;
+  for (Parameter* p : parameters()) out[p->name] = gather(*p, p->value);
+  return out;
+}
+
+void TransformerStack::load_state_dict(const TensorMap& tensors) {
+  std::vector<Parameter*> params = parameters();
+  for (Parameter* p : params) {
+    auto it = tensors.find(p->name);
+    OCTET_CHECK(it != tensors.end(), "checkpoint: missing tensor '", p->name,
+                "' (does the checkpoint match this model config?)");
+    p->value.copy_from(shard(*p, it->second));
+  }
+  // Another stage's tensors are expected in a whole-model map; the whole model has no others.
+  OCTET_CHECK(layout_.stages > 1 || tensors.size() == params.size(), "checkpoint: holds ",
+              tensors.size(), " tensors, the model has ", params.size(), " parameters");
+  on_parameters_updated();
+}
+
+void TransformerStack::set_high_precision_layers(int64_t first, int64_t last) {
+  OCTET_CHECK(first >= 0 && last >= 0 && first + last <= num_layers_, who_,
+              ": layers kept in high precision (first ", first, ", last ", last,
+              ") expected >= 0 and at most num_layers=", num_layers_, " together");
+  high_precision_first_ = first;
+  high_precision_last_ = last;
+}
+
+bool TransformerStack::is_high_precision_layer(int64_t layer) const {
+  return layer < high_precision_first_ || layer >= num_layers_ - high_precision_last_;
+}
+
+Tensor TransformerStack::forward_layers(int chunk, Tensor h,
+                                        std::vector<TransformerLayer::Context>* contexts,
+                                        int64_t seq_len) {
+  std::vector<TransformerLayer>& stack = layers(chunk);
+  if (contexts) contexts->assign(stack.size(), TransformerLayer::Context{});
+  for (size_t i = 0; i < stack.size(); ++i) {
+    TransformerLayer::Context scratch;
+    HighPrecisionScope scope(is_high_precision_layer(global_layer(chunk, i)));
+    h = stack[i].forward(h, contexts ? (*contexts)[i] : scratch, nullptr, nullptr, nullptr,
+                         seq_len);
+  }
+  return h;
+}
+
+Tensor TransformerStack::backward_layers(int chunk, Tensor dx,
+                                         std::vector<TransformerLayer::Context>& contexts) {
+  std::vector<TransformerLayer>& stack = layers(chunk);
+  OCTET_CHECK(contexts.size() == stack.size(), who_, ": backward of chunk ", chunk,
+              " before its forward");
+  for (size_t i = stack.size(); i-- > 0;) {
+    HighPrecisionScope scope(is_high_precision_layer(global_layer(chunk, i)));
+    dx = stack[i].backward(dx, contexts[i]);
+    contexts[i] = TransformerLayer::Context{};
+    grads_ready(stack[i].parameters());
+  }
+  return dx;
+}
+
+void TransformerStack::on_parameters_updated() {
+  for (std::vector<TransformerLayer>& chunk : layers_) {
+    for (TransformerLayer& layer : chunk) layer.on_parameters_updated();
+  }
+}
+
+std::vector<int64_t> fp8_state_indices(size_t states) {
+  std::vector<int64_t> out(states);
+  for (size_t i = 0; i < states; ++i) out[i] = static_cast<int64_t>(i);
+  return out;
+}
+
+std::vector<int64_t> fp8_state_indices(const pipeline::StagedModel& part, size_t states,
+                                       int64_t num_layers) {
+  const int64_t per_stage = num_layers / part.stages();
+  const int64_t layers_held = per_stage * part.chunks();
+  OCTET_CHECK(layers_held > 0 && static_cast<int64_t>(states) % layers_held == 0,
+              "fp8 states: ", states, " states over ", layers_held,
+              " layers held: expected the same number per layer");
+  const int64_t per_layer = static_cast<int64_t>(states) / layers_held;
+  // The part lists its chunks in stage order, each chunk's layers in order.
+  const std::vector<int> chunks = part.chunks_in_stage_order();
+  std::vector<int64_t> out(states);
+  for (int64_t i = 0; i < static_cast<int64_t>(states); ++i) {
+    const int64_t local_layer = i / per_layer;
+    const int stage = part.stage_of_chunk(chunks[static_cast<size_t>(local_layer / per_stage)]);
+    const int64_t layer = stage * per_stage + local_layer % per_stage;
+    out[static_cast<size_t>(i)] = layer * per_layer + i % per_layer;
+  }
+  return out;
+}
+
+}  // namespace octet
