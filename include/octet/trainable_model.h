@@ -145,6 +145,10 @@ class TransformerStack : public TrainableModel {
   void grads_ready(const std::vector<Parameter*>& parameters) const {
     if (grad_ready_hook_) grad_ready_hook_(parameters);
   }
+  // A chunk's input from the previous stage, checked: [B,T,C] (or [B*T/TP, C] under sequence
+  // parallelism) = `boundary`, in the compute dtype.
+  const Tensor& checked_input(int chunk, const Tensor& input, const Shape& boundary,
+                              DType dtype) const;
   // The chunk's layers over h ([B,T,C], or this rank's token rows [B*T/TP, C] with seq_len = T
   // under sequence parallelism). With `contexts` each layer's is kept there for backward.
   Tensor forward_layers(int chunk, Tensor h, std::vector<TransformerLayer::Context>* contexts,

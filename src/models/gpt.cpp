@@ -294,10 +294,7 @@ Tensor GPT::run_forward(int chunk, const Tensor& input, const Tensor& ids, const
     Tensor x = embed(ids);
     h = (dtype == DType::F32 ? x : x.to(dtype)).reshape(boundary);
   } else {
-    const std::string what = "gpt: input of chunk " + std::to_string(chunk);
-    check_shape(input, boundary, what, sequence_parallel() ? "B*T/TP,C" : "B,T,C");
-    check_dtype(input, dtype, what);
-    h = input;
+    h = checked_input(chunk, input, boundary, dtype);
   }
   // Under sequence parallelism the layers' token rows are a shard of the T tokens.
   h = forward_layers(chunk, h, ctx ? &ctx->layers : nullptr, sequence_parallel() ? T : 0);

@@ -128,6 +128,14 @@ bool TransformerStack::is_high_precision_layer(int64_t layer) const {
   return layer < high_precision_first_ || layer >= num_layers_ - high_precision_last_;
 }
 
+const Tensor& TransformerStack::checked_input(int chunk, const Tensor& input, const Shape& boundary,
+                                              DType dtype) const {
+  const std::string what = who_ + ": input of chunk " + std::to_string(chunk);
+  check_shape(input, boundary, what, sequence_parallel() ? "B*T/TP,C" : "B,T,C");
+  check_dtype(input, dtype, what);
+  return input;
+}
+
 Tensor TransformerStack::forward_layers(int chunk, Tensor h,
                                         std::vector<TransformerLayer::Context>* contexts,
                                         int64_t seq_len) {

@@ -307,10 +307,7 @@ Tensor ViT::run_forward(int chunk, const Tensor& input, const pipeline::MicroBat
     if (sequence_parallel()) x = scatter_to_sequence_parallel_region(x, *layout_.tensor);
     h = (dtype == DType::F32 ? x : x.to(dtype)).reshape(boundary);
   } else {
-    const std::string what = "vit: input of chunk " + std::to_string(chunk);
-    check_shape(input, boundary, what, sequence_parallel() ? "B*T/TP,C" : "B,T,C");
-    check_dtype(input, dtype, what);
-    h = input;
+    h = checked_input(chunk, input, boundary, dtype);
   }
   h = forward_layers(chunk, h, ctx ? &ctx->layers : nullptr, sequence_parallel() ? T : 0);
   if (!is_last(chunk)) return h;
