@@ -113,6 +113,9 @@ struct BenchModel {
   GPTConfig gpt;
   ViTConfig vit;
   int64_t seq_length = 0;  // tokens per sample
+  // The BF16 tokens/s ratio to PyTorch's BF16 autocast a family's issue asks for: GPT's on
+  // this processor (Debian's torch runs BF16 slowly here), 2x for the other models (issue 15).
+  double torch_goal() const { return family == "gpt" ? 6.0 : 2.0; }
 
   BenchModel(const std::string& config_path, int64_t seq_length_option) {
     family = config_model_family(config_path);
@@ -569,10 +572,11 @@ void print_table(const std::vector<Result>& results, const RoundRatios& rounds,
       bench::median_range(rounds.fp8_vs_bf16).c_str(), q.fp8_vs_bf16_saved, q.bf16_vs_torch_cpu,
       q.fp8_vs_bf16_cpu);
   std::printf(
-      "goals: bf16 >= 6x torch bf16: %s; fp8 >= 0.9x bf16 tokens/s: %s; fp8 saved "
+      "goals: bf16 >= %gx torch bf16: %s; fp8 >= 0.9x bf16 tokens/s: %s; fp8 saved "
       "activations <= 0.6x bf16: %s; MFU >= 40%% (best of bf16/fp8 %.1f%%): %s\n",
-      verdict(q.bf16_vs_torch, 6.0, true), verdict(q.fp8_vs_bf16_tokens, 0.9, true),
-      verdict(q.fp8_vs_bf16_saved, 0.6, false), 100 * best_mfu, verdict(best_mfu, 0.4, true));
+      model.torch_goal(), verdict(q.bf16_vs_torch, model.torch_goal(), true),
+      verdict(q.fp8_vs_bf16_tokens, 0.9, true), verdict(q.fp8_vs_bf16_saved, 0.6, false),
+      100 * best_mfu, verdict(best_mfu, 0.4, true));
   std::printf(
       "step: zero_grad + train_step (forward, fused chunked cross-entropy, backward) + AdamW\n"
       "  (clip 1.0) + on_parameters_updated. Each round: octet's precisions take %d steps\n"

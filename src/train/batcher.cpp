@@ -51,20 +51,30 @@ pipeline::MicroBatch Batcher::batch(int64_t index, int64_t size) const {
   return gpt_micro_batch(ids, targets);
 }
 
-ImageBatcher::ImageBatcher(ImageDataset data, bool shuffle, uint64_t seed, uint64_t stream,
-                           bool augment)
-    : data_(std::move(data)), shuffle_(shuffle), augment_(augment), seed_(seed), stream_(stream) {
-  OCTET_CHECK(data_.count > 0, "image data: no images");
-  // The dataset's own statistics (Fashion-MNIST's training set: mean 0.286, std 0.353).
+ImageBatcher::PixelStats ImageBatcher::pixel_stats(const ImageDataset& data) {
+  OCTET_CHECK(data.count > 0 && !data.pixels.empty(), "image data: no images");
   double sum = 0, squares = 0;
-  for (uint8_t p : data_.pixels) {
+  for (uint8_t p : data.pixels) {
     sum += p;
     squares += double(p) * p;
   }
-  const double n = static_cast<double>(data_.pixels.size());
+  const double n = static_cast<double>(data.pixels.size());
   const double mean = sum / n / 255.0, variance = squares / n / (255.0 * 255.0) - mean * mean;
-  mean_ = static_cast<float>(mean);
-  inv_std_ = static_cast<float>(1.0 / std::sqrt(std::max(variance, 1e-12)));
+  return {mean, std::sqrt(std::max(variance, 0.0))};
+}
+
+ImageBatcher::ImageBatcher(ImageDataset data, bool shuffle, uint64_t seed, uint64_t stream,
+                           bool augment, std::optional<PixelStats> stats)
+    : data_(std::move(data)), shuffle_(shuffle), augment_(augment), seed_(seed), stream_(stream) {
+  OCTET_CHECK(data_.count > 0, "image data: no images");
+  // Fashion-MNIST's training set: mean 0.286, std 0.353.
+  const PixelStats s = stats ? *stats : pixel_stats(data_);
+  OCTET_CHECK(std::isfinite(s.mean) && std::isfinite(s.std) && s.std >= 0,
+              "image data: pixel "
+              "statistics expected finite with std >= 0, got mean ",
+              s.mean, " std ", s.std);
+  mean_ = static_cast<float>(s.mean);
+  inv_std_ = static_cast<float>(1.0 / std::max(s.std, 1e-6));
 }
 
 ImageBatcher::ImageBatcher(int64_t pixels, int64_t num_classes, uint64_t seed, uint64_t stream)

@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -41,16 +42,23 @@ class Batcher : public DataSource {
   std::unique_ptr<TokenShard> shard_;
 };
 
-// Images with their labels as vit_micro_batch()es: pixels [B, C*H*W] F32 normalized by the
-// dataset's mean and standard deviation, labels [B] I32. Training (shuffle) visits every
+// Images with their labels as vit_micro_batch()es: pixels [B, C*H*W] F32 normalized by a
+// mean and standard deviation (the training split's: validation images are normalized as the
+// training images were), labels [B] I32. Training (shuffle) visits every
 // image once per epoch in an order drawn from (seed, epoch); evaluation walks the images in
 // order. Mock data: Gaussian pixels and uniform labels from Philox.
 class ImageBatcher : public DataSource {
  public:
+  struct PixelStats {
+    double mean = 0, std = 1;  // of pixel / 255 over every pixel of every image
+  };
+  static PixelStats pixel_stats(const ImageDataset& data);
+
   // augment: each image flipped left-right with probability 1/2 and shifted by up to
   // kMaxShift pixels each way (the gap filled with zero pixels), drawn from (seed, position).
+  // stats: the (mean, std) of pixels / 255 to normalize with; the data's own when absent.
   ImageBatcher(ImageDataset data, bool shuffle, uint64_t seed, uint64_t stream,
-               bool augment = false);
+               bool augment = false, std::optional<PixelStats> stats = std::nullopt);
   static constexpr int64_t kMaxShift = 2;
   ImageBatcher(int64_t pixels, int64_t num_classes, uint64_t seed, uint64_t stream);  // mock
   pipeline::MicroBatch batch(int64_t index, int64_t size) const override;

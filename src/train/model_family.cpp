@@ -121,8 +121,14 @@ class VitFamily : public ModelFamily {
         config_.image_size);
     OCTET_CHECK(data.num_classes <= config_.num_classes, "image data has ", data.num_classes,
                 " classes; the config's head has ", config_.num_classes);
-    return std::make_unique<ImageBatcher>(std::move(data), train, o.seed, train ? 1 : 2,
-                                          train && o.image_augment);
+    if (train) {
+      return std::make_unique<ImageBatcher>(std::move(data), true, o.seed, 1, o.image_augment);
+    }
+    // Validation images normalized with the training split's statistics, as training saw them.
+    const ImageBatcher::PixelStats stats =
+        o.train_data.empty() ? ImageBatcher::pixel_stats(data)
+                             : ImageBatcher::pixel_stats(load_fashion_mnist(o.train_data, true));
+    return std::make_unique<ImageBatcher>(std::move(data), false, o.seed, 2, false, stats);
   }
   double baseline_loss(const TrainOptions&) const override {
     return std::log(static_cast<double>(config_.num_classes));  // a uniform guess

@@ -19,6 +19,7 @@
 #include "test_util.h"
 #include "torch_reference.h"
 #include "train/batcher.h"
+#include "train/model_family.h"
 
 namespace octet {
 namespace {
@@ -396,6 +397,37 @@ TEST(ViT, FashionMnistEpochVisitsEveryImageOnce) {
     transforms.insert(found);
   }
   EXPECT_GE(transforms.size(), 20u);  // 64 draws from 50 transforms
+}
+
+// The test split is normalized with the training split's statistics (as training saw its
+// images), not its own: pixel values equal (p / 255 - train mean) / train std.
+TEST(ViT, ValidationImagesUseTheTrainingStatistics) {
+  if (!fs::exists(default_fashion_mnist_dir())) {
+    GTEST_SKIP() << "Debian's dataset-fashion-mnist is not installed (scripts/setup.sh)";
+  }
+  const ImageDataset train = load_fashion_mnist(default_fashion_mnist_dir(), true);
+  ImageDataset test = load_fashion_mnist(default_fashion_mnist_dir(), false);
+  const auto stats = train_detail::ImageBatcher::pixel_stats(train);
+  const auto own = train_detail::ImageBatcher::pixel_stats(test);
+  EXPECT_NEAR(stats.mean, 0.286, 1e-3);
+  EXPECT_NEAR(stats.std, 0.353, 1e-3);
+  EXPECT_GT(std::abs(own.mean - stats.mean), 1e-4);  // the splits differ
+  const std::vector<uint8_t> raw(test.pixels.begin(), test.pixels.begin() + 784);
+  train_detail::ImageBatcher batcher(std::move(test), false, 5, 2, false, stats);
+  const Tensor pixels = batcher.batch(0, 1).at("pixels");
+  for (int64_t i = 0; i < 784; ++i) {
+    const double expected = (raw[static_cast<size_t>(i)] / 255.0 - stats.mean) / stats.std;
+    EXPECT_NEAR(pixels.data<float>()[i], expected, 1e-5) << "pixel " << i;
+  }
+  // Through the trainer's family: --valid-data is normalized with --train-data's statistics.
+  TrainOptions o;
+  o.config_path = std::string(OCTET_SOURCE_DIR) + "/configs/vit-tiny.json";
+  o.train_data = o.valid_data = default_fashion_mnist_dir();
+  const auto family = train_detail::ModelFamily::from_options(o);
+  const Tensor valid = family->open_data(o, false, 0)->batch(0, 1).at("pixels");
+  for (int64_t i = 0; i < 784; ++i) {
+    EXPECT_FLOAT_EQ(valid.data<float>()[i], pixels.data<float>()[i]) << "pixel " << i;
+  }
 }
 
 }  // namespace
