@@ -151,8 +151,9 @@ class TransformerStack : public TrainableModel {
                               DType dtype) const;
   // The chunk's layers over h ([B,T,C], or this rank's token rows [B*T/TP, C] with seq_len = T
   // under sequence parallelism). With `contexts` each layer's is kept there for backward.
+  // lengths [B] I32: each sequence's tokens before its padding (padding-mask layers).
   Tensor forward_layers(int chunk, Tensor h, std::vector<TransformerLayer::Context>* contexts,
-                        int64_t seq_len);
+                        int64_t seq_len, const Tensor* lengths = nullptr);
   // Backward through the chunk's layers from the last: each context released, each layer's
   // parameters reported to the grad-ready hook as they become final.
   Tensor backward_layers(int chunk, Tensor dx, std::vector<TransformerLayer::Context>& contexts);

@@ -89,10 +89,39 @@ const Tensor& tied_weight_as(Parameter& wte, DType dtype, TiedOutputCache& cache
   return cache.wte_bf16;
 }
 
+namespace {
+
+// rows [N, V] F32 += v [V] on every row; and sums [V] += the column sums of rows.
+void add_row_vector(Tensor& rows, const Tensor& v) {
+  const int64_t N = rows.dim(0), V = rows.dim(1);
+  float* r = rows.data<float>();
+  const float* b = v.data<float>();
+#pragma omp parallel for
+  for (int64_t i = 0; i < N; ++i) {
+    for (int64_t j = 0; j < V; ++j) r[i * V + j] += b[j];
+  }
+}
+
+void add_column_sums(const Tensor& rows, Tensor& sums) {
+  const int64_t N = rows.dim(0), V = rows.dim(1);
+  const float* r = rows.data<float>();
+  float* s = sums.data<float>();
+#pragma omp parallel for
+  for (int64_t j0 = 0; j0 < V; j0 += 256) {
+    const int64_t j1 = std::min(V, j0 + 256);
+    for (int64_t i = 0; i < N; ++i) {
+      for (int64_t j = j0; j < j1; ++j) s[j] += r[i * V + j];
+    }
+  }
+}
+
+}  // namespace
+
 float tied_output_loss(const Tensor& hidden, const Tensor& targets, Parameter& wte, DType dtype,
                        float grad_scale, Tensor* dhidden, TiedOutputCache& cache,
-                       const ChunkLoss& loss, int64_t chunk_vocab) {
+                       const ChunkLoss& loss, int64_t chunk_vocab, Parameter* bias) {
   const int64_t N = hidden.dim(0), V = wte.value.dim(0);
+  if (bias) check_shape(bias->value, {V}, "output layer bias", "V");
   const Tensor& weight = tied_weight_as(wte, dtype, cache);
   const int64_t valid = ops::count_valid_targets(targets);
   OCTET_CHECK(valid > 0, "gpt: every target is ignore_index; nothing to learn from");
@@ -120,6 +149,7 @@ float tied_output_loss(const Tensor& hidden, const Tensor& targets, Parameter& w
     Tensor h = hidden.slice_rows(r0, r1);
     Tensor logits = cache.logits.slice_rows(0, rows);
     gemm(h, *cache.packed, logits, /*trans_a=*/false);
+    if (bias) add_row_vector(logits, bias->value);
     Tensor losses = losses_buffer.slice_rows(0, rows);
     const Tensor target_rows = targets.slice_rows(r0, r1);
     const float scale = grad_scale / static_cast<float>(valid);
@@ -133,6 +163,7 @@ float tied_output_loss(const Tensor& hidden, const Tensor& targets, Parameter& w
     }
     for (float l : losses.to_floats()) loss_sum += l;
     if (!dhidden) continue;
+    if (bias) add_column_sums(logits, bias->grad);
     Tensor dlogits = logits;
     if (dtype == DType::BF16) {
       dlogits = cache.dlogits.slice_rows(0, rows);

@@ -31,9 +31,12 @@ using ChunkLoss = std::function<void(Tensor& logits, const Tensor& targets, Tens
 // targets [N] I32. Returns the mean loss over valid targets; with dhidden, writes dhidden
 // [N,C] in dtype and adds grad_scale x the output layer's gradient into wte.grad. The loss
 // is the fused cross-entropy unless `loss` is given; chunks are sized for `chunk_vocab`
-// columns (0: wte's rows), which must be the same on every rank that shares the loss.
+// columns (0: wte's rows), which must be the same on every rank that shares the loss. With
+// `bias` ([V] F32, wte's rows) the logits are hidden x wte^T + bias (BERT's decoder), its
+// gradient added into bias->grad.
 float tied_output_loss(const Tensor& hidden, const Tensor& targets, Parameter& wte, DType dtype,
                        float grad_scale, Tensor* dhidden, TiedOutputCache& cache,
-                       const ChunkLoss& loss = {}, int64_t chunk_vocab = 0);
+                       const ChunkLoss& loss = {}, int64_t chunk_vocab = 0,
+                       Parameter* bias = nullptr);
 
 }  // namespace octet::gpt_parts

@@ -138,13 +138,13 @@ const Tensor& TransformerStack::checked_input(int chunk, const Tensor& input, co
 
 Tensor TransformerStack::forward_layers(int chunk, Tensor h,
                                         std::vector<TransformerLayer::Context>* contexts,
-                                        int64_t seq_len) {
+                                        int64_t seq_len, const Tensor* lengths) {
   std::vector<TransformerLayer>& stack = layers(chunk);
   if (contexts) contexts->assign(stack.size(), TransformerLayer::Context{});
   for (size_t i = 0; i < stack.size(); ++i) {
     TransformerLayer::Context scratch;
     HighPrecisionScope scope(is_high_precision_layer(global_layer(chunk, i)));
-    h = stack[i].forward(h, contexts ? (*contexts)[i] : scratch, nullptr, nullptr, nullptr,
+    h = stack[i].forward(h, contexts ? (*contexts)[i] : scratch, nullptr, lengths, nullptr,
                          seq_len);
   }
   return h;

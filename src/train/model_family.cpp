@@ -1,11 +1,13 @@
-// The model families the trainer runs: GPT on token shards, ViT on labelled images.
+// The model families the trainer runs: GPT and BERT on token shards, ViT on labelled images.
 #include "train/model_family.h"
 
 #include <cmath>
 
+#include "octet/bert.h"
 #include "octet/data.h"
 #include "octet/model.h"
 #include "octet/vit.h"
+#include "train/bert_batcher.h"
 
 namespace octet::train_detail {
 
@@ -138,10 +140,78 @@ class VitFamily : public ModelFamily {
   ViTConfig config_;
 };
 
+// BERT pretraining (masked tokens and next-sentence pairs) on a token shard; validation
+// reports masked-token accuracy.
+class BertFamily : public ModelFamily {
+ public:
+  explicit BertFamily(const TrainOptions& o) : config_(BertConfig::load(o.config_path)) {
+    OCTET_CHECK(!o.image_augment, "--image-augment is for image models; the config '",
+                o.config_path, "' is a BERT");
+    if (!o.vocab_dir.empty()) {
+      // The tokenizer's ids, then the four special tokens [PAD] [CLS] [SEP] [MASK].
+      const Gpt2Tokenizer tokenizer = Gpt2Tokenizer::load(o.vocab_dir);
+      const int64_t needed = tokenizer.vocab_size() + 4;
+      const int64_t size = o.vocab_size ? o.vocab_size : needed;
+      OCTET_CHECK(size >= needed, "--vocab-size ", size, " expected at least the tokenizer's ",
+                  tokenizer.vocab_size(), " + 4 special tokens = ", needed, " (--vocab-dir ",
+                  o.vocab_dir, ")");
+      config_.vocab_size = size;
+    } else if (o.vocab_size) {
+      OCTET_CHECK(o.vocab_size >= 5, "--vocab-size ", o.vocab_size,
+                  " expected at least 5 for a BERT (text ids and 4 special tokens)");
+      config_.vocab_size = o.vocab_size;
+    }
+  }
+  std::string name() const override { return config_.name; }
+  nlohmann::json config_json() const override { return config_.to_json(); }
+  int64_t num_parameters() const override { return config_.num_parameters(); }
+  int64_t num_layers() const override { return config_.num_layers; }
+  int64_t seq_len(const TrainOptions& o) const override {
+    const int64_t seq_len = o.seq_length ? o.seq_length : config_.max_seq_len;
+    OCTET_CHECK(seq_len >= BertBatcher::kMinLength && seq_len <= config_.max_seq_len,
+                "--seq-length ", seq_len, " expected in [", BertBatcher::kMinLength, ", ",
+                config_.max_seq_len, "] for a BERT ([CLS] A [SEP] B [SEP])");
+    return seq_len;
+  }
+  double train_flops_per_token(int64_t seq_len) const override {
+    return config_.train_flops_per_token(seq_len);
+  }
+  bool classifies() const override { return true; }
+  std::string accuracy_name() const override { return "masked-token accuracy"; }
+  std::string baseline_name() const override { return "unigram entropy + ln 2"; }
+  std::string data_hint() const override {
+    return "--train-data SHARD (from `octet tokenize -o`) or --mock-data";
+  }
+  std::unique_ptr<TrainableModel> make_model(ModelLayout layout,
+                                             const TrainOptions& o) const override {
+    auto model =
+        std::make_unique<Bert>(config_, o.seed, std::move(layout), o.recompute_activations);
+    if (o.first_last_layers_bf16) {
+      model->set_high_precision_layers(o.num_layers_at_start_in_bf16, o.num_layers_at_end_in_bf16);
+    }
+    return model;
+  }
+  std::unique_ptr<DataSource> open_data(const TrainOptions& o, bool train,
+                                        int64_t seq_len) const override {
+    if (!train && !o.mock_data && o.valid_data.empty()) return nullptr;
+    return std::make_unique<BertBatcher>(train ? o.train_data : o.valid_data, o.mock_data, config_,
+                                         seq_len, o.seed, train ? 1 : 2);
+  }
+  double baseline_loss(const TrainOptions& o) const override {
+    // Masked tokens guessed from their frequencies, and a coin for the next sentence.
+    return o.mock_data ? NAN : unigram_entropy(o.train_data) + std::log(2.0);
+  }
+
+ private:
+  BertConfig config_;
+};
+
 }  // namespace
 
 std::unique_ptr<ModelFamily> ModelFamily::from_options(const TrainOptions& o) {
-  if (config_model_family(o.config_path) == "vit") return std::make_unique<VitFamily>(o);
+  const std::string family = config_model_family(o.config_path);
+  if (family == "vit") return std::make_unique<VitFamily>(o);
+  if (family == "bert") return std::make_unique<BertFamily>(o);
   return std::make_unique<GptFamily>(o);
 }
 

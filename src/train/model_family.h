@@ -1,4 +1,4 @@
-// What the trainer needs of the model family a config describes (GPT, ViT): the config, the
+// What the trainer needs of the model family a config describes (GPT, ViT, BERT): the config, the
 // model part a layout holds, the data, and the counts the progress lines report. The trainer
 // and the factory ask nothing else about the model they train.
 #pragma once
@@ -29,8 +29,14 @@ class ModelFamily {
   // Tokens per sample (checked against the options), and training FLOPs per token.
   virtual int64_t seq_len(const TrainOptions& o) const = 0;
   virtual double train_flops_per_token(int64_t seq_len) const = 0;
-  // Classifiers report validation accuracy (TrainableModel::take_eval_counts).
+  // Classifiers report validation accuracy (TrainableModel::take_eval_counts), under this
+  // name in progress lines and plots.
   virtual bool classifies() const = 0;
+  virtual std::string accuracy_name() const { return "accuracy"; }
+  // What baseline_loss() is, in plots.
+  virtual std::string baseline_name() const {
+    return classifies() ? "uniform guess" : "unigram entropy";
+  }
   // Names what the data options expect, for the error when none is given.
   virtual std::string data_hint() const = 0;
   virtual std::unique_ptr<TrainableModel> make_model(ModelLayout layout,

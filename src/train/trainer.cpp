@@ -439,7 +439,7 @@ void TrainingRun::print_progress(int64_t iteration, const nlohmann::json& record
       format_duration(eta).c_str());
   if (record.contains("val_loss")) std::printf(" | val loss %.4f", result_.last_val_loss);
   if (record.contains("val_accuracy"))
-    std::printf(" | val accuracy %.2f%%", 100 * last_val_accuracy_);
+    std::printf(" | val %s %.2f%%", family_->accuracy_name().c_str(), 100 * last_val_accuracy_);
   std::printf("\n");
   std::fflush(stdout);
 }
@@ -449,7 +449,7 @@ void TrainingRun::finish(double run_seconds) {
     std::vector<std::pair<std::string, std::vector<CurvePoint>>> series = {{"train", train_curve_}};
     if (!valid_curve_.empty()) series.emplace_back("validation", valid_curve_);
     if (std::isfinite(entropy_) && !train_curve_.empty()) {
-      series.emplace_back(family_->classifies() ? "uniform guess" : "unigram entropy",
+      series.emplace_back(family_->baseline_name(),
                           std::vector<CurvePoint>{{train_curve_.front().x, entropy_},
                                                   {train_curve_.back().x, entropy_}});
     }
@@ -463,8 +463,10 @@ void TrainingRun::finish(double run_seconds) {
       const std::string path = has_extension
                                    ? o_.plot.substr(0, dot) + "-accuracy" + o_.plot.substr(dot)
                                    : o_.plot + "-accuracy.svg";
-      write_loss_svg(path, family_->name() + " validation accuracy, % (" + o_.precision + ")",
-                     {{"validation accuracy", accuracy_curve_}});
+      write_loss_svg(path,
+                     family_->name() + " validation " + family_->accuracy_name() + ", % (" +
+                         o_.precision + ")",
+                     {{"validation " + family_->accuracy_name(), accuracy_curve_}});
     }
   }
   if (quiet_) return;
@@ -474,7 +476,8 @@ void TrainingRun::finish(double run_seconds) {
               100 * result_.mfu, result_.last_loss);
   if (std::isfinite(result_.last_val_loss)) std::printf(", val loss %.4f", result_.last_val_loss);
   if (std::isfinite(result_.last_val_accuracy)) {
-    std::printf(", val accuracy %.2f%%", 100 * result_.last_val_accuracy);
+    std::printf(", val %s %.2f%%", family_->accuracy_name().c_str(),
+                100 * result_.last_val_accuracy);
   } else if (std::isfinite(result_.last_val_loss) && std::isfinite(entropy_)) {
     const double gap = entropy_ - result_.last_val_loss;
     std::printf(" (%.3f nats %s the unigram entropy %.3f)", std::fabs(gap),
