@@ -4,6 +4,7 @@
 // its ISA), and a PyTorch peer kept running beside octet to answer case by case.
 #pragma once
 
+#include <fcntl.h>
 #include <omp.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -184,8 +185,10 @@ class PeerProcess {
   // Starts `argv` (argv[0] an absolute path) and waits for its first line; false on failure.
   bool start(const std::vector<std::string>& argv) {
     int to_child[2], from_child[2];
-    if (pipe(to_child) != 0) return false;
-    if (pipe(from_child) != 0) {
+    // Close-on-exec: a peer started later must not inherit this one's pipe ends (its stdin
+    // would then never see end of input when this peer is shut down).
+    if (pipe2(to_child, O_CLOEXEC) != 0) return false;
+    if (pipe2(from_child, O_CLOEXEC) != 0) {
       close(to_child[0]);
       close(to_child[1]);
       return false;

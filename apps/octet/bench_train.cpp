@@ -1,5 +1,6 @@
-// `octet bench train`: timed training steps of a GPT on mock tokens or a ViT on mock images
-// (the config's family) — tokens/s (and images/s), MFU against the measured BF16 GEMM peak,
+// `octet bench train`: timed training steps of a GPT on mock tokens, a ViT on mock images or a
+// BERT on mock pretraining sequences (the config's family) — tokens/s (and images/s), MFU
+// against the measured BF16 GEMM peak,
 // peak memory, saved activations — beside the same model in eager PyTorch 1.13
 // (bench/peers/torch_train.py: fp32, and bf16 autocast) kept running beside ours.
 // Both sides take their steps in rounds (ours then the peer's, the peer's then ours, ...) and
@@ -20,6 +21,7 @@
 
 #include "bench_common.h"
 #include "commands.h"
+#include "octet/bert.h"
 #include "octet/cpu_features.h"
 #include "octet/model.h"
 #include "octet/profile.h"
@@ -41,7 +43,7 @@ struct Options {
   // Debian's torch runs FP32 GEMMs on a generic BLAS (~2 GFLOP/s): a full gpt-mini micro-batch
   // would take minutes per step, so torch fp32 times fewer sequences (tokens/s is per token).
   int64_t torch_fp32_micro_batch_size = 1;
-  int64_t seq_length = 0;  // 0 = the config's (GPT: max_seq_len; a ViT's is its patches + 1)
+  int64_t seq_length = 0;  // 0 = the config's (GPT, BERT: max_seq_len; a ViT: patches + 1)
   double peak_gflops = 0;  // 0 = measure
   uint64_t seed = 1234;
   bool json = false;
@@ -89,29 +91,87 @@ double process_cpu_seconds() {
   return static_cast<double>(time.tv_sec) + 1e-9 * static_cast<double>(time.tv_nsec);
 }
 
+// The mock data's random stream: xorshift64, seeded per batch.
+struct Xorshift {
+  uint64_t state;
+  explicit Xorshift(uint64_t seed) : state(seed * 0x9E3779B97F4A7C15ull + 1) {}
+  uint64_t next() {
+    state ^= state << 13;
+    state ^= state >> 7;
+    state ^= state << 17;
+    return state;
+  }
+  // Uniform in [0, n) (n small: the modulo's bias does not matter here).
+  int32_t below(int64_t n) { return static_cast<int32_t>(next() % static_cast<uint64_t>(n)); }
+};
+
 // Mock tokens [B,T] from a xorshift stream: ids and next-token targets of one window.
 void mock_batch(int64_t B, int64_t T, int64_t vocab, uint64_t seed, Tensor& ids, Tensor& targets) {
   ids = Tensor::empty({B, T}, DType::I32);
   targets = Tensor::empty({B, T}, DType::I32);
-  uint64_t state = seed * 0x9E3779B97F4A7C15ull + 1;
+  Xorshift random(seed);
   for (int64_t b = 0; b < B; ++b) {
     for (int64_t t = 0; t <= T; ++t) {
-      state ^= state << 13;
-      state ^= state >> 7;
-      state ^= state << 17;
-      const int32_t token = static_cast<int32_t>(state % static_cast<uint64_t>(vocab));
+      const int32_t token = random.below(vocab);
       if (t > 0) targets.data<int32_t>()[b * T + t - 1] = token;
       if (t < T) ids.data<int32_t>()[b * T + t] = token;
     }
   }
 }
 
-// The model under test, from the config's family: a GPT on mock tokens or a ViT on mock
-// images.
+// A mock BERT pretraining micro-batch (bert_micro_batch's contract) of B full-length sequences
+// of T >= 5 tokens: [CLS] A [SEP] B [SEP], the first [SEP] at T/2, token type 1 after it; text
+// ids uniform; ~15% of the text positions masked, at least one per sequence (80% [MASK], else a
+// random text id), their targets the original ids and -100 elsewhere; NSP labels uniform 0/1.
+pipeline::MicroBatch mock_bert_batch(const BertConfig& config, int64_t B, int64_t T,
+                                     uint64_t seed) {
+  Tensor ids = Tensor::empty({B, T}, DType::I32), token_types = Tensor::empty({B, T}, DType::I32);
+  Tensor lengths = Tensor::empty({B}, DType::I32), targets = Tensor::empty({B, T}, DType::I32);
+  Tensor nsp_labels = Tensor::empty({B}, DType::I32);
+  Xorshift random(seed);
+  const int64_t split = T / 2;
+  auto is_text = [&](int64_t t) { return t > 0 && t != split && t < T - 1; };
+  auto mask = [&](int32_t& id, int32_t& target) {
+    target = id;
+    id = random.below(10) < 8 ? static_cast<int32_t>(config.mask_id())
+                              : random.below(config.text_vocab());
+  };
+  for (int64_t b = 0; b < B; ++b) {
+    int32_t* id = ids.data<int32_t>() + b * T;
+    int32_t* type = token_types.data<int32_t>() + b * T;
+    int32_t* target = targets.data<int32_t>() + b * T;
+    lengths.data<int32_t>()[b] = static_cast<int32_t>(T);
+    nsp_labels.data<int32_t>()[b] = random.below(2);
+    bool masked = false;
+    for (int64_t t = 0; t < T; ++t) {
+      type[t] = t > split ? 1 : 0;
+      target[t] = -100;
+      if (!is_text(t)) {
+        id[t] = static_cast<int32_t>(t == 0 ? config.cls_id() : config.sep_id());
+        continue;
+      }
+      id[t] = random.below(config.text_vocab());
+      if (random.below(100) < 15) {
+        mask(id[t], target[t]);
+        masked = true;
+      }
+    }
+    if (!masked) {  // one of the T - 3 text positions: 1..split-1, split+1..T-2
+      int64_t t = 1 + random.below(T - 3);
+      if (t >= split) ++t;
+      mask(id[t], target[t]);
+    }
+  }
+  return bert_micro_batch(ids, token_types, lengths, targets, nsp_labels);
+}
+
+// The model under test, from the config's family: a GPT on mock tokens, a ViT on mock images
+// or a BERT on mock pretraining sequences.
 struct BenchModel {
   std::string family = "gpt", name;
   GPTConfig gpt;
   ViTConfig vit;
+  BertConfig bert;
   int64_t seq_length = 0;  // tokens per sample
   // The BF16 tokens/s ratio to PyTorch's BF16 autocast a family's issue asks for: GPT's on
   // this processor (Debian's torch runs BF16 slowly here), 2x for the other models (issue 15).
@@ -128,6 +188,17 @@ struct BenchModel {
       seq_length = vit.seq_len();
       return;
     }
+    if (family == "bert") {
+      bert = BertConfig::load(config_path);
+      name = bert.name;
+      seq_length = seq_length_option ? seq_length_option : bert.max_seq_len;
+      // [CLS] A [SEP] B [SEP] with A and B non-empty: five tokens at least.
+      OCTET_CHECK(seq_length >= 5 && seq_length <= bert.max_seq_len,
+                  "bench train: ", "--seq-length expected in [5, ", bert.max_seq_len, "] for ",
+                  bert.name, " (a BERT's mock sequence is [CLS] A [SEP] B [SEP]), got ",
+                  seq_length);
+      return;
+    }
     gpt = GPTConfig::load(config_path);
     name = gpt.name;
     seq_length = seq_length_option ? seq_length_option : gpt.max_seq_len;
@@ -136,18 +207,29 @@ struct BenchModel {
                 gpt.name, ", got ", seq_length);
   }
   bool is_vit() const { return family == "vit"; }
+  bool is_bert() const { return family == "bert"; }
   double num_parameters() const {
+    if (is_bert()) return static_cast<double>(bert.num_parameters());
     return static_cast<double>(is_vit() ? vit.num_parameters() : gpt.num_parameters());
   }
   double flops_per_token() const {
+    if (is_bert()) return bert.train_flops_per_token(seq_length);
     return is_vit() ? vit.train_flops_per_token() : gpt.train_flops_per_token(seq_length);
   }
+  // What train_step's loss is, for the printed explanation.
+  const char* loss_text() const {
+    if (is_bert()) return "MLM cross-entropy over the masked tokens + NSP";
+    return is_vit() ? "the class token's cross-entropy" : "fused chunked cross-entropy";
+  }
   std::unique_ptr<TrainableModel> make(uint64_t seed) const {
+    if (is_bert()) return std::make_unique<Bert>(bert, seed);
     if (is_vit()) return std::make_unique<ViT>(vit, seed);
     return std::make_unique<GPT>(gpt, seed);
   }
-  // Mock micro-batch: tokens and their next tokens, or Gaussian pixels and labels.
+  // Mock micro-batch: tokens and their next tokens, uniform pixels and labels, or masked
+  // sentence pairs.
   pipeline::MicroBatch batch(int64_t B, uint64_t seed) const {
+    if (is_bert()) return mock_bert_batch(bert, B, seq_length, seed);
     if (!is_vit()) {
       Tensor ids, targets;
       mock_batch(B, seq_length, gpt.vocab_size, seed, ids, targets);
@@ -155,20 +237,11 @@ struct BenchModel {
     }
     Tensor pixels = Tensor::empty({B, vit.pixels()}, DType::F32);
     Tensor labels = Tensor::empty({B}, DType::I32);
-    uint64_t state = seed * 0x9E3779B97F4A7C15ull + 1;
-    auto next = [&] {
-      state ^= state << 13;
-      state ^= state >> 7;
-      state ^= state << 17;
-      return state;
-    };
+    Xorshift random(seed);
     for (int64_t i = 0; i < pixels.numel(); ++i) {
-      pixels.data<float>()[i] = static_cast<float>(next() % 2001) / 1000.0f - 1.0f;
+      pixels.data<float>()[i] = static_cast<float>(random.below(2001)) / 1000.0f - 1.0f;
     }
-    for (int64_t b = 0; b < B; ++b) {
-      labels.data<int32_t>()[b] =
-          static_cast<int32_t>(next() % static_cast<uint64_t>(vit.num_classes));
-    }
+    for (int64_t b = 0; b < B; ++b) labels.data<int32_t>()[b] = random.below(vit.num_classes);
     return vit_micro_batch(pixels, labels);
   }
 };
@@ -376,6 +449,19 @@ class TorchPeer {
   std::vector<double> seconds_, cpu_seconds_;
 };
 
+// The peers, ended last-started first: each peer process inherited the pipes of the peers
+// started before it (bench::PeerProcess does not mark them close-on-exec), so an earlier peer
+// reads the end of its requests, and exits, only once the later ones have exited. Ended first
+// to last (std::vector's order), a run with fp32 and bf16 peers would wait forever.
+struct TorchPeers : std::vector<std::unique_ptr<TorchPeer>> {
+  TorchPeers() = default;
+  TorchPeers(const TorchPeers&) = delete;
+  TorchPeers& operator=(const TorchPeers&) = delete;
+  ~TorchPeers() {
+    while (!empty()) pop_back();
+  }
+};
+
 // Per-round ratios (the same round's medians on both sides), NaN where a side is missing.
 struct RoundRatios {
   std::vector<double> fp32_vs_torch, bf16_vs_torch, fp8_vs_torch_bf16, fp8_vs_bf16;
@@ -578,7 +664,7 @@ void print_table(const std::vector<Result>& results, const RoundRatios& rounds,
       verdict(q.fp8_vs_bf16_tokens, 0.9, true), verdict(q.fp8_vs_bf16_saved, 0.6, false),
       100 * best_mfu, verdict(best_mfu, 0.4, true));
   std::printf(
-      "step: zero_grad + train_step (forward, fused chunked cross-entropy, backward) + AdamW\n"
+      "step: zero_grad + train_step (forward, %s, backward) + AdamW\n"
       "  (clip 1.0) + on_parameters_updated. Each round: octet's precisions take %d steps\n"
       "  each in turn (one of each), and each torch peer (a process kept running) %d steps,\n"
       "  octet first in even rounds, the peer first in odd ones; step_ms: median over all\n"
@@ -593,7 +679,7 @@ void print_table(const std::vector<Result>& results, const RoundRatios& rounds,
       "saved_MB: octet: what the model's context holds after one forward (the BF16 or\n"
       "  FP8 weight copies, made once per optimizer step, are not counted); torch: the\n"
       "  distinct storages autograd saved in one forward (parameters excluded).\n",
-      o.steps, o.torch_steps, o.warmup,
+      model.loss_text(), o.steps, o.torch_steps, o.warmup,
       (long long)std::min(o.torch_fp32_micro_batch_size, o.micro_batch_size));
 }
 
@@ -625,7 +711,7 @@ void run_bench(const Options& o) {
     runs.push_back(std::make_unique<OctetRun>(model, precision, o));
   }
   // One peer per torch precision: bf16 stands beside fp8.
-  std::vector<std::unique_ptr<TorchPeer>> peers;
+  TorchPeers peers;
   for (const std::string& precision : precisions) {
     const std::string peer = precision == "fp8" ? "bf16" : precision;
     const bool started = std::any_of(peers.begin(), peers.end(),
@@ -700,7 +786,8 @@ void run_bench(const Options& o) {
 void register_bench_train(CLI::App& bench) {
   CLI::App* cmd = bench.add_subcommand(
       "train",
-      "Training steps of a GPT or ViT config: tokens/s, MFU, memory; beside PyTorch fp32 and bf16");
+      "Training steps of a GPT, ViT or BERT config: tokens/s, MFU, memory; beside PyTorch fp32 "
+      "and bf16");
   auto o = std::make_shared<Options>();
   cmd->add_option("--config", o->config, "Model config JSON, or a name in configs/")
       ->capture_default_str();
@@ -726,7 +813,7 @@ void register_bench_train(CLI::App& bench) {
       ->capture_default_str()
       ->check(at_least(1));
   cmd->add_option("--seq-length", o->seq_length,
-                  "Tokens per sequence (0: the config's; a ViT: its patches + 1)")
+                  "Tokens per sequence (0: the config's; a ViT: its patches + 1; a BERT: >= 5)")
       ->capture_default_str()
       ->check(at_least(1));
   cmd->add_option("--peak-gflops", o->peak_gflops, "BF16 GEMM peak for MFU (0: measure)")

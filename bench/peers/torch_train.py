@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """The peer of `octet bench train`: the same model trained in eager PyTorch 1.13 on mock data.
 
-The config's family decides the model: a GPT (torch_gpt.py) on mock tokens, or a ViT
-(torch_vit.py, a config with "model": "vit") on mock images. AdamW (betas 0.9/0.95, weight
+The config's family decides the model: a GPT (torch_gpt.py) on mock tokens, a ViT
+(torch_vit.py, a config with "model": "vit") on mock images, or a BERT (torch_bert.py, "model":
+"bert") on mock masked sentence pairs (the MLM and NSP losses). AdamW (betas 0.9/0.95, weight
 decay 0.1 on matrices only, foreach off as torch 1.13's CPU default) with global-norm clipping
 at 1.0, as octet's trainer does.
 
@@ -29,6 +30,7 @@ import time
 
 import torch
 
+import torch_bert
 import torch_gpt
 import torch_vit
 from torch_gpt import answer, profile_step, resident_bytes, saved_activation_bytes
@@ -40,7 +42,8 @@ def main():
     parser.add_argument("--precision", default="bf16", help="fp32 | bf16")
     parser.add_argument("--micro-batch-size", type=int, default=8)
     parser.add_argument("--seq-length", type=int, default=0,
-                        help="GPT: 0 = the config's max_seq_len (a ViT's is its patches + 1)")
+                        help="GPT, BERT: 0 = the config's max_seq_len (a ViT's is its "
+                        "patches + 1)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps before ready")
     parser.add_argument("--threads", type=int, default=0, help="0 keeps torch's default")
     parser.add_argument("--seed", type=int, default=1234)
@@ -49,18 +52,23 @@ def main():
         torch.set_num_threads(args.threads)
     with open(args.config) as f:
         config = json.load(f)
-    vit = config.get("model", "gpt") == "vit"
+    family = config.get("model", "gpt")
     precision = args.precision
     if precision not in ("fp32", "bf16"):
         raise SystemExit(f"torch_train.py: --precision expected fp32 or bf16, got {precision!r}")
     torch.manual_seed(args.seed)
     baseline = resident_bytes()
     batch = args.micro_batch_size
-    if vit:
+    if family == "vit":
         model = torch_vit.ViT(config)
         seq = (config["image_size"] // config["patch_size"]) ** 2 + 1
         generator = torch.Generator().manual_seed(args.seed)
         batches = [torch_vit.mock_batch(config, batch, generator) for _ in range(4)]
+    elif family == "bert":
+        model = torch_bert.Bert(config)
+        seq = args.seq_length or config["max_seq_len"]
+        generator = torch.Generator().manual_seed(args.seed)
+        batches = [torch_bert.mock_batch(config, batch, seq, generator) for _ in range(4)]
     else:
         torch_gpt.check_config(config)
         model = torch_gpt.GPT(config)
