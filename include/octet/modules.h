@@ -456,6 +456,7 @@ class DotProductAttention : public Module {
     Tensor q, k, v, out;
     Tensor lse;                    // [B,H,T] F32
     Tensor q_lengths, kv_lengths;  // [B] I32, padding masks only
+    Tensor bias;                   // [H,T,S] F32: the scores' additive bias, when given
     uint64_t rng_offset = 0;       // the dropout mask's offset, regenerated in backward
     bool fp8 = false;              // FP8 attention: q8, k8, v8 instead of q, k, v
     Float8Tensor q8, k8, v8;       // [B*T, H*D], [B*S, Hkv*D]
@@ -464,11 +465,16 @@ class DotProductAttention : public Module {
   };
   explicit DotProductAttention(const DotProductAttentionOptions& options);
   // q [B,T,H,D], k and v [B,S,Hkv,D], F32|BF16 -> out [B,T,H,D]. q_lengths / kv_lengths [B]
-  // I32 are required by the padding mask types (and ignored by the others).
+  // I32 are required by the padding mask types (and ignored by the others). bias [H,T,S] F32
+  // is added to the scaled scores before the mask (TransformerEngine's post_scale_bias: T5's
+  // relative position bias), the same for every sequence of the batch.
   Tensor forward(const Tensor& q, const Tensor& k, const Tensor& v, Context& ctx,
-                 const Tensor* q_lengths = nullptr, const Tensor* kv_lengths = nullptr);
-  // dout [B,T,H,D] -> dq, dk, dv (written, shapes and dtypes of q, k, v).
-  void backward(const Tensor& dout, Context& ctx, Tensor& dq, Tensor& dk, Tensor& dv);
+                 const Tensor* q_lengths = nullptr, const Tensor* kv_lengths = nullptr,
+                 const Tensor* bias = nullptr);
+  // dout [B,T,H,D] -> dq, dk, dv (written, shapes and dtypes of q, k, v); with a bias in
+  // forward and dbias given, *dbias = its gradient [H,T,S] F32 (summed over the batch).
+  void backward(const Tensor& dout, Context& ctx, Tensor& dq, Tensor& dk, Tensor& dv,
+                Tensor* dbias = nullptr);
   void collect_parameters(std::vector<Parameter*>&) override {}
   const DotProductAttentionOptions& options() const { return options_; }
   // The dropout offset the next forward uses (each forward advances it by one). Activation
@@ -559,11 +565,16 @@ class MultiheadAttention : public Module {
   // x [B,T,C], encoder_output [B,S,C] (cross-attention only), F32|BF16 -> [B,T,C].
   // q_lengths [B] / kv_lengths [B] I32 for padding masks. Sequence parallelism: x [B*T/TP, C]
   // with seq_len = T -> [B*T/TP, C].
+  // bias [H,T,S] F32 (all H heads; under TP this rank's heads are used): added to the scores
+  // (DotProductAttention).
   Tensor forward(const Tensor& x, Context& ctx, const Tensor* encoder_output = nullptr,
                  const Tensor* q_lengths = nullptr, const Tensor* kv_lengths = nullptr,
-                 int64_t seq_len = 0);
-  // dy [B,T,C] -> dx; cross-attention writes d_encoder_output [B,S,C] (required there).
-  Tensor backward(const Tensor& dy, Context& ctx, Tensor* d_encoder_output = nullptr);
+                 int64_t seq_len = 0, const Tensor* bias = nullptr);
+  // dy [B,T,C] -> dx; cross-attention writes d_encoder_output [B,S,C] (required there). With a
+  // bias in forward and dbias given, the bias's gradient is added into *dbias [H,T,S] F32
+  // (this rank's heads' rows under TP).
+  Tensor backward(const Tensor& dy, Context& ctx, Tensor* d_encoder_output = nullptr,
+                  Tensor* dbias = nullptr);
   // With return_bias: the projection bias the caller adds (and whose gradient it accumulates
   // into proj.bias.grad); null without bias or return_bias.
   const Tensor* output_bias() const;
@@ -596,6 +607,7 @@ class MultiheadAttention : public Module {
   MultiheadAttentionOptions options_;
   int64_t heads_, kv_heads_, head_dim_;  // this rank's heads under TP
   int tp_size_ = 1;
+  int tp_rank_ = 0;
 };
 
 struct TransformerLayerOptions {
@@ -618,6 +630,7 @@ struct TransformerLayerOptions {
   AttnMaskType self_attn_mask_type = AttnMaskType::Causal;
   AttnMaskType enc_dec_attn_mask_type = AttnMaskType::NoMask;
   std::pair<int64_t, int64_t> window_size = {-1, -1};
+  float softmax_scale = 0.0f;  // 0 means 1/sqrt(kv_channels); T5 uses 1
   // x + attention(norm1(x)) + mlp(norm2(x)) (GPT-J, PaLM); encoder layers only.
   bool parallel_attention_mlp = false;
   bool rope = false;  // on self-attention's q and k
@@ -652,6 +665,7 @@ class TransformerLayer : public Module {
   struct Context {
     Tensor input, encoder_output;  // kept for recomputation with checkpoint
     Tensor lengths, encoder_lengths;
+    Tensor self_bias;  // [H,T,T] F32, when given
     std::optional<recipe::Recipe> fp8_recipe;
     uint64_t dropout_offset = 0;  // this forward's first hidden-dropout offset
     int64_t seq_len = 0;          // sequence parallelism: T
@@ -677,11 +691,15 @@ class TransformerLayer : public Module {
   // x [B,T,C] F32|BF16 -> [B,T,C]. encoder_output [B,S,C] for decoder layers. lengths /
   // encoder_lengths [B] I32 for padding masks (self: lengths; cross: lengths, encoder_lengths).
   // Sequence parallelism: x [B*T/TP, C] with seq_len = T -> [B*T/TP, C].
+  // self_bias [H,T,T] F32: the self-attention scores' additive bias (T5's relative position
+  // bias, computed by the model once per stack and shared by its layers).
   Tensor forward(const Tensor& x, Context& ctx, const Tensor* encoder_output = nullptr,
                  const Tensor* lengths = nullptr, const Tensor* encoder_lengths = nullptr,
-                 int64_t seq_len = 0);
-  // dy [B,T,C] -> dx; decoder layers also write d_encoder_output [B,S,C] (if given).
-  Tensor backward(const Tensor& dy, Context& ctx, Tensor* d_encoder_output = nullptr);
+                 int64_t seq_len = 0, const Tensor* self_bias = nullptr);
+  // dy [B,T,C] -> dx; decoder layers also write d_encoder_output [B,S,C] (if given). With a
+  // self_bias in forward and dself_bias given, its gradient is added into *dself_bias.
+  Tensor backward(const Tensor& dy, Context& ctx, Tensor* d_encoder_output = nullptr,
+                  Tensor* dself_bias = nullptr);
   void collect_parameters(std::vector<Parameter*>& out) override;
   void on_parameters_updated() override;
   const TransformerLayerOptions& options() const { return options_; }

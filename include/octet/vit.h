@@ -52,7 +52,7 @@ struct ViTConfig {
   double train_flops_per_token() const;
 };
 
-// The model family of a config file: its "model" key ("vit", "bert"), "gpt" without one.
+// The model family of a config file: its "model" key ("vit", "bert", "t5"), "gpt" without one.
 std::string config_model_family(const std::string& path);
 
 // A ViT micro-batch: {"pixels": [B, C*H*W] F32 (channel-major images, normalized), "labels":

@@ -49,6 +49,7 @@ ops::AttentionOptions kernel_options(const DotProductAttentionOptions& o,
   a.window_right = o.window_size.second;
   a.q_lengths = ctx.q_lengths.defined() ? &ctx.q_lengths : nullptr;
   a.kv_lengths = ctx.kv_lengths.defined() ? &ctx.kv_lengths : nullptr;
+  a.bias = ctx.bias.defined() ? &ctx.bias : nullptr;
   a.dropout = o.attention_dropout;
   a.seed = o.seed;
   a.offset = ctx.rng_offset;
@@ -58,7 +59,8 @@ ops::AttentionOptions kernel_options(const DotProductAttentionOptions& o,
 }  // namespace
 
 Tensor DotProductAttention::forward(const Tensor& q, const Tensor& k, const Tensor& v, Context& ctx,
-                                    const Tensor* q_lengths, const Tensor* kv_lengths) {
+                                    const Tensor* q_lengths, const Tensor* kv_lengths,
+                                    const Tensor* bias) {
   const auto& o = options_;
   OCTET_CHECK(q.ndim() == 4 && q.dim(2) == o.num_attention_heads && q.dim(3) == o.kv_channels,
               o.name, ": q expected [B,T,H,D] with H=", o.num_attention_heads,
@@ -74,9 +76,16 @@ Tensor DotProductAttention::forward(const Tensor& q, const Tensor& k, const Tens
     if (q_lengths) ctx.q_lengths = *q_lengths;
     if (kv_lengths) ctx.kv_lengths = *kv_lengths;
   }
+  if (bias) {
+    check_dtype(*bias, DType::F32, o.name + ": bias");
+    check_shape(*bias, {q.dim(2), q.dim(1), k.dim(1)}, o.name + ": bias", "H,T,S");
+    ctx.bias = *bias;
+  }
   ctx.rng_offset = rng_offset_++;
   if (fp8_enabled()) {
     const auto* delayed = std::get_if<recipe::DelayedScaling>(&fp8_recipe());
+    OCTET_CHECK(!(delayed && delayed->fp8_dpa && bias), o.name,
+                ": FP8 attention (fp8_dpa) with an attention bias is not supported");
     if (delayed && delayed->fp8_dpa) return forward_fp8(q, k, v, ctx);
   }
   Tensor out = Tensor::empty(q.shape(), q.dtype());
@@ -162,7 +171,7 @@ void DotProductAttention::backward_fp8(const Tensor& dout, Context& ctx, Tensor&
 }
 
 void DotProductAttention::backward(const Tensor& dout, Context& ctx, Tensor& dq, Tensor& dk,
-                                   Tensor& dv) {
+                                   Tensor& dv, Tensor* dbias) {
   OCTET_CHECK(ctx.out.defined(), options_.name, ": backward called without a forward context");
   if (ctx.fp8) {
     check_shape(dout, ctx.q_shape, options_.name + ": dout", "B,T,H,D");
@@ -174,8 +183,12 @@ void DotProductAttention::backward(const Tensor& dout, Context& ctx, Tensor& dq,
   dk = Tensor::empty(ctx.k.shape(), ctx.k.dtype());
   dv = Tensor::empty(ctx.v.shape(), ctx.v.dtype());
   Tensor g = dout.dtype() == ctx.q.dtype() ? dout : dout.to(ctx.q.dtype());
-  ops::flash_attention_backward(ctx.q, ctx.k, ctx.v, ctx.out, ctx.lse, g,
-                                kernel_options(options_, ctx), dq, dk, dv);
+  ops::AttentionOptions a = kernel_options(options_, ctx);
+  if (ctx.bias.defined() && dbias) {
+    *dbias = Tensor::empty(ctx.bias.shape(), DType::F32);
+    a.dbias = dbias;
+  }
+  ops::flash_attention_backward(ctx.q, ctx.k, ctx.v, ctx.out, ctx.lse, g, a, dq, dk, dv);
   ctx = Context{};
 }
 
@@ -298,7 +311,8 @@ MultiheadAttention::MultiheadAttention(const MultiheadAttentionOptions& options,
     : core_attention(local_core_options(options, tp)),
       proj(proj_options(options), tp),
       options_(options),
-      tp_size_(tp ? tp->size() : 1) {
+      tp_size_(tp ? tp->size() : 1),
+      tp_rank_(tp ? tp->rank() : 0) {
   heads_ = core_attention.options().num_attention_heads;
   kv_heads_ = core_attention.options().num_gqa_groups;
   head_dim_ = resolved_kv_channels(options);
@@ -437,7 +451,7 @@ std::pair<int64_t, int64_t> MultiheadAttention::batch_and_seq(const Tensor& x,
 
 Tensor MultiheadAttention::forward(const Tensor& x, Context& ctx, const Tensor* encoder_output,
                                    const Tensor* q_lengths, const Tensor* kv_lengths,
-                                   int64_t seq_len) {
+                                   int64_t seq_len, const Tensor* bias) {
   const auto& o = options_;
   const auto [batch, seq] = batch_and_seq(x, seq_len);
   ctx = Context{};
@@ -465,7 +479,18 @@ Tensor MultiheadAttention::forward(const Tensor& x, Context& ctx, const Tensor* 
     split_columns(fused, {&k, &v});
     position_qk(ctx, q, k);
   }
-  Tensor out = core_attention.forward(q, k, v, ctx.core, q_lengths, kv_lengths);
+  // Under tensor parallelism this rank's heads are rows [rank * heads_, ...) of the bias.
+  Tensor head_bias;
+  if (bias) {
+    check_dtype(*bias, DType::F32, o.name + ": bias");
+    OCTET_CHECK(bias->ndim() == 3 && bias->dim(0) == o.num_attention_heads, o.name,
+                ": bias expected [H,T,S] with H=", o.num_attention_heads, ", got ",
+                shape_str(bias->shape()));
+    const int64_t first = heads_ == o.num_attention_heads ? 0 : tp_rank_ * heads_;
+    head_bias = heads_ == o.num_attention_heads ? *bias : bias->slice_rows(first, first + heads_);
+  }
+  Tensor out =
+      core_attention.forward(q, k, v, ctx.core, q_lengths, kv_lengths, bias ? &head_bias : nullptr);
   // (FP8 attention keeps q, k and v in FP8 itself: nothing to replay.)
   if (o.attention_type == AttentionType::Self && !ctx.core.fp8 && qkv_projection_can_replay(ctx)) {
     // The projection kept its FP8 input (a third of q, k and v's bytes, and needed for the
@@ -744,7 +769,8 @@ Tensor MultiheadAttention::forward_inference(const Tensor& x, InferenceParams& p
   return proj.forward(out.reshape({batch, seq, heads_ * head_dim_}), scratch_proj);
 }
 
-Tensor MultiheadAttention::backward(const Tensor& dy, Context& ctx, Tensor* d_encoder_output) {
+Tensor MultiheadAttention::backward(const Tensor& dy, Context& ctx, Tensor* d_encoder_output,
+                                    Tensor* dbias) {
   const auto& o = options_;
   OCTET_CHECK(!ctx.x_shape.empty(), o.name, ": backward called without a forward context");
   const int64_t batch = ctx.x_shape[0], seq = ctx.x_shape[1];
@@ -754,8 +780,20 @@ Tensor MultiheadAttention::backward(const Tensor& dy, Context& ctx, Tensor* d_en
                                  : qkv->replay_forward(ctx.input);
     split_qkv(fused, ctx, ctx.core.q, ctx.core.k, ctx.core.v);
   }
-  Tensor dq, dk, dv;
-  core_attention.backward(d_out, ctx.core, dq, dk, dv);
+  Tensor dq, dk, dv, dhead_bias;
+  const bool has_bias = ctx.core.bias.defined();
+  core_attention.backward(d_out, ctx.core, dq, dk, dv, has_bias && dbias ? &dhead_bias : nullptr);
+  if (has_bias && dbias) {
+    check_dtype(*dbias, DType::F32, o.name + ": dbias");
+    OCTET_CHECK(dbias->ndim() == 3 && dbias->dim(0) == o.num_attention_heads &&
+                    dbias->numel() / o.num_attention_heads == dhead_bias.numel() / heads_,
+                o.name, ": dbias expected [H,T,S] with H=", o.num_attention_heads, ", got ",
+                shape_str(dbias->shape()));
+    const int64_t first = heads_ == o.num_attention_heads ? 0 : tp_rank_ * heads_;
+    float* acc = dbias->data<float>() + first * (dbias->numel() / o.num_attention_heads);
+    const float* add = dhead_bias.data<float>();
+    for (int64_t i = 0; i < dhead_bias.numel(); ++i) acc[i] += add[i];
+  }
   if (o.qk_norm && !o.qk_norm_before_rope) {
     dq = norm_heads_backward(*q_norm, dq, ctx.q_norm);
     dk = norm_heads_backward(*k_norm, dk, ctx.k_norm);

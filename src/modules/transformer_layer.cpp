@@ -29,6 +29,7 @@ MultiheadAttentionOptions TransformerLayer::attention_options(const TransformerL
   a.attention_type = cross ? AttentionType::Cross : AttentionType::Self;
   a.attn_mask_type = cross ? o.enc_dec_attn_mask_type : o.self_attn_mask_type;
   a.window_size = cross ? std::pair<int64_t, int64_t>{-1, -1} : o.window_size;
+  a.softmax_scale = o.softmax_scale;
   a.bias = o.bias;
   a.return_bias = true;  // the bias is added in bias_dropout_add
   a.rope = o.rope && !cross;
@@ -158,7 +159,8 @@ void TransformerLayer::run_forward(const Tensor& x, const Tensor* encoder_output
   };
 
   Tensor attention =
-      self_attention.forward(x, ctx.self_attention, nullptr, lengths, lengths, ctx.seq_len);
+      self_attention.forward(x, ctx.self_attention, nullptr, lengths, lengths, ctx.seq_len,
+                             ctx.self_bias.defined() ? &ctx.self_bias : nullptr);
   Tensor residual = x;
   if (post && !o.output_layernorm) {
     residual = self_attention.layernorm_qkv->norm.forward(x, ctx.self_residual_norm);
@@ -187,7 +189,7 @@ void TransformerLayer::run_forward(const Tensor& x, const Tensor* encoder_output
 
 Tensor TransformerLayer::forward(const Tensor& x, Context& ctx, const Tensor* encoder_output,
                                  const Tensor* lengths, const Tensor* encoder_lengths,
-                                 int64_t seq_len) {
+                                 int64_t seq_len, const Tensor* self_bias) {
   const auto& o = options_;
   // Under sequence parallelism the attention checks x's token rows against seq_len.
   OCTET_CHECK(seq_len > 0 || (x.ndim() == 3 && x.dim(2) == o.hidden_size), o.name,
@@ -198,6 +200,7 @@ Tensor TransformerLayer::forward(const Tensor& x, Context& ctx, const Tensor* en
   ctx.seq_len = seq_len;
   if (lengths) ctx.lengths = *lengths;
   if (encoder_lengths) ctx.encoder_lengths = *encoder_lengths;
+  if (self_bias) ctx.self_bias = *self_bias;
   if (fp8_enabled()) ctx.fp8_recipe = fp8_recipe();
   ctx.dropout_offset = dropout_offset_;
   ctx.self_attention_rng = self_attention.core_attention.rng_offset();
@@ -210,6 +213,7 @@ Tensor TransformerLayer::forward(const Tensor& x, Context& ctx, const Tensor* en
     if (inter_attention) kept.encoder_output = *encoder_output;
     kept.lengths = ctx.lengths;
     kept.encoder_lengths = ctx.encoder_lengths;
+    kept.self_bias = ctx.self_bias;
     kept.fp8_recipe = ctx.fp8_recipe;
     kept.dropout_offset = ctx.dropout_offset;
     kept.seq_len = ctx.seq_len;
@@ -263,7 +267,8 @@ Tensor TransformerLayer::forward_inference(const Tensor& x, InferenceParams& par
   return out;
 }
 
-Tensor TransformerLayer::backward(const Tensor& dy, Context& ctx, Tensor* d_encoder_output) {
+Tensor TransformerLayer::backward(const Tensor& dy, Context& ctx, Tensor* d_encoder_output,
+                                  Tensor* dself_bias) {
   const auto& o = options_;
   const bool post = o.apply_residual_connection_post_layernorm;
   if (ctx.recompute) {
@@ -337,7 +342,8 @@ Tensor TransformerLayer::backward(const Tensor& dy, Context& ctx, Tensor* d_enco
   }
   Tensor dattention =
       bias_dropout_add_backward(dh, ctx.attention_dropout_offset, bias_of(self_attention));
-  Tensor dx_attention = self_attention.backward(dattention, ctx.self_attention);
+  Tensor dx_attention =
+      self_attention.backward(dattention, ctx.self_attention, nullptr, dself_bias);
   dx = dx.defined() ? add(dx, dx_attention) : dx_attention;
   if (post && !o.output_layernorm) {
     dx = add(dx, self_attention.layernorm_qkv->norm.backward(dh, ctx.self_residual_norm));

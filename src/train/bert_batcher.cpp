@@ -9,42 +9,9 @@
 
 #include "octet/error.h"
 #include "octet/rng.h"
+#include "train/sample_draws.h"
 
 namespace octet::train_detail {
-namespace {
-
-// The random words of one sample, drawn in order from Philox blocks at counters
-// position * 2^20 + block under (seed, stream). A sample draws at most about 2.75 T + 15 words,
-// under 2^20 blocks for any T up to BertConfig's limit of 2^20, so samples never share a block.
-class SampleDraws {
- public:
-  SampleDraws(uint64_t seed, uint64_t position, uint64_t stream)
-      : seed_(seed), counter_(position << 20), stream_(stream) {}
-
-  uint32_t word() {
-    if (used_ == 4) {
-      block_ = philox4x32(seed_, counter_++, stream_);
-      used_ = 0;
-    }
-    return block_[used_++];
-  }
-  // Uniform in [0, 1).
-  double uniform() { return word() * (1.0 / 4294967296.0); }
-  // Uniform in [0, count) from 64 random bits (the modulo bias is below count / 2^64).
-  int64_t below(int64_t count) {
-    const uint64_t random = (uint64_t{word()} << 32) | word();
-    return static_cast<int64_t>(random % static_cast<uint64_t>(count));
-  }
-  // Uniform in [low, high].
-  int64_t between(int64_t low, int64_t high) { return low + below(high - low + 1); }
-
- private:
-  uint64_t seed_, counter_, stream_;
-  std::array<uint32_t, 4> block_{};
-  int used_ = 4;
-};
-
-}  // namespace
 
 int64_t BertBatcher::masked_count(int64_t text_tokens) {
   return std::max<int64_t>(1, std::llround(kMaskFraction * static_cast<double>(text_tokens)));

@@ -1,4 +1,4 @@
-// The model families the trainer runs: GPT and BERT on token shards, ViT on labelled images.
+// The model families the trainer runs: GPT, BERT and T5 on token shards, ViT on labelled images.
 #include "train/model_family.h"
 
 #include <cmath>
@@ -6,8 +6,10 @@
 #include "octet/bert.h"
 #include "octet/data.h"
 #include "octet/model.h"
+#include "octet/t5.h"
 #include "octet/vit.h"
 #include "train/bert_batcher.h"
+#include "train/t5_batcher.h"
 
 namespace octet::train_detail {
 
@@ -206,12 +208,79 @@ class BertFamily : public ModelFamily {
   BertConfig config_;
 };
 
+// T5 span-corruption pretraining on a token shard: --seq-length sets the encoder's input length
+// (the config's max_seq_len by default), the config's max_target_len the decoder's; tokens/s
+// count input tokens. Validation reports target-token accuracy.
+class T5Family : public ModelFamily {
+ public:
+  explicit T5Family(const TrainOptions& o) : config_(T5Config::load(o.config_path)) {
+    OCTET_CHECK(!o.image_augment, "--image-augment is for image models; the config '",
+                o.config_path, "' is a T5");
+    const int64_t specials = 2 + config_.num_sentinels;
+    if (!o.vocab_dir.empty()) {
+      // The tokenizer's ids, then [PAD], [EOS] and the sentinels.
+      const Gpt2Tokenizer tokenizer = Gpt2Tokenizer::load(o.vocab_dir);
+      const int64_t needed = tokenizer.vocab_size() + specials;
+      const int64_t size = o.vocab_size ? o.vocab_size : needed;
+      OCTET_CHECK(size >= needed, "--vocab-size ", size, " expected at least the tokenizer's ",
+                  tokenizer.vocab_size(), " + ", specials, " special tokens = ", needed,
+                  " (--vocab-dir ", o.vocab_dir, ")");
+      config_.vocab_size = size;
+    } else if (o.vocab_size) {
+      OCTET_CHECK(o.vocab_size > specials, "--vocab-size ", o.vocab_size, " expected above ",
+                  specials, " for this T5 ([PAD], [EOS] and ", config_.num_sentinels,
+                  " sentinels)");
+      config_.vocab_size = o.vocab_size;
+    }
+  }
+  std::string name() const override { return config_.name; }
+  nlohmann::json config_json() const override { return config_.to_json(); }
+  int64_t num_parameters() const override { return config_.num_parameters(); }
+  int64_t num_layers() const override { return config_.num_layers + config_.decoder_layers(); }
+  int64_t seq_len(const TrainOptions& o) const override {
+    const int64_t seq_len = o.seq_length ? o.seq_length : config_.max_seq_len;
+    OCTET_CHECK(seq_len >= 2 && seq_len <= config_.max_seq_len, "--seq-length ", seq_len,
+                " expected in [2, ", config_.max_seq_len, "] for a T5 (its encoder's inputs)");
+    return seq_len;
+  }
+  double train_flops_per_token(int64_t seq_len) const override {
+    return config_.train_flops_per_token(seq_len, config_.max_target_len);
+  }
+  bool classifies() const override { return true; }
+  std::string accuracy_name() const override { return "target-token accuracy"; }
+  std::string baseline_name() const override { return "unigram entropy"; }
+  std::string data_hint() const override {
+    return "--train-data SHARD (from `octet tokenize -o`) or --mock-data";
+  }
+  std::unique_ptr<TrainableModel> make_model(ModelLayout layout,
+                                             const TrainOptions& o) const override {
+    auto model = std::make_unique<T5>(config_, o.seed, std::move(layout), o.recompute_activations);
+    if (o.first_last_layers_bf16) {
+      model->set_high_precision_layers(o.num_layers_at_start_in_bf16, o.num_layers_at_end_in_bf16);
+    }
+    return model;
+  }
+  std::unique_ptr<DataSource> open_data(const TrainOptions& o, bool train,
+                                        int64_t seq_len) const override {
+    if (!train && !o.mock_data && o.valid_data.empty()) return nullptr;
+    return std::make_unique<T5Batcher>(train ? o.train_data : o.valid_data, o.mock_data, config_,
+                                       seq_len, config_.max_target_len, o.seed, train ? 1 : 2);
+  }
+  double baseline_loss(const TrainOptions& o) const override {
+    return o.mock_data ? NAN : unigram_entropy(o.train_data);
+  }
+
+ private:
+  T5Config config_;
+};
+
 }  // namespace
 
 std::unique_ptr<ModelFamily> ModelFamily::from_options(const TrainOptions& o) {
   const std::string family = config_model_family(o.config_path);
   if (family == "vit") return std::make_unique<VitFamily>(o);
   if (family == "bert") return std::make_unique<BertFamily>(o);
+  if (family == "t5") return std::make_unique<T5Family>(o);
   return std::make_unique<GptFamily>(o);
 }
 

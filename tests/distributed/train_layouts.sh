@@ -9,10 +9,11 @@
 #   AdamW's sign-like first update hides from the losses) fails the run;
 # - the printed per-step losses (4 decimals) and gradient norms (3 decimals) must be equal.
 # Usage:
-#   train_layouts.sh OCTET_BINARY CONFIG [all|core]
+#   train_layouts.sh OCTET_BINARY CONFIG [all|core|dp]
 # `core` (for another model family on the same trainer, e.g. a ViT config) runs one layout of
 # each kind - ZeRO-1, TP, PP, TP x DP with SP, TP x PP with SP and recomputation, PP x DP -
 # in FP32 instead of every schedule, option, FP8 layout and resume.
+# `dp` (a model with data parallelism only so far, e.g. T5) runs DP=2, ZeRO-1 and DP=4.
 set -euo pipefail
 octet="$1"
 config="$2"
@@ -43,9 +44,10 @@ status=0
 # The comparison itself must be able to fail: the reference against itself passes, and with
 # one small tensor's gradient (a final norm's bias, named by the model family) scaled by 1.001
 # it fails.
-case "$(grep -oE '"model" *: *"[a-z]+"' "$config" | grep -oE '[a-z]+"$' | tr -d '"')" in
+case "$(grep -oE '"model" *: *"[a-z0-9]+"' "$config" | grep -oE '[a-z0-9]+"$' | tr -d '"')" in
   vit) small_tensor=grad.vit.layernorm.bias ;;
   bert) small_tensor=grad.cls.predictions.transform.LayerNorm.bias ;;
+  t5) small_tensor=grad.decoder.final_layer_norm.weight ;;
   *) small_tensor=grad.transformer.ln_f.bias ;;
 esac
 perturbed_status=0
@@ -85,6 +87,13 @@ run() {
   compare "$name" "$dir/reference" "$dir/candidate" --grad-rtol "$grad_rtol" \
     --update-rtol "$update_rtol" --param-rtol "$param_rtol"
 }
+if [ "$layouts" = dp ]; then
+  # A model with data parallelism only so far (T5): plain, ZeRO-1 and recomputation.
+  run 2 "DP=2" --no-overlap-grad-reduce
+  run 2 "DP=2 ZeRO-1, recompute" --use-distributed-optimizer --recompute-activations
+  run 4 "DP=4 (each layer reduced after its backward)"
+  exit $status
+fi
 if [ "$layouts" = core ]; then
   run 2 "DP=2 ZeRO-1" --use-distributed-optimizer
   run 2 "TP=2" --tensor-model-parallel-size 2

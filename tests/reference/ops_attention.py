@@ -1,5 +1,6 @@
-"""Attention the explicit way: softmax(Q K^T * scale + mask) (dropout) V in float64, with
-autograd for dq, dk, dv. The dropout mask arrives as an input (keep [B,H,T,S] U8) made by
+"""Attention the explicit way: softmax(Q K^T * scale + bias + mask) (dropout) V in float64,
+with autograd for dq, dk, dv and, given a "bias" input [H,T,S] (shared over the batch), its
+gradient "dbias". The dropout mask arrives as an input (keep [B,H,T,S] U8) made by
 octet's own RNG, so both sides drop the same probabilities."""
 import torch
 
@@ -36,6 +37,9 @@ def attention(t, args):
     kk = k.repeat_interleave(group, dim=2)  # dk, dv sum over each group through autograd
     vv = v.repeat_interleave(group, dim=2)
     scores = torch.einsum("bthd,bshd->bhts", q, kk) * scale
+    if "bias" in t:
+        bias = t["bias"].double().requires_grad_()
+        scores = scores + bias  # broadcast over b: autograd sums dbias over the batch
     visible = visible_keys(t, args, b, tq, tk)
     visible_row = visible.any(-1, keepdim=True)
     scores = scores.masked_fill(~visible, float("-inf"))
@@ -47,4 +51,7 @@ def attention(t, args):
         probs = probs * t["keep"].double() / (1.0 - args["dropout"])
     out = torch.einsum("bhts,bshd->bthd", probs, vv)
     out.backward(t["dout"].double())
-    return {"out": out, "lse": lse.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
+    result = {"out": out, "lse": lse.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
+    if "bias" in t:
+        result["dbias"] = bias.grad
+    return result

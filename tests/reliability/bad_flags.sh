@@ -44,6 +44,11 @@ expect_error "--train-data: Path does not exist" train --config gpt-tiny --train
 # A ViT config: its data is a directory of IDX files, its sequence the patches.
 expect_error "found neither: install the Debian package dataset-fashion-mnist" train --config vit-tiny --train-data "$dir"
 expect_error "--seq-length 10: a ViT's sequence is its 16 patches and the class token (17)" train --config vit-tiny --mock-data --seq-length 10
+# A BERT config: sequence pairs need room for [CLS] A [SEP] B [SEP].
+expect_error "--seq-length 40 expected in [5, 32] for a BERT" train --config bert-tiny --mock-data --seq-length 40
+expect_error "--image-augment is for image models; the config" train --config bert-tiny --mock-data --image-augment
+# A T5 config: --seq-length is its encoder's input length.
+expect_error "--seq-length 40 expected in [2, 32] for a T5" train --config t5-tiny --mock-data --seq-length 40
 expect_error "--max-new-tokens: expected a finite number >= 1, got -5" generate --ckpt "$dir/dir" --max-new-tokens -5
 expect_error "--temperature: expected a finite number >= 0, got nan" generate --ckpt "$dir/dir" --temperature nan
 expect_error "--top-p: expected a finite number in (0, 1], got 0" generate --ckpt "$dir/dir" --top-p 0

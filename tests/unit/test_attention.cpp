@@ -1,7 +1,10 @@
 // Flash attention: fast path against the reference (every ISA path) and both against
-// PyTorch's explicit softmax(Q K^T * scale + mask) V with autograd, forward and backward.
+// PyTorch's explicit softmax(Q K^T * scale + bias + mask) V with autograd, forward and backward
+// (dbias included).
 #include <gtest/gtest.h>
+#include <omp.h>
 
+#include <bit>
 #include <cmath>
 #include <cstdlib>
 #include <functional>
@@ -9,6 +12,7 @@
 #include <random>
 #include <string>
 #include <tuple>
+#include <utility>
 
 #include "octet/cpu_features.h"
 #include "octet/ops/attention.h"
@@ -33,11 +37,9 @@ Tensor random_tensor(const Shape& shape, DType dtype, uint32_t seed) {
   return dtype == DType::F32 ? t : t.to(dtype);
 }
 
-// |a - e| <= tol * (1 + |e|) elementwise, relative to the tensor's scale (max |e|, at least 1):
-// gradients and outputs here are O(1). Infinities (lse of empty rows) must match exactly.
-void expect_close(const Tensor& actual, const Tensor& expected, double tol,
-                  const std::string& what) {
-  ASSERT_EQ(actual.shape(), expected.shape()) << what;
+// The largest |a - e| / (scale + |e|) elementwise, scale = max |e| (at least 1), and where;
+// +inf where an infinity (lse of an empty row) is not matched exactly.
+std::pair<double, size_t> worst_error(const Tensor& actual, const Tensor& expected) {
   std::vector<float> a = actual.to_floats(), e = expected.to_floats();
   double scale = 1.0;
   for (float x : e) {
@@ -46,28 +48,53 @@ void expect_close(const Tensor& actual, const Tensor& expected, double tol,
   double worst = 0.0;
   size_t worst_at = 0;
   for (size_t n = 0; n < a.size(); ++n) {
-    if (!std::isfinite(e[n])) {
-      ASSERT_EQ(a[n], e[n]) << what << " at " << n;
-      continue;
-    }
-    double err = std::fabs(double{a[n]} - e[n]) / (scale + std::fabs(double{e[n]}));
+    const double err = !std::isfinite(e[n])
+                           ? (a[n] == e[n] ? 0.0 : std::numeric_limits<double>::infinity())
+                           : std::fabs(double{a[n]} - e[n]) / (scale + std::fabs(double{e[n]}));
     if (!(err <= worst)) {
       worst = err;
       worst_at = n;
     }
   }
-  EXPECT_LE(worst, tol) << what << ": worst at " << worst_at << " got " << a[worst_at]
-                        << " expected " << e[worst_at];
+  return {worst, worst_at};
+}
+
+// |a - e| <= tol * (1 + |e|) elementwise, relative to the tensor's scale (max |e|, at least 1):
+// gradients and outputs here are O(1). Infinities (lse of empty rows) must match exactly.
+void expect_close(const Tensor& actual, const Tensor& expected, double tol,
+                  const std::string& what) {
+  ASSERT_EQ(actual.shape(), expected.shape()) << what;
+  const auto [worst, worst_at] = worst_error(actual, expected);
+  EXPECT_LE(worst, tol) << what << ": worst at " << worst_at << " got "
+                        << actual.to_floats()[worst_at] << " expected "
+                        << expected.to_floats()[worst_at];
+}
+
+// Every element bit for bit (an F32 or BF16 tensor's values as floats).
+void expect_identical(const Tensor& actual, const Tensor& expected, const std::string& what) {
+  ASSERT_EQ(actual.shape(), expected.shape()) << what;
+  ASSERT_EQ(actual.dtype(), expected.dtype()) << what;
+  const std::vector<float> a = actual.to_floats(), e = expected.to_floats();
+  for (size_t n = 0; n < a.size(); ++n) {
+    ASSERT_EQ(std::bit_cast<uint32_t>(a[n]), std::bit_cast<uint32_t>(e[n]))
+        << what << " at " << n << ": " << a[n] << " vs " << e[n];
+  }
 }
 
 struct Grads {
   Tensor out, lse, dq, dk, dv;
+  Tensor dbias;  // [H,T,S] where the options carry a bias
 };
 
+// With options.bias, the backward also writes dbias (options.dbias is set here).
 template <typename Forward, typename Backward>
 Grads run(Forward forward, Backward backward, const Tensor& q, const Tensor& k, const Tensor& v,
-          const Tensor& dout, const AttentionOptions& o, bool lse_hi_lo) {
+          const Tensor& dout, AttentionOptions o, bool lse_hi_lo) {
   Grads g;
+  if (o.bias != nullptr) {
+    g.dbias = Tensor::empty(o.bias->shape(), DType::F32);
+    o.dbias = &g.dbias;
+  }
   g.out = Tensor::empty(q.shape(), q.dtype());
   g.lse = lse_hi_lo ? Tensor::empty({q.dim(0), q.dim(2), q.dim(1), 2}, DType::F32)
                     : Tensor::empty({q.dim(0), q.dim(2), q.dim(1)}, DType::F32);
@@ -97,6 +124,26 @@ void expect_grads_close(const Grads& a, const Grads& e, double tol, const std::s
   expect_close(a.dq, e.dq, tol, what + " dq");
   expect_close(a.dk, e.dk, tol, what + " dk");
   expect_close(a.dv, e.dv, tol, what + " dv");
+  ASSERT_EQ(a.dbias.defined(), e.dbias.defined()) << what;
+  if (e.dbias.defined()) expect_close(a.dbias, e.dbias, tol, what + " dbias");
+}
+
+// Prints the worst relative error of out and each gradient (see worst_error).
+void print_errors(const Grads& a, const Grads& e, const std::string& what) {
+  std::printf("[ measured ] %s:", what.c_str());
+  for (auto [name, x, y] : {std::tuple{"out", &a.out, &e.out}, std::tuple{"dq", &a.dq, &e.dq},
+                            std::tuple{"dk", &a.dk, &e.dk}, std::tuple{"dv", &a.dv, &e.dv},
+                            std::tuple{"dbias", &a.dbias, &e.dbias}}) {
+    if (x->defined() && y->defined()) std::printf(" %s %.1e", name, worst_error(*x, *y).first);
+  }
+  std::printf("\n");
+}
+
+// A bias [H,T,S] F32, uniform in [-magnitude, magnitude].
+Tensor random_bias(int64_t H, int64_t T, int64_t S, float magnitude, uint32_t seed) {
+  Tensor bias = random_tensor({H, T, S}, DType::F32, seed);
+  for (int64_t n = 0; n < bias.numel(); ++n) bias.data<float>()[n] *= magnitude;
+  return bias;
 }
 
 struct Case {
@@ -107,6 +154,7 @@ struct Case {
   std::vector<int32_t> q_lengths = {}, kv_lengths = {};  // empty: no padding
   float dropout = 0.0f;
   DType dtype = DType::F32;
+  float bias = 0.0f;  // > 0: a bias [H,T,S] uniform in [-bias, bias] (and dbias checked)
 };
 
 std::ostream& operator<<(std::ostream& out, const Case& c) {
@@ -155,14 +203,21 @@ TEST_P(AttentionCase, FastMatchesReferenceOnEveryIsaAndTorch) {
     ops::attention_dropout_mask(o.seed, o.offset, o.dropout, keep);
     inputs["keep"] = keep;
   }
+  Tensor bias;
+  if (c.bias > 0.0f) {
+    bias = random_bias(c.H, c.T, c.S, c.bias, 5);
+    o.bias = &bias;
+    inputs["bias"] = bias;
+  }
 
   const double tol = tolerance(c.dtype);
   Grads reference = run_reference(q, k, v, dout, o);
   const Isa saved = active_isa();
   for (Isa isa : available_isas()) {
     set_active_isa(isa);
-    expect_grads_close(run_fast(q, k, v, dout, o), reference, tol,
-                       std::string("fast/") + isa_name(isa));
+    const Grads fast = run_fast(q, k, v, dout, o);
+    expect_grads_close(fast, reference, tol, std::string("fast/") + isa_name(isa));
+    if (c.bias > 0.0f) print_errors(fast, reference, std::string("fast/") + isa_name(isa));
     // lse as hi + lo (what the modules pass): the same results, +inf rows included.
     const Grads split = run_fast(q, k, v, dout, o, true);
     Grads split_as_f32 = split;
@@ -179,9 +234,15 @@ TEST_P(AttentionCase, FastMatchesReferenceOnEveryIsaAndTorch) {
                      ", \"window_right\": " + std::to_string(c.window_right) +
                      ", \"dropout\": " + std::to_string(c.dropout) + "}";
   TensorMap torch = testing::run_torch("attention", inputs, args);
-  Grads expected{torch.at("out"), torch.at("lse"), torch.at("dq"), torch.at("dk"), torch.at("dv")};
+  Grads expected{torch.at("out"), torch.at("lse"), torch.at("dq"),
+                 torch.at("dk"),  torch.at("dv"),  c.bias > 0.0f ? torch.at("dbias") : Tensor()};
   expect_grads_close(reference, expected, tol, "reference vs torch");
-  expect_grads_close(run_fast(q, k, v, dout, o), expected, tol, "fast vs torch");
+  const Grads fast = run_fast(q, k, v, dout, o);
+  expect_grads_close(fast, expected, tol, "fast vs torch");
+  if (c.bias > 0.0f) {
+    print_errors(reference, expected, "reference vs torch");
+    print_errors(fast, expected, "fast vs torch");
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(
@@ -297,7 +358,23 @@ INSTANTIATE_TEST_SUITE_P(
              .H = 2,
              .Hkv = 2,
              .D = 256,
-             .dtype = DType::BF16}),
+             .dtype = DType::BF16},
+        // T5's relative position bias, +-30 so that some rows are ruled by the bias alone,
+        // with every other feature at once (one PyTorch run: its start-up is most of the
+        // time): padding (a batch entry without keys), causal, dropout, GQA, T != S. More
+        // bias cases, BF16 among them, are held to the reference in BiasMatchesReference*.
+        Case{.name = "bias30_padding_causal_dropout_gqa_t65_s70_d24",
+             .B = 3,
+             .T = 65,
+             .S = 70,
+             .H = 4,
+             .Hkv = 2,
+             .D = 24,
+             .causal = true,
+             .q_lengths = {65, 30, 1},
+             .kv_lengths = {70, 5, 0},
+             .dropout = 0.2f,
+             .bias = 30.0f}),
     [](const ::testing::TestParamInfo<Case>& param) { return std::string(param.param.name); });
 
 // OCTET_ATTENTION_TILES picks the tile products where the processor has VDPBF16PS (the suite
@@ -337,17 +414,171 @@ TEST(Attention, Bf16TilesAgreeWithF32Tiles) {
   }
 }
 
+// Sets OCTET_ATTENTION_TILES for a scope and puts it back.
+struct TilesGuard {
+  std::string saved;
+  bool had = false;
+  explicit TilesGuard(const char* tiles) {
+    const char* text = std::getenv("OCTET_ATTENTION_TILES");
+    had = text != nullptr;
+    saved = had ? text : "";
+    setenv("OCTET_ATTENTION_TILES", tiles, 1);
+  }
+  ~TilesGuard() {
+    if (had) {
+      setenv("OCTET_ATTENTION_TILES", saved.c_str(), 1);
+    } else {
+      unsetenv("OCTET_ATTENTION_TILES");
+    }
+  }
+};
+
+// Every kernel path the processor has for a dtype, as (ISA, OCTET_ATTENTION_TILES): F32 tiles on
+// each ISA, and BF16 tiles (AVX-512 BF16) for BF16 inputs.
+std::vector<std::pair<Isa, const char*>> kernel_paths(DType dtype) {
+  std::vector<std::pair<Isa, const char*>> paths;
+  for (Isa isa : available_isas()) paths.emplace_back(isa, "f32");
+  IsaGuard guard;
+  set_active_isa(Isa::Avx512);
+  if (dtype == DType::BF16 && active_isa() == Isa::Avx512 && cpu_features().avx512_bf16) {
+    paths.emplace_back(Isa::Avx512, "bf16");
+  }
+  return paths;
+}
+
+// A zero bias is no bias, bit for bit, on every kernel path: the kernels add bias / scale to the
+// unscaled scores, so adding 0 changes nothing; asking for dbias changes no other result; and
+// dbias does not need a bias (the score gradients are the same).
+TEST(Attention, ZeroBiasIsExactlyNoBias) {
+  const int64_t B = 3, T = 40, S = 70, H = 4, Hkv = 2, D = 24;
+  Tensor q_lengths = Tensor::empty({B}, DType::I32), kv_lengths = Tensor::empty({B}, DType::I32);
+  for (int64_t b = 0; b < B; ++b) {
+    q_lengths.data<int32_t>()[b] = std::vector<int32_t>{40, 17, 3}[b];
+    kv_lengths.data<int32_t>()[b] = std::vector<int32_t>{70, 30, 0}[b];
+  }
+  Tensor zero_bias = Tensor::zeros({H, T, S}, DType::F32);
+  IsaGuard guard;
+  for (DType dtype : {DType::F32, DType::BF16}) {
+    Tensor q = random_tensor({B, T, H, D}, dtype, 61);
+    Tensor k = random_tensor({B, S, Hkv, D}, dtype, 62);
+    Tensor v = random_tensor({B, S, Hkv, D}, dtype, 63);
+    Tensor dout = random_tensor({B, T, H, D}, dtype, 64);
+    AttentionOptions o;
+    o.causal = true;
+    o.dropout = 0.1f;
+    o.seed = 3;
+    o.q_lengths = &q_lengths;
+    o.kv_lengths = &kv_lengths;
+    for (auto [isa, tiles] : kernel_paths(dtype)) {
+      set_active_isa(isa);
+      const TilesGuard tiles_guard(tiles);
+      const std::string what =
+          std::string(dtype_name(dtype)) + ", " + isa_name(isa) + ", " + tiles + " tiles";
+      const Grads plain = run_fast(q, k, v, dout, o);
+      AttentionOptions zero = o;
+      zero.bias = &zero_bias;
+      const Grads biased = run_fast(q, k, v, dout, zero);
+      for (auto [name, a, e] :
+           {std::tuple{"out", &biased.out, &plain.out}, std::tuple{"lse", &biased.lse, &plain.lse},
+            std::tuple{"dq", &biased.dq, &plain.dq}, std::tuple{"dk", &biased.dk, &plain.dk},
+            std::tuple{"dv", &biased.dv, &plain.dv}}) {
+        expect_identical(*a, *e, what + " " + name);
+      }
+      Tensor dbias = Tensor::empty({H, T, S}, DType::F32);
+      AttentionOptions gradient_only = o;
+      gradient_only.dbias = &dbias;
+      Grads g = run_fast(q, k, v, dout, o);
+      ops::flash_attention_backward(q, k, v, plain.out, plain.lse, dout, gradient_only, g.dq, g.dk,
+                                    g.dv);
+      expect_identical(dbias, biased.dbias, what + " dbias without a bias");
+      expect_identical(g.dq, plain.dq, what + " dq beside dbias");
+    }
+  }
+}
+
+// A bias on every kernel path (F32 tiles on each ISA, BF16 tiles), F32 and BF16 inputs, against
+// the reference to each dtype's tolerance, dbias included: +-30 with a causal mask, GQA and
+// T < S over three key tiles; +-3 with padding (a batch entry without keys) and dropout. dbias
+// is summed over the batch without races at any thread count: one thread (one chunk, written
+// in place), this machine's, and 8 (here a chunk per batch entry, summed after).
+TEST(Attention, BiasMatchesReferenceOnEveryPathAndThreadCount) {
+  struct BiasCase {
+    const char* name;
+    int64_t B, T, S, H, Hkv, D;
+    bool causal;
+    std::vector<int32_t> q_lengths, kv_lengths;
+    float dropout, bias;
+  };
+  const BiasCase cases[] = {
+      {"bias30 causal gqa t40 s140", 3, 40, 140, 4, 2, 16, true, {}, {}, 0.0f, 30.0f},
+      {"bias3 padding dropout t65 s70",
+       3,
+       65,
+       70,
+       2,
+       1,
+       16,
+       false,
+       {65, 30, 1},
+       {70, 5, 0},
+       0.2f,
+       3.0f}};
+  const int saved_threads = omp_get_max_threads();
+  IsaGuard guard;
+  for (const BiasCase& c : cases) {
+    Tensor q_lengths = Tensor::empty({c.B}, DType::I32);
+    Tensor kv_lengths = Tensor::empty({c.B}, DType::I32);
+    AttentionOptions o;
+    if (!c.q_lengths.empty()) {
+      for (int64_t b = 0; b < c.B; ++b) {
+        q_lengths.data<int32_t>()[b] = c.q_lengths[b];
+        kv_lengths.data<int32_t>()[b] = c.kv_lengths[b];
+      }
+      o.q_lengths = &q_lengths;
+      o.kv_lengths = &kv_lengths;
+    }
+    Tensor bias = random_bias(c.H, c.T, c.S, c.bias, 75);
+    o.causal = c.causal;
+    o.dropout = c.dropout;
+    o.seed = 9;
+    o.bias = &bias;
+    for (DType dtype : {DType::F32, DType::BF16}) {
+      Tensor q = random_tensor({c.B, c.T, c.H, c.D}, dtype, 71);
+      Tensor k = random_tensor({c.B, c.S, c.Hkv, c.D}, dtype, 72);
+      Tensor v = random_tensor({c.B, c.S, c.Hkv, c.D}, dtype, 73);
+      Tensor dout = random_tensor({c.B, c.T, c.H, c.D}, dtype, 74);
+      const Grads expected = run_reference(q, k, v, dout, o);
+      for (auto [isa, tiles] : kernel_paths(dtype)) {
+        set_active_isa(isa);
+        const TilesGuard tiles_guard(tiles);
+        for (int threads : {1, saved_threads, 8}) {
+          omp_set_num_threads(threads);
+          const Grads g = run_fast(q, k, v, dout, o);
+          omp_set_num_threads(saved_threads);
+          const std::string what = std::string(c.name) + ", " + std::string(dtype_name(dtype)) +
+                                   ", " + isa_name(isa) + ", " + tiles + " tiles, " +
+                                   std::to_string(threads) + " threads";
+          expect_grads_close(g, expected, tolerance(dtype), what);
+          if (threads == 8) print_errors(g, expected, what);
+        }
+      }
+    }
+  }
+}
+
 // Central differences of L = sum(out * dout) against the fast backward, F32, tiny shape with
-// GQA, a causal mask and T != S. eps = 1e-2 keeps the F32 rounding of L (~1e-7 / eps) and
-// the O(eps^2) truncation both near 1e-4.
+// GQA, a causal mask, T != S and a bias. eps = 1e-2 keeps the F32 rounding of L (~1e-7 / eps)
+// and the O(eps^2) truncation both near 1e-4.
 TEST(Attention, FiniteDifferencesMatchBackward) {
   const int64_t B = 1, T = 3, S = 5, H = 2, Hkv = 1, D = 8;
   Tensor q = random_tensor({B, T, H, D}, DType::F32, 11);
   Tensor k = random_tensor({B, S, Hkv, D}, DType::F32, 12);
   Tensor v = random_tensor({B, S, Hkv, D}, DType::F32, 13);
   Tensor dout = random_tensor({B, T, H, D}, DType::F32, 14);
+  Tensor bias = random_bias(H, T, S, 2.0f, 15);
   AttentionOptions o;
   o.causal = true;
+  o.bias = &bias;
   Grads g = run_fast(q, k, v, dout, o);
   auto loss = [&]() {
     Tensor out = Tensor::empty(q.shape(), DType::F32);
@@ -360,7 +591,8 @@ TEST(Attention, FiniteDifferencesMatchBackward) {
   };
   const float eps = 1e-2f;
   for (auto [input, grad, name] :
-       {std::tuple{&q, &g.dq, "dq"}, std::tuple{&k, &g.dk, "dk"}, std::tuple{&v, &g.dv, "dv"}}) {
+       {std::tuple{&q, &g.dq, "dq"}, std::tuple{&k, &g.dk, "dk"}, std::tuple{&v, &g.dv, "dv"},
+        std::tuple{&bias, &g.dbias, "dbias"}}) {
     for (int64_t n = 0; n < input->numel(); ++n) {
       float& x = input->data<float>()[n];
       const float saved = x;
@@ -535,6 +767,46 @@ TEST(Attention, BadArgumentsThrow) {
   Tensor dk_bad = Tensor::empty({1, 6, 4, 32}, DType::F32);
   Tensor dv = Tensor::empty(k.shape(), DType::F32);
   EXPECT_THROW(ops::flash_attention_backward(q, k, k, out, lse, out, o, dq, dk_bad, dv), Error);
+
+  // Bias [H,T,S] = [4,4,6] F32, finite, not with FP8; dbias the same shape and dtype.
+  Tensor bias_short = Tensor::zeros({4, 4, 5}, DType::F32);
+  Tensor bias_bf16 = Tensor::zeros({4, 4, 6}, DType::BF16);
+  Tensor bias_inf = Tensor::zeros({4, 4, 6}, DType::F32);
+  bias_inf.data<float>()[(2 * 4 + 1) * 6 + 3] = -std::numeric_limits<float>::infinity();
+  const Tensor bias = Tensor::zeros({4, 4, 6}, DType::F32);
+  for (auto [tensor, message] :
+       {std::pair{&bias_short,
+                  "flash_attention_forward: bias expected [H,T,S]=[4,4,6], got [4,4,5]"},
+        std::pair{&bias_bf16, "flash_attention_forward: bias expected dtype f32, got bf16"},
+        std::pair{&bias_inf,
+                  "flash_attention_forward: bias / softmax_scale expected finite, got -inf / "
+                  "0.176777 at [h,i,j]=[2,1,3]"}}) {
+    AttentionOptions biased;
+    biased.bias = tensor;
+    expect_error([&] { ops::flash_attention_forward(q, k, k, biased, out, lse); }, message);
+    expect_error([&] { ops::reference::flash_attention_forward(q, k, k, biased, out, lse); },
+                 message);
+  }
+  AttentionOptions fp8_bias;
+  fp8_bias.bias = &bias;
+  fp8_bias.fp8.p_scale = 448.0f;
+  expect_error([&] { ops::flash_attention_forward(q, k, k, fp8_bias, out, lse); },
+               "flash_attention_forward: bias expected no FP8 attention (fp8 scales 0), got "
+               "p_scale 448, ds_scale 0");
+  Tensor dbias_bad = Tensor::empty({1, 4, 6}, DType::F32);
+  AttentionOptions bad_dbias;
+  bad_dbias.bias = &bias;
+  bad_dbias.dbias = &dbias_bad;
+  Tensor dk = Tensor::empty(k.shape(), DType::F32);
+  expect_error(
+      [&] { ops::flash_attention_backward(q, k, k, out, lse, out, bad_dbias, dq, dk, dv); },
+      "flash_attention_backward: dbias expected [H,T,S]=[4,4,6], got [1,4,6]");
+  Tensor shared = Tensor::zeros({4, 4, 6}, DType::F32);
+  AttentionOptions aliased;
+  aliased.bias = &shared;
+  aliased.dbias = &shared;
+  expect_error([&] { ops::flash_attention_backward(q, k, k, out, lse, out, aliased, dq, dk, dv); },
+               "flash_attention_backward: dbias expected its own storage, got the bias's");
 }
 
 // Peak scratch of forward + backward grows linearly with T (4x T -> ~4x bytes), never T^2.

@@ -6,12 +6,16 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <filesystem>
+#include <fstream>
 #include <functional>
 #include <random>
 
 #include "octet/bert.h"
+#include "octet/fp4.h"
 #include "octet/fp8.h"
 #include "octet/recipe.h"
+#include "octet/train.h"
 #include "test_util.h"
 #include "torch_reference.h"
 
@@ -216,6 +220,56 @@ TEST(Bert, Bf16AndFp8StepsStayNearFp32) {
   EXPECT_FALSE(model.fp8_states().empty());
 }
 
+// Every FP8 recipe (delayed, current, MXFP8 1x32, DeepSeek-style blocks 1x128 / 128x128) and
+// NVFP4 on a BERT whose GEMMs fit their blocks (hidden 128, FFN 256): the loss near FP32's, every
+// gradient finite and near. The heads and embeddings stay in BF16 (outside the autocast).
+TEST(Bert, EveryLowPrecisionRecipeStaysNearFp32) {
+  nlohmann::json json = tiny_config();
+  json["hidden"] = 128;
+  json["ffn_hidden"] = 256;
+  const BertConfig config = BertConfig::from_json(json);
+  Bert model(config, 7);
+  perturb(model);
+  const auto batch = random_batch(config, 8, 16, 3);
+  float f32_loss = 0;
+  const TensorMap f32 = step_gradients(model, batch, DType::F32, &f32_loss);
+  const std::vector<std::pair<std::string, recipe::Recipe>> recipes = {
+      {"delayed", recipe::DelayedScaling{}},
+      {"current", recipe::Float8CurrentScaling{}},
+      {"mxfp8", recipe::MXFP8BlockScaling{}},
+      {"block", recipe::Float8BlockScaling{}}};
+  auto check = [&](const std::string& name, const TensorMap& grads, float loss, double tolerance) {
+    SCOPED_TRACE(name);
+    EXPECT_NEAR(loss, f32_loss, 0.05 * f32_loss);
+    double worst = 0;
+    for (const auto& [param, grad] : f32) {
+      SCOPED_TRACE(param);
+      for (float g : grads.at(param).to_floats()) ASSERT_TRUE(std::isfinite(g));
+      const double error = testing::relative_rms(grads.at(param), grad);
+      worst = std::max(worst, error);
+      EXPECT_LE(error, tolerance);
+    }
+    std::printf("[ measured ] %s: loss %.5f (fp32 %.5f), worst gradient RMS %.3f\n", name.c_str(),
+                loss, f32_loss, worst);
+  };
+  for (const auto& [name, r] : recipes) {
+    float loss = 0;
+    TensorMap grads;
+    {
+      fp8_autocast scope(true, r);
+      grads = step_gradients(model, batch, DType::BF16, &loss);
+    }
+    check(name, grads, loss, 0.3);
+  }
+  float loss = 0;
+  TensorMap grads;
+  {
+    fp4_autocast scope(true);
+    grads = step_gradients(model, batch, DType::BF16, &loss);
+  }
+  check("nvfp4", grads, loss, 0.6);
+}
+
 // Pipeline stages in one process: chunk 0 (embeddings, layer 0) then chunk 1 (layer 1, heads)
 // forward, backward in reverse: the whole model's loss and gradients, bit for bit (the word
 // embedding's two halves summed, as the executor's tied-parameter reduction does).
@@ -366,6 +420,80 @@ TEST(Bert, BadConfigsAndInputsAreClearErrors) {
                                DType::F32, 1.0f);
             }).find("exceeds max_seq_len"),
             std::string::npos);
+}
+
+// ---------------------------------------------------------------------------------------------
+// The trainer on BERT configs: resume, masked-token accuracy, errors.
+
+class BertTrainFixture {
+ public:
+  BertTrainFixture() : dir_(testing::temp_dir()) {
+    std::ofstream(config_path()) << tiny_config().dump(2) << "\n";
+  }
+  ~BertTrainFixture() { std::filesystem::remove_all(dir_); }
+  std::string path(const std::string& name) const { return dir_ + "/" + name; }
+  std::string config_path() const { return path("bert.json"); }
+  TrainOptions options(const std::string& precision) const {
+    TrainOptions o;
+    o.config_path = config_path();
+    o.mock_data = true;
+    o.micro_batch_size = 4;
+    o.global_batch_size = 8;
+    o.precision = precision;
+    o.lr = 3e-3f;
+    o.min_lr = 3e-4f;
+    o.eval_iters = 2;
+    o.eval_interval = 0;
+    o.peak_gflops = 1000;
+    o.quiet = true;
+    return o;
+  }
+
+ private:
+  std::string dir_;
+};
+
+// Saved at iteration 3 and resumed to 6: the uninterrupted run's losses exactly (parameters,
+// AdamW state, the data position), and the masked-token accuracy is reported.
+TEST(Bert, TrainerResumesBitForBitAndReportsAccuracy) {
+  BertTrainFixture fixture;
+  for (const std::string precision : {"fp32", "bf16"}) {
+    SCOPED_TRACE(precision);
+    TrainOptions o = fixture.options(precision);
+    o.lr_warmup_iters = 100;
+    o.train_iters = 6;
+    const TrainResult whole = train_gpt(o);
+    ASSERT_EQ(whole.losses.size(), 6u);
+    EXPECT_TRUE(std::isfinite(whole.last_val_accuracy));
+    EXPECT_GE(whole.last_val_accuracy, 0.0f);
+    EXPECT_LE(whole.last_val_accuracy, 1.0f);
+    TrainOptions first = o;
+    first.train_iters = 3;
+    first.save = fixture.path("ckpt-" + precision);
+    train_gpt(first);
+    TrainOptions second = o;
+    second.load = first.save;
+    const TrainResult tail = train_gpt(second);
+    ASSERT_EQ(tail.losses.size(), 3u);
+    for (size_t i = 0; i < 3; ++i) EXPECT_EQ(tail.losses[i], whole.losses[3 + i]) << i;
+  }
+}
+
+TEST(Bert, TrainerRefusesWrongOptions) {
+  BertTrainFixture fixture;
+  TrainOptions o = fixture.options("bf16");
+  o.seq_length = 17;  // the config's max_seq_len is 16
+  EXPECT_NE(error_of([&] { train_gpt(o); }).find("--seq-length 17 expected in [5, 16]"),
+            std::string::npos);
+  o = fixture.options("bf16");
+  o.seq_length = 4;
+  EXPECT_NE(error_of([&] { train_gpt(o); }).find("[CLS] A [SEP] B [SEP]"), std::string::npos);
+  o = fixture.options("bf16");
+  o.image_augment = true;
+  EXPECT_NE(error_of([&] { train_gpt(o); }).find("is a BERT"), std::string::npos);
+  o = fixture.options("bf16");
+  o.vocab_size = 4;
+  EXPECT_NE(error_of([&] { train_gpt(o); }).find("at least 5"), std::string::npos);
 }
 
 }  // namespace

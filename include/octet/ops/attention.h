@@ -51,11 +51,22 @@ struct AttentionOptions {
   uint64_t seed = 0;
   uint64_t offset = 0;  // lets successive calls with one seed draw different masks
   AttentionFp8 fp8;     // off by default
+  // Additive score bias (T5's relative position bias; TransformerEngine's "post_scale_bias"):
+  // [H,T,S] F32 with bias / softmax_scale finite, shared by every batch entry (with GQA one per
+  // query head). Scores are softmax_scale * q_i . k_j + bias[h,i,j], then masked: a masked key
+  // stays masked, a fully masked row stays out = 0, lse = +inf. The backward takes the
+  // forward's bias (it recomputes the probabilities). Refused with FP8 attention (as in TE).
+  const Tensor* bias = nullptr;
+  // Backward only (forward ignores it): when given, [H,T,S] F32, written (not accumulated) with
+  // sum over b of dS[b,h,i,j], the loss's gradient w.r.t. the biased scores (through dropout's
+  // kept and scaled probabilities, as dq and dk; 0 where masked). Needs no bias to be given.
+  // Scratch: up to about 2 * threads / Hkv more [H,T,S] F32 buffers (per-chunk partial sums).
+  Tensor* dbias = nullptr;
 };
 
 // q [B,T,H,D], k and v [B,S,Hkv,D], F32|BF16 (k, v the same dtype), H % Hkv == 0 (grouped-query
 // attention: query head h reads kv head h / (H / Hkv)), 1 <= D <= 256.
-// out [B,T,H,D], dtype of q; lse [B,H,T] F32: log-sum-exp of each row's scaled, masked
+// out [B,T,H,D], dtype of q; lse [B,H,T] F32: log-sum-exp of each row's scaled, biased, masked
 // scores (+inf for a fully masked row), all backward needs besides q, k, v and out. Or lse
 // [B,H,T,2] F32: the same value as an unevaluated sum hi + lo (hi = its F32 rounding), which
 // keeps the backward's probabilities at F32 accuracy however large the scores are (one F32 lse
@@ -63,7 +74,7 @@ struct AttentionOptions {
 void flash_attention_forward(const Tensor& q, const Tensor& k, const Tensor& v,
                              const AttentionOptions& options, Tensor& out, Tensor& lse);
 // dout [B,T,H,D] dtype of q; dq, dk, dv the shapes and dtypes of q, k, v (written; dk and dv
-// summed over each kv head's query group).
+// summed over each kv head's query group); options.dbias [H,T,S] F32 when given (written).
 void flash_attention_backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
                               const Tensor& lse, const Tensor& dout,
                               const AttentionOptions& options, Tensor& dq, Tensor& dk, Tensor& dv);
@@ -73,7 +84,8 @@ void flash_attention_backward(const Tensor& q, const Tensor& k, const Tensor& v,
 // Hkv, D] (the dtype of q, F32|BF16) hold token p of sequence s in block
 // block_tables[s, p / block_size] at slot p % block_size; block_tables [S, max_blocks] I32,
 // context_lens [S] I32 >= 1. The query sees all its keys (causal: it is the last), or the last
-// window_left + 1 of them when options.window_left >= 0; softmax_scale as above. out [S,H,D].
+// window_left + 1 of them when options.window_left >= 0; softmax_scale as above (no other
+// option is read: bias and masks do not apply to decode). out [S,H,D].
 // Long contexts are split into partitions merged by log-sum-exp. FP8 pools: k_pool and v_pool
 // E4M3 codes with k_scale and v_scale [blocks, block_size, Hkv] F32, real = code * scale.
 void paged_attention_decode(const Tensor& q, const Tensor& k_pool, const Tensor& v_pool,

@@ -34,6 +34,44 @@ inline void check_lengths(const char* op, const Tensor* lengths, const char* nam
   }
 }
 
+// A bias or dbias tensor: [H,T,S] F32, and not with FP8 attention (whose dS would be rounded).
+inline void check_bias_tensor(const char* op, const Tensor& t, const char* name,
+                              const AttentionOptions& o, const AttentionShape& s) {
+  const std::string what = octet::detail::concat(op, ": ", name);
+  check_shape(t, {s.heads, s.queries, s.keys}, what, "H,T,S");
+  check_dtype(t, DType::F32, what);
+  OCTET_CHECK(!o.fp8.enabled(), what, " expected no FP8 attention (fp8 scales 0), got p_scale ",
+              o.fp8.p_scale, ", ds_scale ", o.fp8.ds_scale);
+}
+
+// options.bias, when given: check_bias_tensor, and bias / scale finite (the fast kernels add
+// bias * (1 / scale) to unscaled scores; a row whose every key had a -inf bias would have no
+// softmax, and masking is the masks' job).
+inline void check_bias(const char* op, const AttentionOptions& o, const AttentionShape& s) {
+  if (o.bias == nullptr) return;
+  check_bias_tensor(op, *o.bias, "bias", o, s);
+  const float* bias = o.bias->data<float>();
+  const int64_t n = o.bias->numel();
+  const float inv_scale = 1.0f / s.scale;
+  bool finite = true;
+  for (int64_t x = 0; x < n; ++x) finite &= std::isfinite(bias[x] * inv_scale);
+  for (int64_t x = 0; !finite && x < n; ++x) {
+    OCTET_CHECK(std::isfinite(bias[x] * inv_scale), op,
+                ": bias / softmax_scale expected finite, got ", bias[x], " / ", s.scale,
+                " at [h,i,j]=[", x / (s.queries * s.keys), ",", x / s.keys % s.queries, ",",
+                x % s.keys, "]");
+  }
+}
+
+// options.dbias (backward), when given; not the bias's storage (it is zeroed before the bias
+// is read).
+inline void check_dbias(const char* op, const AttentionOptions& o, const AttentionShape& s) {
+  if (o.dbias == nullptr) return;
+  check_bias_tensor(op, *o.dbias, "dbias", o, s);
+  OCTET_CHECK(o.bias == nullptr || o.bias->raw() != o.dbias->raw(), op,
+              ": dbias expected its own storage, got the bias's");
+}
+
 inline AttentionShape check_inputs(const char* op, const Tensor& q, const Tensor& k,
                                    const Tensor& v, const AttentionOptions& o) {
   OCTET_CHECK(q.defined() && q.ndim() == 4, op, ": q expected [B,T,H,D], got ",
@@ -77,6 +115,7 @@ inline AttentionShape check_inputs(const char* op, const Tensor& q, const Tensor
     OCTET_CHECK(scale >= 0.0f && std::isfinite(scale), op, ": ", name,
                 "_scale expected finite and >= 0 (0 = no FP8), got ", scale);
   }
+  check_bias(op, o, s);
   return s;
 }
 

@@ -7,6 +7,11 @@
 // probabilities from lse, accumulates dK and dV of its key tiles locally over the whole query
 // group, and adds dQ into the split's own F32 buffer, summed at the end (no races, no atomics).
 // Scratch is Tensors linear in T and S, plus fixed per-thread tiles: never T x S.
+// An additive bias [H,T,S] is added to each score tile (forward and the backward's
+// recomputation); its gradient dbias sums dS over the batch: batch entries are dealt to a few
+// chunks, each with its own [H,T,S] buffer (the first is dbias itself) and run one after
+// another inside each (chunk, kv head, split) task, so no two threads write one element; the
+// buffers are summed at the end. Only then is scratch T x S: the bias already is.
 #include <omp.h>
 
 #include <algorithm>
@@ -17,6 +22,7 @@
 #include <string>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
 #include "core/convert.h"
 #include "octet/cpu_features.h"
@@ -45,7 +51,9 @@ struct Plan {
   const AttentionOptions* o = nullptr;
   int64_t dp = 0;  // D padded to kPadD
   int64_t q_tiles = 0, k_tiles = 0, padded_keys = 0;
-  float scale_log2 = 0.0f;  // scores are kept in the log2 domain: exp2 instead of exp
+  float scale_log2 = 0.0f;      // scores are kept in the log2 domain: exp2 instead of exp
+  const float* bias = nullptr;  // [H,T,S] or null
+  float inv_scale = 0.0f;       // 1 / the softmax scale: bias enters the unscaled scores
   bool dropout = false;
   bool bf16_tiles = false;  // tile products in BF16 pairs (bf16_dot.h)
   uint32_t threshold = 0;
@@ -79,6 +87,8 @@ Plan make_plan(const AttentionShape& s, const AttentionOptions& o, DType dtype) 
   p.q_tiles = (s.queries + kBlockQ - 1) / kBlockQ;
   p.k_tiles = (s.keys + kBlockK - 1) / kBlockK;
   p.padded_keys = p.k_tiles * kBlockK;
+  p.bias = o.bias != nullptr ? o.bias->data<float>() : nullptr;
+  p.inv_scale = 1.0f / s.scale;
   p.scale_log2 = s.scale * kLog2e;
   p.dropout = o.dropout > 0.0f;
   p.threshold = attention_detail::dropout_threshold(o.dropout);
@@ -223,6 +233,18 @@ OCTET_ALWAYS_INLINE void tile_columns(const KeyRange& range, int64_t j0, int64_t
   c_hi = std::clamp<int64_t>(range.hi - j0, 0, kBlockK);
 }
 
+// With a bias, row[c] += bias[h, i, j0 + c] / scale for the visible columns [c_lo, c_hi) (the
+// rest are masked after): the tile's scores stay unscaled (scale * row is the softmax's score),
+// so a zero bias changes nothing, and rounding the sum costs what scaling first would (T5's
+// scale of 1 adds the bias exactly).
+OCTET_ALWAYS_INLINE void add_bias(const Plan& p, int64_t h, int64_t i, int64_t j0, int64_t c_lo,
+                                  int64_t c_hi, float* row) {
+  if (p.bias == nullptr) return;
+  const float* bias = p.bias + (h * p.s.queries + i) * p.s.keys + j0;
+  const float inv_scale = p.inv_scale;
+  for (int64_t c = c_lo; c < c_hi; ++c) row[c] += bias[c] * inv_scale;
+}
+
 // Multiplies row[c] (c in [c_lo, c_hi)) by its dropout factor, 0 or 1/(1-p); `also`, when
 // given, gets the same factors at also[c * also_stride] (backward's transposed P).
 OCTET_ALWAYS_INLINE void apply_dropout(const Plan& p, int64_t b, int64_t h, int64_t i, int64_t j0,
@@ -336,6 +358,7 @@ OCTET_ALWAYS_INLINE void forward_tile(const ForwardArgs<T>& a, int64_t b, int64_
           if constexpr (Bf16) std::fill_n(pb + r * kBlockK, kBlockK, uint16_t{0});
           continue;
         }
+        add_bias(p, h, i0 + r, j0, c_lo, c_hi, row);
         for (int64_t c = 0; c < c_lo; ++c) row[c] = -kInf;
         for (int64_t c = c_hi; c < kBlockK; ++c) row[c] = -kInf;
         vec::F<W> max_v = vec::splat<W>(-kInf);
@@ -490,6 +513,9 @@ struct BackwardArgs {
   const float* delta;    // [B,H,T] rowsum(dout * out)
   float* dq;             // [splits,B,H,T,dp]
   int64_t splits;
+  // dbias: batch entry b adds its dS to dbias_chunks[b % chunks], [H,T,S] (null: no dbias).
+  float* const* dbias_chunks;
+  int64_t chunks;
   T* dk;
   T* dv;
 };
@@ -581,6 +607,7 @@ OCTET_ALWAYS_INLINE void backward_task(const BackwardArgs<T>& a, int64_t b, int6
             for (int64_t c = 0; c < kBlockK; ++c) p_row[c] = d_row[c] = pd_row[c] = 0.0f;
             continue;
           }
+          add_bias(p, h, i0 + r, j0, c_lo, c_hi, p_row);
           const vec::F<W> ref = vec::splat<W>(a.lse_ref[bh * queries + i0 + r]);
           const vec::F<W> rho = vec::splat<W>(a.lse_rho[bh * queries + i0 + r]);
           const vec::F<W> scale = vec::splat<W>(p.scale_log2);
@@ -599,6 +626,10 @@ OCTET_ALWAYS_INLINE void backward_task(const BackwardArgs<T>& a, int64_t b, int6
           const vec::F<W> delta = vec::splat<W>(a.delta[bh * queries + i0 + r]);
           for (int64_t c = 0; c < kBlockK; c += W) {
             vec::store<W>(d_row + c, vec::load<W>(p_row + c) * (vec::load<W>(d_row + c) - delta));
+          }
+          if (a.dbias_chunks != nullptr) {  // this task alone writes these (h, i, j) of the chunk
+            float* dbias = a.dbias_chunks[b % a.chunks] + (h * queries + i0 + r) * s.keys + j0;
+            for (int64_t c = c_lo; c < c_hi; ++c) dbias[c] += d_row[c];
           }
           if (p.ds_fp8.active()) {  // dS as dQ's and dK's FP8 operand
             float& amax = ws[backward_workspace_floats(dp) - 1];
@@ -687,6 +718,33 @@ void backward_task_scalar(const BackwardArgs<T>& a, int64_t b, int64_t hk, int64
   backward_task<4, 2, 4, false>(a, b, hk, split, ws);
 }
 
+// dbias's per-chunk buffers: the first is dbias itself, zeroed; the others [chunks - 1, H, T, S]
+// scratch, added into it at the end. Empty without dbias.
+struct DbiasChunks {
+  Tensor scratch;
+  std::vector<float*> chunks;
+  int64_t elements = 0;
+  DbiasChunks(Tensor* dbias, int64_t count) {
+    if (dbias == nullptr) return;
+    elements = dbias->numel();
+    std::memset(dbias->data<float>(), 0, elements * sizeof(float));
+    chunks.push_back(dbias->data<float>());
+    if (count == 1) return;
+    scratch = Tensor::zeros({count - 1, elements}, DType::F32);
+    for (int64_t c = 1; c < count; ++c)
+      chunks.push_back(scratch.data<float>() + (c - 1) * elements);
+  }
+  void sum_into_first() {
+    if (chunks.size() < 2) return;
+    float* sum = chunks[0];
+    const int64_t count = static_cast<int64_t>(chunks.size());
+#pragma omp parallel for schedule(static)
+    for (int64_t x = 0; x < elements; ++x) {
+      for (int64_t c = 1; c < count; ++c) sum[x] += chunks[c][x];
+    }
+  }
+};
+
 template <typename T>
 void backward_typed(const Plan& p, const Tensor& q, const Tensor& k, const Tensor& v,
                     const Tensor& out, const Tensor& lse, const Tensor& dout, Tensor& dq,
@@ -713,6 +771,12 @@ void backward_typed(const Plan& p, const Tensor& q, const Tensor& k, const Tenso
   Tensor q_pairs, dout_pairs;  // BF16 tiles only
   Tensor delta = Tensor::empty({B, H, queries}, DType::F32);
   Tensor dq_acc = Tensor::zeros({splits, B, H, queries, dp}, DType::F32);
+  // dbias: batch entries dealt to as few chunks as keep 2 tasks per thread (see DbiasChunks).
+  const int64_t chunks =
+      p.o->dbias == nullptr
+          ? B
+          : std::clamp<int64_t>((2 * threads + Hkv * splits - 1) / (Hkv * splits), 1, B);
+  DbiasChunks dbias(p.o->dbias, chunks);
   Tensor lse_ref = Tensor::empty({B, H, queries}, DType::F32);
   Tensor lse_rho = Tensor::empty({B, H, queries}, DType::F32);
   {
@@ -804,20 +868,27 @@ void backward_typed(const Plan& p, const Tensor& q, const Tensor& k, const Tenso
                              delta.data<float>(),
                              dq_acc.data<float>(),
                              splits,
+                             dbias.chunks.empty() ? nullptr : dbias.chunks.data(),
+                             chunks,
                              dk.data<T>(),
                              dv.data<T>()};
   const int64_t ws_floats = backward_workspace_floats(dp);
   Tensor workspace = Tensor::zeros({threads, ws_floats}, DType::F32);
   float* ws_base = workspace.data<float>();
+  // One task per (chunk, kv head, split), running the chunk's batch entries in turn (one each
+  // without dbias: then chunks = B).
 #pragma omp parallel for collapse(3) schedule(dynamic, 1) num_threads(threads)
-  for (int64_t b = 0; b < B; ++b) {
+  for (int64_t chunk = 0; chunk < chunks; ++chunk) {
     for (int64_t hk = 0; hk < Hkv; ++hk) {
       for (int64_t split = 0; split < splits; ++split) {
-        task_fn(args, b, hk, split, ws_base + omp_get_thread_num() * ws_floats);
+        for (int64_t b = chunk; b < B; b += chunks) {
+          task_fn(args, b, hk, split, ws_base + omp_get_thread_num() * ws_floats);
+        }
       }
     }
   }
   if (p.o->fp8.ds_amax) *p.o->fp8.ds_amax = reduce_amax_slots(ws_base, threads, ws_floats);
+  dbias.sum_into_first();
 
   const float* acc = dq_acc.data<float>();
   T* out_dq = dq.data<T>();
@@ -870,6 +941,7 @@ void flash_attention_backward(const Tensor& q, const Tensor& k, const Tensor& v,
   attention_detail::check_output(op, dq, q, "dq", "B,T,H,D");
   attention_detail::check_output(op, dk, k, "dk", "B,S,Hkv,D");
   attention_detail::check_output(op, dv, v, "dv", "B,S,Hkv,D");
+  attention_detail::check_dbias(op, options, s);
   const Plan plan = make_plan(s, options, q.dtype());
   if (q.dtype() == DType::F32) {
     backward_typed<float>(plan, q, k, v, out, lse, dout, dq, dk, dv);

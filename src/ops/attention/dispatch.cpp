@@ -10,7 +10,8 @@ namespace octet::ops {
 void flash_attention_forward(const Tensor& q, const Tensor& k, const Tensor& v,
                              const AttentionOptions& options, Tensor& out, Tensor& lse) {
   const profile::Scope scope(profile::Category::Attention);
-  const Device device = device_of("flash_attention_forward", {&q, &k, &v, &out, &lse});
+  const Device device =
+      device_of("flash_attention_forward", {&q, &k, &v, &out, &lse, options.bias});
   if (device == Device::CPU) return cpu::flash_attention_forward(q, k, v, options, out, lse);
   no_kernel("flash_attention_forward", device);
 }
@@ -20,7 +21,8 @@ void flash_attention_backward(const Tensor& q, const Tensor& k, const Tensor& v,
                               const AttentionOptions& options, Tensor& dq, Tensor& dk, Tensor& dv) {
   const profile::Scope scope(profile::Category::Attention);
   const Device device =
-      device_of("flash_attention_backward", {&q, &k, &v, &out, &lse, &dout, &dq, &dk, &dv});
+      device_of("flash_attention_backward",
+                {&q, &k, &v, &out, &lse, &dout, &dq, &dk, &dv, options.bias, options.dbias});
   if (device == Device::CPU)
     return cpu::flash_attention_backward(q, k, v, out, lse, dout, options, dq, dk, dv);
   no_kernel("flash_attention_backward", device);

@@ -1,5 +1,6 @@
-// Attention, the oracle: for each (batch, head) the full T x S score matrix in double, an
-// explicit softmax, dropout from the same RNG as the fast path, and the textbook backward.
+// Attention, the oracle: for each (batch, head) the full T x S score matrix in double (bias
+// added), an explicit softmax, dropout from the same RNG as the fast path, and the textbook
+// backward (dbias the sum over the batch of the score gradients).
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -61,6 +62,7 @@ HeadProbabilities head_probabilities(const AttentionShape& s, const AttentionOpt
                k[((b * S + j) * s.kv_heads + hk) * D + d];
       }
       row[j] = dot * s.scale;
+      if (o.bias != nullptr) row[j] += o.bias->data<float>()[(h * T + i) * S + j];
       max = std::max(max, row[j]);
     }
     double sum = 0.0;
@@ -146,6 +148,7 @@ void flash_attention_backward(const Tensor& q, const Tensor& k, const Tensor& v,
   attention_detail::check_output(op, dq, q, "dq", "B,T,H,D");
   attention_detail::check_output(op, dk, k, "dk", "B,S,Hkv,D");
   attention_detail::check_output(op, dv, v, "dv", "B,S,Hkv,D");
+  attention_detail::check_dbias(op, o, s);
   const int64_t T = s.queries, S = s.keys, D = s.head_dim;
   std::vector<float> qf = q.to_floats(), kf = k.to_floats(), vf = v.to_floats();
   std::vector<float> dof = dout.to_floats();
@@ -158,6 +161,7 @@ void flash_attention_backward(const Tensor& q, const Tensor& k, const Tensor& v,
   float ds_amax = 0.0f;
   std::vector<double> dq_values(q.numel(), 0.0), dk_values(k.numel(), 0.0),
       dv_values(v.numel(), 0.0);
+  std::vector<double> dbias_values(o.dbias != nullptr ? o.dbias->numel() : 0, 0.0);
   auto q_at = [&](int64_t b, int64_t i, int64_t h) { return ((b * T + i) * s.heads + h) * D; };
   auto k_at = [&](int64_t b, int64_t j, int64_t hk) { return ((b * S + j) * s.kv_heads + hk) * D; };
   std::vector<double> dp(S);
@@ -192,6 +196,7 @@ void flash_attention_backward(const Tensor& q, const Tensor& k, const Tensor& v,
             ds_amax = std::max(ds_amax, std::fabs(ds32));
             ds = round_ds(ds32);
           }
+          if (o.dbias != nullptr) dbias_values[(h * T + i) * S + j] += ds;
           ds *= s.scale;
           if (ds == 0.0) continue;
           for (int64_t d = 0; d < D; ++d) {
@@ -206,6 +211,7 @@ void flash_attention_backward(const Tensor& q, const Tensor& k, const Tensor& v,
   store(dq_values, dq);
   store(dk_values, dk);
   store(dv_values, dv);
+  if (o.dbias != nullptr) store(dbias_values, *o.dbias);
 }
 
 }  // namespace reference

@@ -1,0 +1,394 @@
+// T5, whole: construction, the one forward (shared embedding, the encoder's layers with their
+// relative position bias and final norm, the decoder's layers with causal self-attention, their
+// bias and cross-attention over the encoder's output, the final norm and the output layer's
+// cross-entropy) and its backward, parameters.
+#include "octet/t5.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <optional>
+
+#include "models/gpt_parts.h"
+#include "modules/common.h"
+#include "octet/fp4.h"
+#include "octet/ops/activation.h"
+#include "octet/ops/embedding.h"
+
+namespace octet {
+
+namespace {
+
+struct HighPrecisionScope {
+  fp8_autocast fp8{false};
+  fp4_autocast fp4{false};
+};
+
+// Outside FP8 and FP4 when `plain` (--first-last-layers-bf16), else nothing changes.
+struct LayerPrecisionScope {
+  explicit LayerPrecisionScope(bool plain) {
+    if (plain) {
+      fp8.emplace(false);
+      fp4.emplace(false);
+    }
+  }
+  std::optional<fp8_autocast> fp8;
+  std::optional<fp4_autocast> fp4;
+};
+
+TransformerLayerOptions layer_options(const T5Config& c, int64_t index, uint64_t seed,
+                                      bool recompute) {
+  const bool decoder = index >= c.num_layers;
+  TransformerLayerOptions o;
+  o.checkpoint = recompute;
+  o.hidden_size = c.hidden;
+  o.ffn_hidden_size = c.ffn_hidden;  // each GEGLU half: FC1 is [wi_0 | wi_1]
+  o.num_attention_heads = c.num_heads;
+  o.kv_channels = c.kv_channels;
+  o.layernorm_epsilon = c.layernorm_eps;
+  o.hidden_dropout = c.dropout;
+  o.attention_dropout = c.dropout;
+  o.normalization = NormKind::RMSNorm;
+  o.activation = ops::ActivationKind::GeGlu;
+  o.bias = false;
+  o.softmax_scale = 1.0f;  // T5 folds the 1/sqrt(d) into the query's initialization
+  o.layer_type = decoder ? LayerType::Decoder : LayerType::Encoder;
+  o.self_attn_mask_type = decoder ? AttnMaskType::PaddingCausal : AttnMaskType::Padding;
+  o.enc_dec_attn_mask_type = AttnMaskType::Padding;
+  // Fan-in scaling as T5's initialization (the query's extra 1/sqrt(d_kv) aside).
+  o.init_std = 1.0f / std::sqrt(static_cast<float>(c.hidden));
+  o.output_init_std = 1.0f / std::sqrt(static_cast<float>(c.ffn_hidden));
+  o.seed = seed * 1000 + static_cast<uint64_t>(index) + 1;
+  o.name = decoder ? "decoder.layer." + std::to_string(index - c.num_layers)
+                   : "encoder.layer." + std::to_string(index);
+  return o;
+}
+
+NormOptions norm_options(const T5Config& c, std::string name) {
+  NormOptions n;
+  n.hidden = c.hidden;
+  n.kind = NormKind::RMSNorm;
+  n.eps = c.layernorm_eps;
+  n.name = std::move(name);
+  return n;
+}
+
+T5::Context& own_context(pipeline::StagedModel::Context& base) {
+  auto* ctx = dynamic_cast<T5::Context*>(&base);
+  OCTET_CHECK(ctx, "t5: expected a context from T5::make_context()");
+  return *ctx;
+}
+
+// Each score's bucket: [T, S] I32 for T queries and S keys.
+Tensor relative_buckets(const T5Config& c, int64_t T, int64_t S, bool bidirectional) {
+  Tensor buckets = Tensor::empty({T, S}, DType::I32);
+  int32_t* b = buckets.data<int32_t>();
+  for (int64_t i = 0; i < T; ++i) {
+    for (int64_t j = 0; j < S; ++j) {
+      b[i * S + j] = static_cast<int32_t>(
+          t5_relative_position_bucket(j - i, bidirectional, c.relative_attention_num_buckets,
+                                      c.relative_attention_max_distance));
+    }
+  }
+  return buckets;
+}
+
+// bias [H, T, S] F32 from table [buckets, H]; and the adjoint into table's gradient.
+Tensor relative_bias(const Parameter& table, const Tensor& buckets) {
+  const int64_t H = table.value.dim(1), T = buckets.dim(0), S = buckets.dim(1);
+  Tensor bias = Tensor::empty({H, T, S}, DType::F32);
+  const float* w = table.value.data<float>();
+  const int32_t* b = buckets.data<int32_t>();
+  float* out = bias.data<float>();
+#pragma omp parallel for
+  for (int64_t h = 0; h < H; ++h) {
+    for (int64_t ij = 0; ij < T * S; ++ij) out[h * T * S + ij] = w[b[ij] * H + h];
+  }
+  return bias;
+}
+
+void relative_bias_backward(const Tensor& dbias, const Tensor& buckets, Parameter& table) {
+  const int64_t H = table.value.dim(1), TS = buckets.numel();
+  const float* d = dbias.data<float>();
+  const int32_t* b = buckets.data<int32_t>();
+  float* g = table.grad.data<float>();
+#pragma omp parallel for
+  for (int64_t h = 0; h < H; ++h) {
+    for (int64_t ij = 0; ij < TS; ++ij) g[b[ij] * H + h] += d[h * TS + ij];
+  }
+}
+
+Tensor to_dtype(const Tensor& x, DType dtype) {
+  return x.dtype() == dtype ? x : x.to(dtype);
+}
+
+void check_ids(const Tensor& ids, const Tensor& lengths, const char* what, const char* lengths_what,
+               int64_t vocab, int64_t max_len, const char* max_name) {
+  check_dtype(ids, DType::I32, std::string("t5: ") + what);
+  OCTET_CHECK(ids.ndim() == 2 && ids.dim(0) > 0 && ids.dim(1) > 0, "t5: ", what,
+              " expected [B,L] with B, L > 0, got ", shape_str(ids.shape()));
+  OCTET_CHECK(ids.dim(1) <= max_len, "t5: ", what, " length ", ids.dim(1), " exceeds ", max_name,
+              " ", max_len);
+  const int32_t* id = ids.data<int32_t>();
+  for (int64_t i = 0; i < ids.numel(); ++i) {
+    OCTET_CHECK(id[i] >= 0 && id[i] < vocab, "t5: ", what, "[", i / ids.dim(1), ",", i % ids.dim(1),
+                "] = ", id[i], " expected in [0, ", vocab, ")");
+  }
+  check_dtype(lengths, DType::I32, std::string("t5: ") + lengths_what);
+  check_shape(lengths, {ids.dim(0)}, std::string("t5: ") + lengths_what, "B");
+  for (int64_t b = 0; b < ids.dim(0); ++b) {
+    const int32_t n = lengths.data<int32_t>()[b];
+    OCTET_CHECK(n >= 1 && n <= ids.dim(1), "t5: ", lengths_what, "[", b, "] = ", n,
+                " expected in [1, ", ids.dim(1), "]");
+  }
+}
+
+}  // namespace
+
+T5::T5(const T5Config& config, uint64_t seed, ModelLayout layout, bool recompute_activations)
+    : TransformerStack(
+          "t5", config.num_layers + config.decoder_layers(), std::move(layout),
+          [&](int64_t i) { return layer_options(config, i, seed, recompute_activations); }),
+      config_(config) {
+  OCTET_CHECK(layout_.stages == 1 && layout_.tensor == nullptr,
+              "t5: tensor and pipeline parallelism for the encoder-decoder are not supported yet "
+              "(use data parallelism)");
+  const int64_t V = config.vocab_size, C = config.hidden, H = config.num_heads;
+  shared =
+      modules_detail::make_parameter("shared.weight", {V, C}, config.init_std, seed * 7919 + 1);
+  const float bias_std = 1.0f / std::sqrt(static_cast<float>(C));
+  encoder_relative_bias = modules_detail::make_parameter("encoder.relative_attention_bias.weight",
+                                                         {config.relative_attention_num_buckets, H},
+                                                         bias_std, seed * 7919 + 2);
+  decoder_relative_bias = modules_detail::make_parameter("decoder.relative_attention_bias.weight",
+                                                         {config.relative_attention_num_buckets, H},
+                                                         bias_std, seed * 7919 + 3);
+  encoder_norm_.emplace(norm_options(config, "encoder.final_layer_norm"));
+  decoder_norm_.emplace(norm_options(config, "decoder.final_layer_norm"));
+  lm_head = modules_detail::make_parameter("lm_head.weight", {V, C}, bias_std, seed * 7919 + 4);
+  // T5 folds attention's 1/sqrt(d_kv) into the query's initialization: the query rows of each
+  // projection start 1/sqrt(d_kv) smaller than the keys' and values'.
+  const float query_scale = 1.0f / std::sqrt(static_cast<float>(config.kv_channels));
+  const int64_t A = config.num_heads * config.kv_channels;
+  auto scale_rows = [&](Parameter& w, int64_t rows) {
+    float* v = w.value.data<float>();
+    for (int64_t i = 0; i < rows * w.value.dim(1); ++i) v[i] *= query_scale;
+  };
+  for (TransformerLayer& layer : layers(0)) {
+    scale_rows(layer.self_attention.layernorm_qkv->linear.weight, A);
+    if (layer.inter_attention) {
+      Parameter& query = layer.inter_attention->layernorm_query->linear.weight;
+      scale_rows(query, query.value.dim(0));
+    }
+    layer.on_parameters_updated();
+  }
+}
+
+std::vector<Parameter*> T5::chunk_parameters(int chunk) {
+  std::vector<Parameter*> out = {&shared, &encoder_relative_bias};
+  std::vector<TransformerLayer>& stack = layers(chunk);
+  for (int64_t i = 0; i < config_.num_layers; ++i) {
+    stack[static_cast<size_t>(i)].collect_parameters(out);
+  }
+  encoder_norm_->collect_parameters(out);
+  out.push_back(&decoder_relative_bias);
+  for (size_t i = static_cast<size_t>(config_.num_layers); i < stack.size(); ++i) {
+    stack[i].collect_parameters(out);
+  }
+  decoder_norm_->collect_parameters(out);
+  out.push_back(&lm_head);
+  return out;
+}
+
+void T5::collect_parameters(std::vector<Parameter*>& out) {
+  for (Parameter* p : chunk_parameters(0)) out.push_back(p);
+}
+
+std::vector<Parameter*> T5::parameters_in_backward_order() {
+  std::vector<Parameter*> out = {&lm_head};
+  for (Parameter* p : decoder_norm_->parameters()) out.push_back(p);
+  std::vector<TransformerLayer>& stack = layers(0);
+  for (size_t i = stack.size(); i-- > static_cast<size_t>(config_.num_layers);) {
+    for (Parameter* p : stack[i].parameters()) out.push_back(p);
+  }
+  out.push_back(&decoder_relative_bias);
+  for (Parameter* p : encoder_norm_->parameters()) out.push_back(p);
+  for (size_t i = static_cast<size_t>(config_.num_layers); i-- > 0;) {
+    for (Parameter* p : stack[i].parameters()) out.push_back(p);
+  }
+  out.push_back(&encoder_relative_bias);
+  out.push_back(&shared);
+  return out;
+}
+
+void T5::on_parameters_updated() {
+  output_cache_.invalidate();
+  TransformerStack::on_parameters_updated();
+}
+
+std::unique_ptr<pipeline::StagedModel::Context> T5::make_context() const {
+  return std::make_unique<Context>();
+}
+
+Shape T5::activation_shape(const pipeline::MicroBatch& batch) const {
+  const Tensor& dec = pipeline::batch_tensor(batch, "dec_ids", "t5");
+  return {dec.dim(0), dec.dim(1), config_.hidden};
+}
+
+Tensor T5::run_forward(const pipeline::MicroBatch& batch, DType dtype, float grad_scale,
+                       Context* ctx, float* loss, bool count) {
+  OCTET_CHECK(dtype == DType::F32 || dtype == DType::BF16,
+              "t5: compute dtype expected f32 or bf16, got ", dtype_name(dtype));
+  const Tensor& enc_ids = pipeline::batch_tensor(batch, "enc_ids", "t5");
+  const Tensor& enc_lengths = pipeline::batch_tensor(batch, "enc_lengths", "t5");
+  const Tensor& dec_ids = pipeline::batch_tensor(batch, "dec_ids", "t5");
+  const Tensor& dec_lengths = pipeline::batch_tensor(batch, "dec_lengths", "t5");
+  const Tensor& targets = pipeline::batch_tensor(batch, "targets", "t5");
+  check_ids(enc_ids, enc_lengths, "enc_ids", "enc_lengths", config_.vocab_size, config_.max_seq_len,
+            "max_seq_len");
+  check_ids(dec_ids, dec_lengths, "dec_ids", "dec_lengths", config_.vocab_size,
+            config_.max_target_len, "max_target_len");
+  OCTET_CHECK(dec_ids.dim(0) == enc_ids.dim(0), "t5: dec_ids hold ", dec_ids.dim(0),
+              " sequences, enc_ids ", enc_ids.dim(0));
+  check_dtype(targets, DType::I32, "t5: targets");
+  check_shape(targets, dec_ids.shape(), "t5: targets", "B,T");
+  const int64_t B = enc_ids.dim(0), S = enc_ids.dim(1), T = dec_ids.dim(1), C = config_.hidden;
+  const int64_t L = config_.num_layers;
+  std::vector<TransformerLayer>& stack = layers(0);
+  Context scratch;
+  Context& c = ctx ? *ctx : scratch;
+  c.enc_ids = enc_ids;
+  c.dec_ids = dec_ids;
+  c.enc_lengths = enc_lengths;
+  c.dec_lengths = dec_lengths;
+  c.enc_buckets = relative_buckets(config_, S, S, /*bidirectional=*/true);
+  c.dec_buckets = relative_buckets(config_, T, T, /*bidirectional=*/false);
+  c.layers.assign(stack.size(), TransformerLayer::Context{});
+  auto embed = [&](const Tensor& ids) {
+    Tensor x = Tensor::empty({ids.numel(), C}, DType::F32);
+    ops::embedding_forward(ids.reshape({ids.numel()}), shared.value, x);
+    return to_dtype(x, dtype).reshape({ids.dim(0), ids.dim(1), C});
+  };
+  // The encoder.
+  const Tensor enc_bias = relative_bias(encoder_relative_bias, c.enc_buckets);
+  Tensor h = embed(enc_ids);
+  for (int64_t i = 0; i < L; ++i) {
+    TransformerLayer::Context layer_scratch;
+    LayerPrecisionScope precision(is_high_precision_layer(i));
+    h = stack[static_cast<size_t>(i)].forward(
+        h, ctx ? c.layers[static_cast<size_t>(i)] : layer_scratch, nullptr, &enc_lengths, nullptr,
+        0, &enc_bias);
+  }
+  c.enc_out = encoder_norm_->forward(h, c.encoder_norm);
+  // The decoder: causal self-attention, cross-attention over the encoder's output.
+  const Tensor dec_bias = relative_bias(decoder_relative_bias, c.dec_buckets);
+  Tensor y = embed(dec_ids);
+  for (size_t i = static_cast<size_t>(L); i < stack.size(); ++i) {
+    TransformerLayer::Context layer_scratch;
+    LayerPrecisionScope precision(is_high_precision_layer(static_cast<int64_t>(i)));
+    y = stack[i].forward(y, ctx ? c.layers[i] : layer_scratch, &c.enc_out, &dec_lengths,
+                         &enc_lengths, 0, &dec_bias);
+  }
+  Tensor hidden = decoder_norm_->forward(y, c.decoder_norm).reshape({B * T, C});
+  const Tensor flat_targets = targets.reshape({B * T});
+  HighPrecisionScope scope;
+  if (count) {
+    const Tensor& weight = gpt_parts::tied_weight_as(lm_head, dtype, output_cache_);
+    Tensor logits = Tensor::empty({B * T, config_.vocab_size}, DType::F32);
+    gemm(hidden, weight, logits, /*trans_a=*/false, /*trans_b=*/true);
+    const float* l = logits.data<float>();
+    const int32_t* t = flat_targets.data<int32_t>();
+    const int64_t V = config_.vocab_size;
+    for (int64_t r = 0; r < B * T; ++r) {
+      if (t[r] == -100) continue;
+      const float* row = l + r * V;
+      eval_correct_ += (std::max_element(row, row + V) - row) == t[r];
+      ++eval_seen_;
+    }
+  }
+  *loss = gpt_parts::tied_output_loss(hidden, flat_targets, lm_head, dtype, grad_scale,
+                                      ctx ? &c.dhidden : nullptr, output_cache_);
+  return Tensor();
+}
+
+Tensor T5::forward(int chunk, const Tensor&, const pipeline::MicroBatch& batch, DType dtype,
+                   float grad_scale, StagedModel::Context& base) {
+  OCTET_CHECK(chunk == 0, "t5: one chunk (the whole model)");
+  Context& ctx = own_context(base);
+  return run_forward(batch, dtype, grad_scale, &ctx, &ctx.loss, false);
+}
+
+Tensor T5::evaluate(int chunk, const Tensor&, const pipeline::MicroBatch& batch, DType dtype,
+                    float* loss) {
+  OCTET_CHECK(chunk == 0, "t5: one chunk (the whole model)");
+  return run_forward(batch, dtype, 1.0f, nullptr, loss, true);
+}
+
+Tensor T5::backward(int chunk, const Tensor&, StagedModel::Context& base) {
+  OCTET_CHECK(chunk == 0, "t5: one chunk (the whole model)");
+  Context& ctx = own_context(base);
+  OCTET_CHECK(ctx.dhidden.defined(), "t5: backward before its forward");
+  const int64_t C = config_.hidden, L = config_.num_layers, H = config_.num_heads;
+  const int64_t B = ctx.dec_ids.dim(0), S = ctx.enc_ids.dim(1), T = ctx.dec_ids.dim(1);
+  std::vector<TransformerLayer>& stack = layers(0);
+  grads_ready({&lm_head});
+  Tensor dy = decoder_norm_->backward(ctx.dhidden.reshape({B, T, C}), ctx.decoder_norm);
+  ctx.dhidden = Tensor();
+  grads_ready(decoder_norm_->parameters());
+  Tensor denc = Tensor::zeros({B, S, C}, DType::F32);
+  Tensor ddec_bias = Tensor::zeros({H, T, T}, DType::F32);
+  for (size_t i = stack.size(); i-- > static_cast<size_t>(L);) {
+    Tensor d_encoder_output;
+    LayerPrecisionScope precision(is_high_precision_layer(static_cast<int64_t>(i)));
+    dy = stack[i].backward(dy, ctx.layers[i], &d_encoder_output, &ddec_bias);
+    ctx.layers[i] = TransformerLayer::Context{};
+    const Tensor d32 = to_dtype(d_encoder_output, DType::F32);
+    float* acc = denc.data<float>();
+    const float* add = d32.data<float>();
+    for (int64_t k = 0; k < denc.numel(); ++k) acc[k] += add[k];
+    grads_ready(stack[i].parameters());
+  }
+  relative_bias_backward(ddec_bias, ctx.dec_buckets, decoder_relative_bias);
+  grads_ready({&decoder_relative_bias});
+  {
+    const Tensor dy32 = to_dtype(dy, DType::F32);
+    ops::embedding_backward(ctx.dec_ids.reshape({B * T}), dy32.reshape({B * T, C}), shared.grad);
+  }
+  Tensor dh = encoder_norm_->backward(to_dtype(denc, ctx.enc_out.dtype()), ctx.encoder_norm);
+  grads_ready(encoder_norm_->parameters());
+  Tensor denc_bias = Tensor::zeros({H, S, S}, DType::F32);
+  for (size_t i = static_cast<size_t>(L); i-- > 0;) {
+    LayerPrecisionScope precision(is_high_precision_layer(static_cast<int64_t>(i)));
+    dh = stack[i].backward(dh, ctx.layers[i], nullptr, &denc_bias);
+    ctx.layers[i] = TransformerLayer::Context{};
+    grads_ready(stack[i].parameters());
+  }
+  relative_bias_backward(denc_bias, ctx.enc_buckets, encoder_relative_bias);
+  const Tensor dh32 = to_dtype(dh, DType::F32);
+  ops::embedding_backward(ctx.enc_ids.reshape({B * S}), dh32.reshape({B * S, C}), shared.grad);
+  grads_ready({&encoder_relative_bias, &shared});
+  ctx = Context{};
+  return Tensor();
+}
+
+float T5::train_step(const pipeline::MicroBatch& batch, DType dtype, float grad_scale) {
+  Context ctx;
+  run_forward(batch, dtype, grad_scale, &ctx, &ctx.loss, false);
+  const float loss = ctx.loss;
+  backward(0, Tensor(), ctx);
+  return loss;
+}
+
+float T5::evaluate(const pipeline::MicroBatch& batch, DType dtype) {
+  float loss = 0.0f;
+  run_forward(batch, dtype, 1.0f, nullptr, &loss, true);
+  return loss;
+}
+
+std::pair<int64_t, int64_t> T5::take_eval_counts() {
+  std::pair<int64_t, int64_t> counts{eval_correct_, eval_seen_};
+  eval_correct_ = eval_seen_ = 0;
+  return counts;
+}
+
+}  // namespace octet
