@@ -80,11 +80,10 @@ class Bert : public TransformerStack {
   Bert(const BertConfig& config, uint64_t seed, ModelLayout layout = {},
        bool recompute_activations = false);
 
-  float train_step(const pipeline::MicroBatch& batch, DType dtype, float grad_scale) override;
-  float evaluate(const pipeline::MicroBatch& batch, DType dtype) override;
-  // Masked tokens predicted correctly (the MLM logits' argmax) and masked tokens seen by
-  // evaluation since the last call; counted on tensor rank 0 only.
-  std::pair<int64_t, int64_t> take_eval_counts() override;
+  using TransformerStack::evaluate;  // the whole model's train_step and evaluate
+  using TransformerStack::train_step;
+  // take_eval_counts(): masked tokens predicted correctly (the MLM logits' argmax) and masked
+  // tokens seen by evaluation; counted on tensor rank 0 only.
   // The last evaluation's two losses (MLM, NSP) of the last micro-batch evaluated.
   std::pair<float, float> last_losses() const { return last_losses_; }
 
@@ -140,7 +139,6 @@ class Bert : public TransformerStack {
   std::optional<Linear> mlm_dense_, pooler_, nsp_;
   std::optional<Norm> mlm_norm_;
   TiedOutputCache output_cache_;
-  int64_t eval_correct_ = 0, eval_seen_ = 0;
   std::pair<float, float> last_losses_{0.0f, 0.0f};
 };
 

@@ -85,10 +85,10 @@ class T5 : public TransformerStack {
   T5(const T5Config& config, uint64_t seed, ModelLayout layout = {},
      bool recompute_activations = false);
 
-  float train_step(const pipeline::MicroBatch& batch, DType dtype, float grad_scale) override;
-  float evaluate(const pipeline::MicroBatch& batch, DType dtype) override;
-  // Target tokens predicted correctly (argmax) and target tokens seen by evaluation.
-  std::pair<int64_t, int64_t> take_eval_counts() override;
+  using TransformerStack::evaluate;  // the whole model's train_step and evaluate
+  using TransformerStack::train_step;
+  // take_eval_counts(): target tokens predicted correctly (argmax) and target tokens seen by
+  // evaluation.
 
   struct Context : StagedModel::Context {
     std::vector<TransformerLayer::Context> layers;  // encoder layers, then decoder layers
@@ -130,7 +130,6 @@ class T5 : public TransformerStack {
   T5Config config_;
   std::optional<Norm> encoder_norm_, decoder_norm_;
   TiedOutputCache output_cache_;
-  int64_t eval_correct_ = 0, eval_seen_ = 0;
 };
 
 }  // namespace octet

@@ -110,6 +110,14 @@ class TransformerStack : public TrainableModel {
     return layers_.at(static_cast<size_t>(chunk));
   }
 
+  // One micro-batch through the whole model (one stage held) by the pipeline interface:
+  // forward of chunk 0 in a fresh context, then its backward; and the loss alone.
+  float train_step(const pipeline::MicroBatch& batch, DType dtype, float grad_scale) override;
+  float evaluate(const pipeline::MicroBatch& batch, DType dtype) override;
+  using pipeline::StagedModel::evaluate;  // a chunk's
+  // The classifier's eval_correct_ / eval_seen_ since the last call.
+  std::pair<int64_t, int64_t> take_eval_counts() override;
+
   void set_grad_ready_hook(GradReadyHook hook) override { grad_ready_hook_ = std::move(hook); }
   // Tensor parallelism: whole tensors from shards and back, and each element counted once in
   // a norm over the model group (identities without a group).
@@ -160,6 +168,8 @@ class TransformerStack : public TrainableModel {
 
   std::string who_;
   int64_t num_layers_ = 0;
+  // Evaluation's correct predictions and samples so far (classifiers; take_eval_counts()).
+  int64_t eval_correct_ = 0, eval_seen_ = 0;
   ModelLayout layout_;
   bool has_first_ = false, has_last_ = false;
   int64_t high_precision_first_ = 0, high_precision_last_ = 0;

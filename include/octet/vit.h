@@ -73,13 +73,12 @@ class ViT : public TransformerStack {
       bool recompute_activations = false);
 
   // The training interface on vit_micro_batch() micro-batches.
-  float train_step(const pipeline::MicroBatch& batch, DType dtype, float grad_scale) override;
-  float evaluate(const pipeline::MicroBatch& batch, DType dtype) override;
+  using TransformerStack::evaluate;  // the whole model's train_step and evaluate
+  using TransformerStack::train_step;
   // Logits [B, num_classes] F32 of pixels [B, C*H*W] (the whole model, no contexts kept).
   Tensor logits(const Tensor& pixels, DType dtype);
-  // Correct predictions and images seen by evaluation (evaluate(), and the last stage's
-  // evaluate chunk) since the last call; counted on tensor rank 0 only.
-  std::pair<int64_t, int64_t> take_eval_counts() override;
+  // take_eval_counts(): correct predictions and images seen by evaluation (evaluate(), and
+  // the last stage's evaluate chunk); counted on tensor rank 0 only.
 
   struct Context : StagedModel::Context {
     std::vector<TransformerLayer::Context> layers;
@@ -124,7 +123,6 @@ class ViT : public TransformerStack {
   std::optional<Linear> patch_embed_;  // first stage
   std::optional<Norm> final_norm_;     // last stage
   std::optional<Linear> head_;         // last stage
-  int64_t eval_correct_ = 0, eval_seen_ = 0;
 };
 
 }  // namespace octet

@@ -570,26 +570,4 @@ Tensor Bert::backward(int chunk, const Tensor& doutput, StagedModel::Context& ba
   return Tensor();
 }
 
-float Bert::train_step(const pipeline::MicroBatch& batch, DType dtype, float grad_scale) {
-  check_whole("train_step");
-  Context ctx;
-  run_forward(0, Tensor(), batch, dtype, grad_scale, &ctx, &ctx.loss);
-  const float loss = ctx.loss;
-  backward(0, Tensor(), ctx);
-  return loss;
-}
-
-float Bert::evaluate(const pipeline::MicroBatch& batch, DType dtype) {
-  check_whole("evaluate");
-  float loss = 0.0f;
-  run_forward(0, Tensor(), batch, dtype, 1.0f, nullptr, &loss);
-  return loss;
-}
-
-std::pair<int64_t, int64_t> Bert::take_eval_counts() {
-  std::pair<int64_t, int64_t> counts{eval_correct_, eval_seen_};
-  eval_correct_ = eval_seen_ = 0;
-  return counts;
-}
-
 }  // namespace octet

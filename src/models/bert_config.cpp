@@ -41,20 +41,12 @@ BertConfig BertConfig::from_json(const nlohmann::json& json) {
   get("layernorm_eps", c.layernorm_eps);
   get("dropout", c.dropout);
   get("init_std", c.init_std);
-  // Upper bounds far above any real model, so that the counts cannot overflow.
-  const struct {
-    const char* key;
-    int64_t value, limit;
-  } sizes[] = {{"vocab_size", c.vocab_size, 1 << 24},
-               {"max_seq_len", c.max_seq_len, 1 << 20},
-               {"type_vocab_size", c.type_vocab_size, 1 << 10},
-               {"num_layers", c.num_layers, 1 << 12},
-               {"hidden", c.hidden, 1 << 20},
-               {"num_heads", c.num_heads, 1 << 12}};
-  for (const auto& size : sizes) {
-    OCTET_CHECK(size.value > 0 && size.value <= size.limit, "model config: ", size.key,
-                " expected in [1, ", size.limit, "], got ", size.value);
-  }
+  models_detail::check_sizes({{"vocab_size", c.vocab_size, 1 << 24},
+                              {"max_seq_len", c.max_seq_len, 1 << 20},
+                              {"type_vocab_size", c.type_vocab_size, 1 << 10},
+                              {"num_layers", c.num_layers, 1 << 12},
+                              {"hidden", c.hidden, 1 << 20},
+                              {"num_heads", c.num_heads, 1 << 12}});
   OCTET_CHECK(c.vocab_size >= 5,
               "model config: vocab_size expected at least 5 (text ids and "
               "the four special tokens [PAD] [CLS] [SEP] [MASK] at its end), got ",
@@ -83,12 +75,7 @@ BertConfig BertConfig::from_json(const nlohmann::json& json) {
 }
 
 BertConfig BertConfig::load(const std::string& path) {
-  const nlohmann::json json = models_detail::read_config_file(path);
-  try {
-    return from_json(json);
-  } catch (const Error& e) {
-    fail(detail::concat(path, ": ", e.what()));
-  }
+  return models_detail::load_config<BertConfig>(path);
 }
 
 nlohmann::json BertConfig::to_json() const {

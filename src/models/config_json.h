@@ -3,6 +3,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <initializer_list>
 #include <limits>
 #include <set>
 #include <string>
@@ -54,5 +55,29 @@ void read_field(const nlohmann::json& json, const char* key, Field& field) {
 
 // A config file's JSON: a missing file or invalid JSON is an error naming the path.
 nlohmann::json read_config_file(const std::string& path);
+
+// Config::from_json of a file's JSON; its errors name the path.
+template <class Config>
+Config load_config(const std::string& path) {
+  const nlohmann::json json = read_config_file(path);
+  try {
+    return Config::from_json(json);
+  } catch (const Error& e) {
+    fail(detail::concat(path, ": ", e.what()));
+  }
+}
+
+// Sizes that must be in [1, limit]: limits far above any real model, so that the counts built
+// on them cannot overflow.
+struct SizeLimit {
+  const char* key;
+  int64_t value, limit;
+};
+inline void check_sizes(std::initializer_list<SizeLimit> sizes) {
+  for (const SizeLimit& size : sizes) {
+    OCTET_CHECK(size.value > 0 && size.value <= size.limit, "model config: ", size.key,
+                " expected in [1, ", size.limit, "], got ", size.value);
+  }
+}
 
 }  // namespace octet::models_detail

@@ -371,24 +371,4 @@ Tensor T5::backward(int chunk, const Tensor&, StagedModel::Context& base) {
   return Tensor();
 }
 
-float T5::train_step(const pipeline::MicroBatch& batch, DType dtype, float grad_scale) {
-  Context ctx;
-  run_forward(batch, dtype, grad_scale, &ctx, &ctx.loss, false);
-  const float loss = ctx.loss;
-  backward(0, Tensor(), ctx);
-  return loss;
-}
-
-float T5::evaluate(const pipeline::MicroBatch& batch, DType dtype) {
-  float loss = 0.0f;
-  run_forward(batch, dtype, 1.0f, nullptr, &loss, true);
-  return loss;
-}
-
-std::pair<int64_t, int64_t> T5::take_eval_counts() {
-  std::pair<int64_t, int64_t> counts{eval_correct_, eval_seen_};
-  eval_correct_ = eval_seen_ = 0;
-  return counts;
-}
-
 }  // namespace octet

@@ -91,24 +91,18 @@ T5Config T5Config::from_json(const nlohmann::json& json) {
   get("layernorm_eps", c.layernorm_eps);
   get("dropout", c.dropout);
   get("init_std", c.init_std);
-  const struct {
-    const char* key;
-    int64_t value, limit;
-  } sizes[] = {{"vocab_size", c.vocab_size, 1 << 24},
-               {"num_sentinels", c.num_sentinels, 1 << 16},
-               {"max_seq_len", c.max_seq_len, 1 << 20},
-               {"max_target_len", c.max_target_len, 1 << 20},
-               {"num_layers", c.num_layers, 1 << 12},
-               {"hidden", c.hidden, 1 << 20},
-               {"num_heads", c.num_heads, 1 << 12},
-               {"kv_channels", c.kv_channels, 256},
-               {"ffn_hidden", c.ffn_hidden, 1 << 22},
-               {"relative_attention_num_buckets", c.relative_attention_num_buckets, 1 << 12},
-               {"relative_attention_max_distance", c.relative_attention_max_distance, 1 << 20}};
-  for (const auto& size : sizes) {
-    OCTET_CHECK(size.value > 0 && size.value <= size.limit, "model config: ", size.key,
-                " expected in [1, ", size.limit, "], got ", size.value);
-  }
+  models_detail::check_sizes(
+      {{"vocab_size", c.vocab_size, 1 << 24},
+       {"num_sentinels", c.num_sentinels, 1 << 16},
+       {"max_seq_len", c.max_seq_len, 1 << 20},
+       {"max_target_len", c.max_target_len, 1 << 20},
+       {"num_layers", c.num_layers, 1 << 12},
+       {"hidden", c.hidden, 1 << 20},
+       {"num_heads", c.num_heads, 1 << 12},
+       {"kv_channels", c.kv_channels, 256},
+       {"ffn_hidden", c.ffn_hidden, 1 << 22},
+       {"relative_attention_num_buckets", c.relative_attention_num_buckets, 1 << 12},
+       {"relative_attention_max_distance", c.relative_attention_max_distance, 1 << 20}});
   OCTET_CHECK(c.num_decoder_layers >= 0 && c.num_decoder_layers <= (1 << 12),
               "model config: num_decoder_layers expected in [0, 4096] (0: num_layers), got ",
               c.num_decoder_layers);
@@ -131,12 +125,7 @@ T5Config T5Config::from_json(const nlohmann::json& json) {
 }
 
 T5Config T5Config::load(const std::string& path) {
-  const nlohmann::json json = models_detail::read_config_file(path);
-  try {
-    return from_json(json);
-  } catch (const Error& e) {
-    fail(detail::concat(path, ": ", e.what()));
-  }
+  return models_detail::load_config<T5Config>(path);
 }
 
 nlohmann::json T5Config::to_json() const {

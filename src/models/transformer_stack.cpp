@@ -1,6 +1,8 @@
 // TransformerStack: the layer stack a model part holds (pipeline stages, tensor shards), and the
 // training interface's layout-only answers built on it.
+#include <memory>
 #include <optional>
+#include <utility>
 
 #include "octet/fp4.h"
 #include "octet/tensor_parallel.h"
@@ -52,6 +54,27 @@ void TransformerStack::check_whole(const char* what) const {
   OCTET_CHECK(layout_.stages == 1, who_, ": ", what, " needs the whole model; this rank holds ",
               chunks(), " of ", layout_.stages,
               " pipeline stages (run them through the pipeline executor)");
+}
+
+float TransformerStack::train_step(const pipeline::MicroBatch& batch, DType dtype,
+                                   float grad_scale) {
+  check_whole("train_step");
+  std::unique_ptr<Context> ctx = make_context();
+  forward(0, Tensor(), batch, dtype, grad_scale, *ctx);
+  const float loss = ctx->loss;
+  backward(0, Tensor(), *ctx);
+  return loss;
+}
+
+float TransformerStack::evaluate(const pipeline::MicroBatch& batch, DType dtype) {
+  check_whole("evaluate");
+  float loss = 0.0f;
+  evaluate(0, Tensor(), batch, dtype, &loss);
+  return loss;
+}
+
+std::pair<int64_t, int64_t> TransformerStack::take_eval_counts() {
+  return {std::exchange(eval_correct_, 0), std::exchange(eval_seen_, 0)};
 }
 
 std::vector<TransformerLayer>& TransformerStack::layers() {

@@ -364,22 +364,6 @@ Tensor ViT::backward(int chunk, const Tensor& doutput, StagedModel::Context& bas
   return Tensor();
 }
 
-float ViT::train_step(const pipeline::MicroBatch& batch, DType dtype, float grad_scale) {
-  check_whole("train_step");
-  Context ctx;
-  run_forward(0, Tensor(), batch, dtype, grad_scale, &ctx, &ctx.loss);
-  const float loss = ctx.loss;
-  backward(0, Tensor(), ctx);
-  return loss;
-}
-
-float ViT::evaluate(const pipeline::MicroBatch& batch, DType dtype) {
-  check_whole("evaluate");
-  float loss = 0.0f;
-  run_forward(0, Tensor(), batch, dtype, 1.0f, nullptr, &loss);
-  return loss;
-}
-
 Tensor ViT::logits(const Tensor& pixels, DType dtype) {
   check_whole("logits");
   OCTET_CHECK(layout_.tensor == nullptr, "vit: logits() runs without tensor parallelism");
@@ -395,12 +379,6 @@ Tensor ViT::logits(const Tensor& pixels, DType dtype) {
   Linear::Context head;
   const Tensor out = head_->forward(final_norm_->forward(cls, norm), head);
   return out.dtype() == DType::F32 ? out : out.to(DType::F32);
-}
-
-std::pair<int64_t, int64_t> ViT::take_eval_counts() {
-  std::pair<int64_t, int64_t> counts{eval_correct_, eval_seen_};
-  eval_correct_ = eval_seen_ = 0;
-  return counts;
 }
 
 }  // namespace octet

@@ -44,18 +44,13 @@ ViTConfig ViTConfig::from_json(const nlohmann::json& json) {
   get("layernorm_eps", c.layernorm_eps);
   get("dropout", c.dropout);
   get("init_std", c.init_std);
-  // Upper bounds far above any real model, so that the counts cannot overflow.
-  const struct {
-    const char* key;
-    int64_t value, limit;
-  } sizes[] = {{"image_size", c.image_size, 1 << 14}, {"channels", c.channels, 1 << 10},
-               {"patch_size", c.patch_size, 1 << 14}, {"num_classes", c.num_classes, 1 << 24},
-               {"num_layers", c.num_layers, 1 << 12}, {"hidden", c.hidden, 1 << 20},
-               {"num_heads", c.num_heads, 1 << 12}};
-  for (const auto& size : sizes) {
-    OCTET_CHECK(size.value > 0 && size.value <= size.limit, "model config: ", size.key,
-                " expected in [1, ", size.limit, "], got ", size.value);
-  }
+  models_detail::check_sizes({{"image_size", c.image_size, 1 << 14},
+                              {"channels", c.channels, 1 << 10},
+                              {"patch_size", c.patch_size, 1 << 14},
+                              {"num_classes", c.num_classes, 1 << 24},
+                              {"num_layers", c.num_layers, 1 << 12},
+                              {"hidden", c.hidden, 1 << 20},
+                              {"num_heads", c.num_heads, 1 << 12}});
   OCTET_CHECK(c.ffn_hidden >= 0 && c.ffn_hidden <= (int64_t{1} << 22),
               "model config: ffn_hidden expected in [0, 4194304] (0: 4 x hidden), got ",
               c.ffn_hidden);
@@ -77,12 +72,7 @@ ViTConfig ViTConfig::from_json(const nlohmann::json& json) {
 }
 
 ViTConfig ViTConfig::load(const std::string& path) {
-  const nlohmann::json json = models_detail::read_config_file(path);
-  try {
-    return from_json(json);
-  } catch (const Error& e) {
-    fail(detail::concat(path, ": ", e.what()));
-  }
+  return models_detail::load_config<ViTConfig>(path);
 }
 
 nlohmann::json ViTConfig::to_json() const {

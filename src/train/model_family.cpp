@@ -142,6 +142,26 @@ class VitFamily : public ModelFamily {
   ViTConfig config_;
 };
 
+// The vocabulary of a model whose special tokens follow the tokenizer's ids (BERT, T5): the
+// tokenizer's size plus `specials` with --vocab-dir (or --vocab-size, at least that), else
+// --vocab-size (above `specials`) or the config's.
+int64_t vocab_with_specials(const TrainOptions& o, int64_t config_vocab, int64_t specials,
+                            const std::string& names) {
+  if (!o.vocab_dir.empty()) {
+    const Gpt2Tokenizer tokenizer = Gpt2Tokenizer::load(o.vocab_dir);
+    const int64_t needed = tokenizer.vocab_size() + specials;
+    const int64_t size = o.vocab_size ? o.vocab_size : needed;
+    OCTET_CHECK(size >= needed, "--vocab-size ", size, " expected at least the tokenizer's ",
+                tokenizer.vocab_size(), " + ", specials, " special tokens (", names, ") = ", needed,
+                " (--vocab-dir ", o.vocab_dir, ")");
+    return size;
+  }
+  if (o.vocab_size == 0) return config_vocab;
+  OCTET_CHECK(o.vocab_size > specials, "--vocab-size ", o.vocab_size, " expected at least ",
+              specials + 1, " (text ids, then ", names, ")");
+  return o.vocab_size;
+}
+
 // BERT pretraining (masked tokens and next-sentence pairs) on a token shard; validation
 // reports masked-token accuracy.
 class BertFamily : public ModelFamily {
@@ -149,20 +169,8 @@ class BertFamily : public ModelFamily {
   explicit BertFamily(const TrainOptions& o) : config_(BertConfig::load(o.config_path)) {
     OCTET_CHECK(!o.image_augment, "--image-augment is for image models; the config '",
                 o.config_path, "' is a BERT");
-    if (!o.vocab_dir.empty()) {
-      // The tokenizer's ids, then the four special tokens [PAD] [CLS] [SEP] [MASK].
-      const Gpt2Tokenizer tokenizer = Gpt2Tokenizer::load(o.vocab_dir);
-      const int64_t needed = tokenizer.vocab_size() + 4;
-      const int64_t size = o.vocab_size ? o.vocab_size : needed;
-      OCTET_CHECK(size >= needed, "--vocab-size ", size, " expected at least the tokenizer's ",
-                  tokenizer.vocab_size(), " + 4 special tokens = ", needed, " (--vocab-dir ",
-                  o.vocab_dir, ")");
-      config_.vocab_size = size;
-    } else if (o.vocab_size) {
-      OCTET_CHECK(o.vocab_size >= 5, "--vocab-size ", o.vocab_size,
-                  " expected at least 5 for a BERT (text ids and 4 special tokens)");
-      config_.vocab_size = o.vocab_size;
-    }
+    // The tokenizer's ids, then the four special tokens [PAD] [CLS] [SEP] [MASK].
+    config_.vocab_size = vocab_with_specials(o, config_.vocab_size, 4, "[PAD] [CLS] [SEP] [MASK]");
   }
   std::string name() const override { return config_.name; }
   nlohmann::json config_json() const override { return config_.to_json(); }
@@ -216,22 +224,10 @@ class T5Family : public ModelFamily {
   explicit T5Family(const TrainOptions& o) : config_(T5Config::load(o.config_path)) {
     OCTET_CHECK(!o.image_augment, "--image-augment is for image models; the config '",
                 o.config_path, "' is a T5");
-    const int64_t specials = 2 + config_.num_sentinels;
-    if (!o.vocab_dir.empty()) {
-      // The tokenizer's ids, then [PAD], [EOS] and the sentinels.
-      const Gpt2Tokenizer tokenizer = Gpt2Tokenizer::load(o.vocab_dir);
-      const int64_t needed = tokenizer.vocab_size() + specials;
-      const int64_t size = o.vocab_size ? o.vocab_size : needed;
-      OCTET_CHECK(size >= needed, "--vocab-size ", size, " expected at least the tokenizer's ",
-                  tokenizer.vocab_size(), " + ", specials, " special tokens = ", needed,
-                  " (--vocab-dir ", o.vocab_dir, ")");
-      config_.vocab_size = size;
-    } else if (o.vocab_size) {
-      OCTET_CHECK(o.vocab_size > specials, "--vocab-size ", o.vocab_size, " expected above ",
-                  specials, " for this T5 ([PAD], [EOS] and ", config_.num_sentinels,
-                  " sentinels)");
-      config_.vocab_size = o.vocab_size;
-    }
+    // The tokenizer's ids, then [PAD], [EOS] and the sentinels.
+    config_.vocab_size = vocab_with_specials(
+        o, config_.vocab_size, 2 + config_.num_sentinels,
+        "[PAD], [EOS] and " + std::to_string(config_.num_sentinels) + " sentinels");
   }
   std::string name() const override { return config_.name; }
   nlohmann::json config_json() const override { return config_.to_json(); }

@@ -6,21 +6,22 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
-#include <filesystem>
-#include <fstream>
 #include <functional>
 #include <random>
 
+#include "model_test_util.h"
 #include "octet/bert.h"
 #include "octet/fp4.h"
 #include "octet/fp8.h"
 #include "octet/recipe.h"
 #include "octet/train.h"
-#include "test_util.h"
-#include "torch_reference.h"
 
 namespace octet {
 namespace {
+
+using testing::error_of;
+using testing::scaled_error;
+using testing::step_gradients;
 
 // Small enough for seconds: 40 ids (36 text + 4 special), 16 positions.
 nlohmann::json tiny_config(bool post_layernorm = true) {
@@ -70,40 +71,12 @@ pipeline::MicroBatch random_batch(const BertConfig& c, int64_t B, int64_t T, uin
   return bert_micro_batch(ids, types, lengths, targets, nsp);
 }
 
-double scaled_error(const Tensor& a, const Tensor& b) {
-  std::vector<float> x = a.to_floats(), y = b.to_floats();
-  EXPECT_EQ(x.size(), y.size());
-  if (x.size() != y.size()) return 1e9;
-  double error = 0, scale = 1e-30;
-  for (size_t i = 0; i < x.size(); ++i) {
-    error = std::max(error, std::fabs(double(x[i]) - y[i]));
-    scale = std::max(scale, std::fabs(double(y[i])));
-  }
-  return error / scale;
-}
-
-// Norm weights start at 1 and biases at 0: moved so that their gradients and their effect on
-// the forward are both exercised. The embedding tables are scaled by `embedding_scale`.
+// Norm weights and biases moved (testing::perturb_vectors); the embedding tables scaled by
+// `embedding_scale`.
 void perturb(Bert& model, float embedding_scale = 1.0f) {
-  std::mt19937 rng(11);
-  std::normal_distribution<float> noise(0.0f, 0.1f);
-  for (Parameter* p : model.parameters()) {
-    if (p->value.ndim() == 1) {
-      for (int64_t i = 0; i < p->value.numel(); ++i) p->value.data<float>()[i] += noise(rng);
-    }
-    if (p->name.find("bert.embeddings.") == 0 && p->value.ndim() == 2) {
-      for (int64_t i = 0; i < p->value.numel(); ++i) p->value.data<float>()[i] *= embedding_scale;
-    }
-  }
-  model.on_parameters_updated();
-}
-
-TensorMap torch_step(const nlohmann::json& config_json, Bert& model,
-                     const pipeline::MicroBatch& batch) {
-  TensorMap inputs = model.state_dict();
-  for (const auto& [name, tensor] : batch) inputs[name] = tensor;
-  const nlohmann::json args = {{"config", config_json}};
-  return testing::run_torch("bert", inputs, args.dump());
+  testing::perturb_vectors(model, embedding_scale, [](const Parameter& p) {
+    return p.name.find("bert.embeddings.") == 0 && p.value.ndim() == 2;
+  });
 }
 
 // One FP32 step against PyTorch in float64.
@@ -115,19 +88,11 @@ void check_against_torch(const nlohmann::json& config_json, float embedding_scal
   model.zero_grad();
   const float loss = model.train_step(batch, DType::F32, 1.0f);
   const auto [mlm, nsp] = model.last_losses();
-  const TensorMap torch = torch_step(config_json, model, batch);
+  const TensorMap torch = testing::torch_step("bert", config_json, model, batch);
   const float torch_loss = torch.at("loss").to_floats()[0];
-  EXPECT_NEAR(loss, torch_loss, 1e-5 * std::fabs(torch_loss));
   EXPECT_NEAR(mlm, torch.at("mlm_loss").to_floats()[0], 1e-5 * std::fabs(torch_loss));
   EXPECT_NEAR(nsp, torch.at("nsp_loss").to_floats()[0], 1e-5 * std::fabs(torch_loss));
-  double worst = 0;
-  for (Parameter* p : model.parameters()) {
-    SCOPED_TRACE(p->name);
-    ASSERT_TRUE(torch.count(p->name + ".grad"));
-    const double error = scaled_error(p->grad, torch.at(p->name + ".grad"));
-    worst = std::max(worst, error);
-    EXPECT_LE(error, 1e-4);
-  }
+  const double worst = testing::expect_step_matches(loss, model.parameters(), torch, 1e-4);
   std::printf("[ measured ] %s, embeddings x%g: loss %.2e, worst gradient %.2e\n",
               config.post_layernorm ? "post-LN" : "pre-LN", embedding_scale,
               std::fabs(loss - torch_loss) / torch_loss, worst);
@@ -147,14 +112,6 @@ TEST(Bert, ExtremeEmbeddingMagnitudesMatchTorch) {
   check_against_torch(tiny_config(true), 1e3f);
   check_against_torch(tiny_config(true), 1e-3f);
   check_against_torch(tiny_config(false), 1e3f);
-}
-
-TensorMap step_gradients(Bert& model, const pipeline::MicroBatch& batch, DType dtype, float* loss) {
-  model.zero_grad();
-  *loss = model.train_step(batch, dtype, 1.0f);
-  TensorMap grads;
-  for (Parameter* p : model.parameters()) grads[p->name] = p->grad.clone();
-  return grads;
 }
 
 // Padding tokens change nothing: other ids or token types after each sequence's length give
@@ -191,22 +148,15 @@ TEST(Bert, Bf16AndFp8StepsStayNearFp32) {
   Bert model(config, 7);
   perturb(model);
   const auto batch = random_batch(config, 8, 16, 3);
-  float f32_loss = 0, bf16_loss = 0, fp8_loss = 0;
-  const TensorMap f32 = step_gradients(model, batch, DType::F32, &f32_loss);
-  const TensorMap bf16 = step_gradients(model, batch, DType::BF16, &bf16_loss);
-  TensorMap fp8;
-  {
-    fp8_autocast scope(true, recipe::Float8CurrentScaling{});
-    fp8 = step_gradients(model, batch, DType::BF16, &fp8_loss);
-  }
-  EXPECT_NEAR(bf16_loss, f32_loss, 0.01 * f32_loss);
-  EXPECT_NEAR(fp8_loss, f32_loss, 0.05 * f32_loss);
+  const testing::PrecisionSteps s = testing::fp32_bf16_fp8_steps(model, batch);
+  EXPECT_NEAR(s.bf16_loss, s.f32_loss, 0.01 * s.f32_loss);
+  EXPECT_NEAR(s.fp8_loss, s.f32_loss, 0.05 * s.f32_loss);
   double worst_bf16 = 0, worst_fp8 = 0;
   std::string worst_bf16_name, worst_fp8_name;
-  for (const auto& [name, grad] : f32) {
+  for (const auto& [name, grad] : s.f32) {
     SCOPED_TRACE(name);
-    const double b = testing::relative_rms(bf16.at(name), grad);
-    const double f = testing::relative_rms(fp8.at(name), grad);
+    const double b = testing::relative_rms(s.bf16.at(name), grad);
+    const double f = testing::relative_rms(s.fp8.at(name), grad);
     if (b > worst_bf16) worst_bf16 = b, worst_bf16_name = name;
     if (f > worst_fp8) worst_fp8 = f, worst_fp8_name = name;
     EXPECT_LE(b, 0.1);
@@ -215,7 +165,7 @@ TEST(Bert, Bf16AndFp8StepsStayNearFp32) {
   std::printf(
       "[ measured ] loss f32 %.5f bf16 %.5f fp8 %.5f; worst gradient RMS bf16 %.3f (%s) "
       "fp8 %.3f (%s)\n",
-      f32_loss, bf16_loss, fp8_loss, worst_bf16, worst_bf16_name.c_str(), worst_fp8,
+      s.f32_loss, s.bf16_loss, s.fp8_loss, worst_bf16, worst_bf16_name.c_str(), worst_fp8,
       worst_fp8_name.c_str());
   EXPECT_FALSE(model.fp8_states().empty());
 }
@@ -233,32 +183,12 @@ TEST(Bert, EveryLowPrecisionRecipeStaysNearFp32) {
   const auto batch = random_batch(config, 8, 16, 3);
   float f32_loss = 0;
   const TensorMap f32 = step_gradients(model, batch, DType::F32, &f32_loss);
-  const std::vector<std::pair<std::string, recipe::Recipe>> recipes = {
-      {"delayed", recipe::DelayedScaling{}},
-      {"current", recipe::Float8CurrentScaling{}},
-      {"mxfp8", recipe::MXFP8BlockScaling{}},
-      {"block", recipe::Float8BlockScaling{}}};
   auto check = [&](const std::string& name, const TensorMap& grads, float loss, double tolerance) {
-    SCOPED_TRACE(name);
-    EXPECT_NEAR(loss, f32_loss, 0.05 * f32_loss);
-    double worst = 0;
-    for (const auto& [param, grad] : f32) {
-      SCOPED_TRACE(param);
-      for (float g : grads.at(param).to_floats()) ASSERT_TRUE(std::isfinite(g));
-      const double error = testing::relative_rms(grads.at(param), grad);
-      worst = std::max(worst, error);
-      EXPECT_LE(error, tolerance);
-    }
-    std::printf("[ measured ] %s: loss %.5f (fp32 %.5f), worst gradient RMS %.3f\n", name.c_str(),
-                loss, f32_loss, worst);
+    testing::expect_near_fp32(name, grads, loss, f32, f32_loss, 0.05, tolerance);
   };
-  for (const auto& [name, r] : recipes) {
+  for (const auto& [name, r] : testing::fp8_recipes()) {
     float loss = 0;
-    TensorMap grads;
-    {
-      fp8_autocast scope(true, r);
-      grads = step_gradients(model, batch, DType::BF16, &loss);
-    }
+    const TensorMap grads = testing::fp8_step_gradients(model, batch, r, &loss);
     check(name, grads, loss, 0.3);
   }
   float loss = 0;
@@ -277,29 +207,7 @@ TEST(Bert, TwoStagesInOneProcessEqualTheWholeModel) {
   for (bool post : {true, false}) {
     SCOPED_TRACE(post ? "post-LN" : "pre-LN");
     const BertConfig config = BertConfig::from_json(tiny_config(post));
-    Bert whole(config, 7);
-    ModelLayout layout;
-    layout.stages = 2;
-    layout.stage_of_chunk = {0, 1};
-    Bert staged(config, 7, layout);
-    EXPECT_EQ(whole.state_dict().size(), staged.state_dict().size());
-    staged.load_state_dict(whole.state_dict());
-    const auto batch = random_batch(config, 4, 16, 3);
-    float loss = 0;
-    const TensorMap expected = step_gradients(whole, batch, DType::F32, &loss);
-    staged.zero_grad();
-    auto first = staged.make_context(), second = staged.make_context();
-    const Tensor boundary = staged.forward(0, Tensor(), batch, DType::F32, 1.0f, *first);
-    EXPECT_EQ(boundary.shape(), staged.activation_shape(batch));
-    staged.forward(1, boundary, batch, DType::F32, 1.0f, *second);
-    EXPECT_EQ(second->loss, loss);
-    const Tensor dboundary = staged.backward(1, Tensor(), *second);
-    staged.backward(0, dboundary, *first);
-    for (Parameter* p : staged.parameters()) {
-      SCOPED_TRACE(p->name);
-      EXPECT_EQ(p->grad.to_floats(), expected.at(p->name).to_floats());
-    }
-    EXPECT_THROW(staged.train_step(batch, DType::F32, 1.0f), Error);  // needs the whole model
+    testing::expect_two_stages_equal_the_whole<Bert>(config, random_batch(config, 4, 16, 3));
   }
 }
 
@@ -310,7 +218,7 @@ TEST(Bert, EvaluationCountsMaskedTokenAccuracy) {
   Bert model(config, 7);
   perturb(model);
   pipeline::MicroBatch batch = random_batch(config, 6, 16, 9);
-  const TensorMap torch = torch_step(json, model, batch);
+  const TensorMap torch = testing::torch_step("bert", json, model, batch);
   const Tensor logits = torch.at("mlm_logits");
   const int64_t M = logits.dim(0), V = logits.dim(1);
   batch["targets"] = batch.at("targets").clone();
@@ -352,41 +260,18 @@ TEST(Bert, HuggingFaceNamesRoundTrip) {
     EXPECT_TRUE(theirs.count("cls.predictions.transform.dense.weight"));
     EXPECT_EQ(theirs.size(), ours.size() + 2 * 2 * config.num_layers);  // 1 fused -> 3, twice
     theirs["cls.predictions.decoder.weight"] = ours.at("bert.embeddings.word_embeddings.weight");
-    const TensorMap back = model.from_checkpoint_names(theirs);
-    ASSERT_EQ(back.size(), ours.size());
-    for (const auto& [name, tensor] : ours) {
-      SCOPED_TRACE(name);
-      ASSERT_TRUE(back.count(name));
-      EXPECT_EQ(back.at(name).to_floats(), tensor.to_floats());
-    }
+    testing::expect_same_tensors(model.from_checkpoint_names(theirs), ours);
     theirs["bert.encoder.layer.0.attention.self.extra"] = Tensor::zeros({2}, DType::F32);
     EXPECT_THROW(model.from_checkpoint_names(theirs), Error);
   }
 }
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "no error";
-}
-
 TEST(Bert, BadConfigsAndInputsAreClearErrors) {
-  auto config_error = [](nlohmann::json c) { return error_of([&] { BertConfig::from_json(c); }); };
-  nlohmann::json c = tiny_config();
-  c["vocab_size"] = 4;
-  EXPECT_NE(config_error(c).find("four special tokens"), std::string::npos);
-  c = tiny_config();
-  c["hidden"] = 30;
-  EXPECT_NE(config_error(c).find("multiple of num_heads"), std::string::npos);
-  c = tiny_config();
-  c["activation"] = "swiglu";
-  EXPECT_NE(config_error(c).find("activation"), std::string::npos);
-  c = tiny_config();
-  c["patch_size"] = 4;
-  EXPECT_NE(config_error(c).find("unknown key 'patch_size'"), std::string::npos);
+  testing::expect_config_errors<BertConfig>(tiny_config(),
+                                            {{"vocab_size", 4, "four special tokens"},
+                                             {"hidden", 30, "multiple of num_heads"},
+                                             {"activation", "swiglu", "activation"},
+                                             {"patch_size", 4, "unknown key 'patch_size'"}});
   EXPECT_NE(error_of([] { GPTConfig::from_json(tiny_config()); }).find("'model'"),
             std::string::npos);
 
@@ -425,62 +310,19 @@ TEST(Bert, BadConfigsAndInputsAreClearErrors) {
 // ---------------------------------------------------------------------------------------------
 // The trainer on BERT configs: resume, masked-token accuracy, errors.
 
-class BertTrainFixture {
- public:
-  BertTrainFixture() : dir_(testing::temp_dir()) {
-    std::ofstream(config_path()) << tiny_config().dump(2) << "\n";
-  }
-  ~BertTrainFixture() { std::filesystem::remove_all(dir_); }
-  std::string path(const std::string& name) const { return dir_ + "/" + name; }
-  std::string config_path() const { return path("bert.json"); }
-  TrainOptions options(const std::string& precision) const {
-    TrainOptions o;
-    o.config_path = config_path();
-    o.mock_data = true;
-    o.micro_batch_size = 4;
-    o.global_batch_size = 8;
-    o.precision = precision;
-    o.lr = 3e-3f;
-    o.min_lr = 3e-4f;
-    o.eval_iters = 2;
-    o.eval_interval = 0;
-    o.peak_gflops = 1000;
-    o.quiet = true;
-    return o;
-  }
-
- private:
-  std::string dir_;
-};
-
 // Saved at iteration 3 and resumed to 6: the uninterrupted run's losses exactly (parameters,
 // AdamW state, the data position), and the masked-token accuracy is reported.
 TEST(Bert, TrainerResumesBitForBitAndReportsAccuracy) {
-  BertTrainFixture fixture;
+  testing::TrainerFixture fixture(tiny_config());
   for (const std::string precision : {"fp32", "bf16"}) {
     SCOPED_TRACE(precision);
-    TrainOptions o = fixture.options(precision);
-    o.lr_warmup_iters = 100;
-    o.train_iters = 6;
-    const TrainResult whole = train_gpt(o);
-    ASSERT_EQ(whole.losses.size(), 6u);
-    EXPECT_TRUE(std::isfinite(whole.last_val_accuracy));
-    EXPECT_GE(whole.last_val_accuracy, 0.0f);
-    EXPECT_LE(whole.last_val_accuracy, 1.0f);
-    TrainOptions first = o;
-    first.train_iters = 3;
-    first.save = fixture.path("ckpt-" + precision);
-    train_gpt(first);
-    TrainOptions second = o;
-    second.load = first.save;
-    const TrainResult tail = train_gpt(second);
-    ASSERT_EQ(tail.losses.size(), 3u);
-    for (size_t i = 0; i < 3; ++i) EXPECT_EQ(tail.losses[i], whole.losses[3 + i]) << i;
+    testing::expect_resume_bit_for_bit(fixture.options(precision),
+                                       fixture.path("ckpt-" + precision));
   }
 }
 
 TEST(Bert, TrainerRefusesWrongOptions) {
-  BertTrainFixture fixture;
+  testing::TrainerFixture fixture(tiny_config());
   TrainOptions o = fixture.options("bf16");
   o.seq_length = 17;  // the config's max_seq_len is 16
   EXPECT_NE(error_of([&] { train_gpt(o); }).find("--seq-length 17 expected in [5, 16]"),

@@ -2,7 +2,6 @@
 // (or do not continue) the text, 80/10/10 masking rates, determinism and the errors for bad data.
 #include <gtest/gtest.h>
 
-#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -11,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "model_test_util.h"
 #include "octet/bert.h"
 #include "octet/data.h"
 #include "octet/error.h"
@@ -19,7 +19,7 @@
 namespace octet {
 namespace {
 
-namespace fs = std::filesystem;
+using testing::error_of;
 using train_detail::BertBatcher;
 
 constexpr int64_t kTextVocab = 100;
@@ -30,28 +30,6 @@ BertConfig small_config() {
   config.max_seq_len = 64;
   return config;
 }
-
-// A temporary directory with a shard of ids i % kTextVocab, so that a window's ids count up by
-// one (mod kTextVocab) and a continuation is recognizable.
-class ShardDir {
- public:
-  ShardDir() {
-    std::string pattern = (fs::temp_directory_path() / "octet-bert-data-XXXXXX").string();
-    OCTET_CHECK(mkdtemp(pattern.data()) != nullptr, "cannot create a temporary directory");
-    dir_ = pattern;
-  }
-  ~ShardDir() { fs::remove_all(dir_); }
-  std::string write(const std::string& name, int64_t tokens, int32_t vocab = kTextVocab) const {
-    std::vector<int32_t> ids(static_cast<size_t>(tokens));
-    for (int64_t i = 0; i < tokens; ++i) ids[static_cast<size_t>(i)] = int32_t(i % kTextVocab);
-    const std::string path = dir_ + "/" + name;
-    write_token_shard(path, ids, vocab);
-    return path;
-  }
-
- private:
-  std::string dir_;
-};
 
 // One sample of a micro-batch, with the original text recovered from the targets.
 struct Sample {
@@ -121,17 +99,8 @@ bool consecutive(const std::vector<int32_t>& ids, int64_t begin, int64_t end) {
   return true;
 }
 
-std::string error_of(const std::function<void()>& run) {
-  try {
-    run();
-  } catch (const Error& error) {
-    return error.what();
-  }
-  return "(no octet::Error thrown)";
-}
-
 TEST(BertData, ShapesAndLayoutOfEverySample) {
-  ShardDir dir;
+  testing::TokenShardDir dir(kTextVocab);
   const std::string path = dir.write("train.bin", 5000);
   const BertConfig config = small_config();
   for (int64_t T : {5, 32, 64}) {
@@ -152,7 +121,7 @@ TEST(BertData, ShapesAndLayoutOfEverySample) {
 }
 
 TEST(BertData, SegmentsFollowTheTextAndRatesMatch) {
-  ShardDir dir;
+  testing::TokenShardDir dir(kTextVocab);
   const std::string path = dir.write("train.bin", 20000);
   const BertConfig config = small_config();
   const int64_t T = 32;
@@ -206,31 +175,18 @@ TEST(BertData, SegmentsFollowTheTextAndRatesMatch) {
 }
 
 TEST(BertData, BatchesAreDeterministicAndDiffer) {
-  ShardDir dir;
+  testing::TokenShardDir dir(kTextVocab);
   const std::string path = dir.write("train.bin", 5000);
   const BertConfig config = small_config();
-  auto same = [](const pipeline::MicroBatch& x, const pipeline::MicroBatch& y) {
-    for (const char* name : {"ids", "token_types", "targets", "lengths", "nsp_labels"}) {
-      const Tensor &a = x.at(name), &b = y.at(name);
-      if (a.shape() != b.shape()) return false;
-      for (int64_t i = 0; i < a.numel(); ++i) {
-        if (a.data<int32_t>()[i] != b.data<int32_t>()[i]) return false;
-      }
-    }
-    return true;
-  };
   for (const bool mock : {false, true}) {
     SCOPED_TRACE(mock ? "mock" : "shard");
     BertBatcher batcher(mock ? "/nonexistent/ignored.bin" : path, mock, config, 48, 5, 2);
     BertBatcher again(mock ? "" : path, mock, config, 48, 5, 2);
     BertBatcher other_seed(path, mock, config, 48, 6, 2);
     BertBatcher other_stream(path, mock, config, 48, 5, 3);
-    const pipeline::MicroBatch first = batcher.batch(7, 8);
-    EXPECT_TRUE(same(first, batcher.batch(7, 8)));
-    EXPECT_TRUE(same(first, again.batch(7, 8)));
-    EXPECT_FALSE(same(first, batcher.batch(8, 8)));
-    EXPECT_FALSE(same(first, other_seed.batch(7, 8)));
-    EXPECT_FALSE(same(first, other_stream.batch(7, 8)));
+    testing::expect_batches_deterministic(
+        batcher, again, other_seed, other_stream,
+        {"ids", "token_types", "targets", "lengths", "nsp_labels"});
     for (int64_t index : {0, 7, 8}) {
       const pipeline::MicroBatch batch = batcher.batch(index, 8);
       for (int64_t b = 0; b < 8; ++b) check_structure(batch, b, 48, config);
@@ -239,7 +195,7 @@ TEST(BertData, BatchesAreDeterministicAndDiffer) {
 }
 
 TEST(BertData, ErrorsNameTheProblem) {
-  ShardDir dir;
+  testing::TokenShardDir dir(kTextVocab);
   const BertConfig config = small_config();
   const std::string big_vocab = dir.write("big_vocab.bin", 1000, 200);
   EXPECT_NE(error_of([&] {
@@ -264,26 +220,21 @@ TEST(BertData, ErrorsNameTheProblem) {
       EXPECT_NE(message.find("got " + std::to_string(seq_len)), std::string::npos) << message;
     }
   }
-  const std::string missing =
-      error_of([&] { BertBatcher(dir.write("x", 1) + ".missing", false, config, 32, 1, 0); });
-  EXPECT_NE(missing.find("cannot open"), std::string::npos) << missing;
-  EXPECT_NE(missing.find("x.missing"), std::string::npos) << missing;
+  testing::expect_missing_shard_error(
+      dir, [&](const std::string& missing) { BertBatcher(missing, false, config, 32, 1, 0); });
 }
 
 // 64 x 128 is a typical micro-batch: building one must cost far less than a training step.
 TEST(BertData, BatchOf64x128IsFast) {
-  ShardDir dir;
+  testing::TokenShardDir dir(kTextVocab);
   const std::string path = dir.write("train.bin", 100000);
   BertConfig config = small_config();
   config.max_seq_len = 128;
   BertBatcher batcher(path, false, config, 128, 1, 0);
   const int repeats = 50;
-  const auto start = std::chrono::steady_clock::now();
   int64_t checksum = 0;
-  for (int i = 0; i < repeats; ++i) checksum += batcher.batch(i, 64).at("ids").data<int32_t>()[5];
-  const double ms =
-      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count() /
-      repeats;
+  const double ms = testing::ms_per_call(
+      repeats, [&](int i) { checksum += batcher.batch(i, 64).at("ids").data<int32_t>()[5]; });
   std::printf("BertBatcher: %.3f ms per 64 x 128 batch (checksum %lld)\n", ms,
               static_cast<long long>(checksum));
   // Loose: a shared, loaded machine must not fail it; a per-token allocation would.

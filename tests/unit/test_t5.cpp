@@ -5,20 +5,22 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
-#include <filesystem>
-#include <fstream>
+#include <cstdlib>
 #include <functional>
 #include <random>
 
+#include "model_test_util.h"
 #include "octet/fp8.h"
 #include "octet/recipe.h"
 #include "octet/t5.h"
 #include "octet/train.h"
-#include "test_util.h"
-#include "torch_reference.h"
 
 namespace octet {
 namespace {
+
+using testing::error_of;
+using testing::scaled_error;
+using testing::step_gradients;
 
 // Small enough for seconds: 48 ids (36 text, [PAD], [EOS], 10 sentinels).
 nlohmann::json tiny_config() {
@@ -69,38 +71,10 @@ pipeline::MicroBatch random_batch(const T5Config& c, int64_t B, int64_t S, int64
   return t5_micro_batch(enc, enc_len, dec, dec_len, targets);
 }
 
-double scaled_error(const Tensor& a, const Tensor& b) {
-  std::vector<float> x = a.to_floats(), y = b.to_floats();
-  EXPECT_EQ(x.size(), y.size());
-  if (x.size() != y.size()) return 1e9;
-  double error = 0, scale = 1e-30;
-  for (size_t i = 0; i < x.size(); ++i) {
-    error = std::max(error, std::fabs(double(x[i]) - y[i]));
-    scale = std::max(scale, std::fabs(double(y[i])));
-  }
-  return error / scale;
-}
-
-// Norm weights start at 1: moved so that their gradients matter; the shared embedding scaled.
+// Norm weights moved (testing::perturb_vectors); the shared embedding scaled.
 void perturb(T5& model, float embedding_scale = 1.0f) {
-  std::mt19937 rng(11);
-  std::normal_distribution<float> noise(0.0f, 0.1f);
-  for (Parameter* p : model.parameters()) {
-    if (p->value.ndim() == 1) {
-      for (int64_t i = 0; i < p->value.numel(); ++i) p->value.data<float>()[i] += noise(rng);
-    }
-  }
-  for (int64_t i = 0; i < model.shared.value.numel(); ++i) {
-    model.shared.value.data<float>()[i] *= embedding_scale;
-  }
-  model.on_parameters_updated();
-}
-
-TensorMap torch_step(const nlohmann::json& json, T5& model, const pipeline::MicroBatch& batch) {
-  TensorMap inputs = model.state_dict();
-  for (const auto& [name, tensor] : batch) inputs[name] = tensor;
-  const nlohmann::json args = {{"config", json}};
-  return testing::run_torch("t5", inputs, args.dump());
+  testing::perturb_vectors(model, embedding_scale,
+                           [&](const Parameter& p) { return &p == &model.shared; });
 }
 
 void check_against_torch(const nlohmann::json& json, float embedding_scale) {
@@ -110,17 +84,9 @@ void check_against_torch(const nlohmann::json& json, float embedding_scale) {
   const auto batch = random_batch(config, 4, 16, 8, 3);
   model.zero_grad();
   const float loss = model.train_step(batch, DType::F32, 1.0f);
-  const TensorMap torch = torch_step(json, model, batch);
+  const TensorMap torch = testing::torch_step("t5", json, model, batch);
   const float torch_loss = torch.at("loss").to_floats()[0];
-  EXPECT_NEAR(loss, torch_loss, 1e-5 * std::fabs(torch_loss));
-  double worst = 0;
-  for (Parameter* p : model.parameters()) {
-    SCOPED_TRACE(p->name);
-    ASSERT_TRUE(torch.count(p->name + ".grad"));
-    const double error = scaled_error(p->grad, torch.at(p->name + ".grad"));
-    worst = std::max(worst, error);
-    EXPECT_LE(error, 1e-4);
-  }
+  const double worst = testing::expect_step_matches(loss, model.parameters(), torch, 1e-4);
   std::printf("[ measured ] embeddings x%g: loss %.2e, worst gradient %.2e\n", embedding_scale,
               std::fabs(loss - torch_loss) / torch_loss, worst);
 }
@@ -141,14 +107,6 @@ TEST(T5, DeeperDecoderMatchesTorch) {
   json["relative_attention_num_buckets"] = 32;
   json["relative_attention_max_distance"] = 128;
   check_against_torch(json, 1.0f);
-}
-
-TensorMap step_gradients(T5& model, const pipeline::MicroBatch& batch, DType dtype, float* loss) {
-  model.zero_grad();
-  *loss = model.train_step(batch, dtype, 1.0f);
-  TensorMap grads;
-  for (Parameter* p : model.parameters()) grads[p->name] = p->grad.clone();
-  return grads;
 }
 
 // Padding changes nothing: other ids past each input's and each target's length.
@@ -195,35 +153,15 @@ TEST(T5, Bf16AndFp8StepsStayNearFp32) {
   const auto batch = random_batch(config, 8, 16, 8, 3);
   float f32_loss = 0;
   const TensorMap f32 = step_gradients(model, batch, DType::F32, &f32_loss);
+  const bool verbose = std::getenv("T5_DEBUG") != nullptr;  // every gradient's error
   auto check = [&](const std::string& name, const TensorMap& grads, float loss, double tolerance) {
-    SCOPED_TRACE(name);
-    EXPECT_NEAR(loss, f32_loss, 0.03 * f32_loss);
-    double worst = 0;
-    for (const auto& [param, grad] : f32) {
-      SCOPED_TRACE(param);
-      const double error = testing::relative_rms(grads.at(param), grad);
-      worst = std::max(worst, error);
-      EXPECT_LE(error, tolerance);
-      if (getenv("T5_DEBUG")) std::printf("  %s %s %.3f\n", name.c_str(), param.c_str(), error);
-    }
-    std::printf("[ measured ] %s: loss %.5f (fp32 %.5f), worst gradient RMS %.3f\n", name.c_str(),
-                loss, f32_loss, worst);
+    testing::expect_near_fp32(name, grads, loss, f32, f32_loss, 0.03, tolerance, verbose);
   };
   float loss = 0;
   const TensorMap bf16 = step_gradients(model, batch, DType::BF16, &loss);
   check("bf16", bf16, loss, 0.1);
-  const std::vector<std::pair<std::string, recipe::Recipe>> recipes = {
-      {"delayed", recipe::DelayedScaling{}},
-      {"current", recipe::Float8CurrentScaling{}},
-      {"mxfp8", recipe::MXFP8BlockScaling{}},
-      {"block", recipe::Float8BlockScaling{}}};
-  for (const auto& [name, r] : recipes) {
-    TensorMap grads;
-    {
-      fp8_autocast scope(true, r);
-      grads = step_gradients(model, batch, DType::BF16, &loss);
-    }
-    check(name, grads, loss, 0.5);
+  for (const auto& [name, r] : testing::fp8_recipes()) {
+    check(name, testing::fp8_step_gradients(model, batch, r, &loss), loss, 0.5);
   }
 }
 
@@ -234,7 +172,7 @@ TEST(T5, EvaluationCountsTargetAccuracy) {
   T5 model(config, 7);
   perturb(model);
   pipeline::MicroBatch batch = random_batch(config, 4, 16, 8, 9);
-  const TensorMap torch = torch_step(json, model, batch);
+  const TensorMap torch = testing::torch_step("t5", json, model, batch);
   const Tensor logits = torch.at("logits");  // [B, T, V]
   const int64_t V = logits.dim(2);
   batch["targets"] = batch.at("targets").clone();
@@ -273,37 +211,16 @@ TEST(T5, HuggingFaceNamesRoundTrip) {
   EXPECT_EQ(theirs.at("decoder.block.0.layer.2.DenseReluDense.wi_0.weight").shape(),
             (Shape{24, 32}));
   theirs["encoder.embed_tokens.weight"] = ours.at("shared.weight");
-  const TensorMap back = model.from_checkpoint_names(theirs);
-  ASSERT_EQ(back.size(), ours.size());
-  for (const auto& [name, tensor] : ours) {
-    SCOPED_TRACE(name);
-    ASSERT_TRUE(back.count(name));
-    EXPECT_EQ(back.at(name).to_floats(), tensor.to_floats());
-  }
+  testing::expect_same_tensors(model.from_checkpoint_names(theirs), ours);
   theirs.erase("decoder.block.1.layer.1.EncDecAttention.k.weight");
   EXPECT_THROW(model.from_checkpoint_names(theirs), Error);
 }
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "no error";
-}
-
 TEST(T5, BadConfigsAndInputsAreClearErrors) {
-  auto config_error = [](nlohmann::json c) { return error_of([&] { T5Config::from_json(c); }); };
-  nlohmann::json c = tiny_config();
-  c["vocab_size"] = 12;
-  EXPECT_NE(config_error(c).find("num_sentinels + 2"), std::string::npos);
-  c = tiny_config();
-  c["kv_channels"] = 300;
-  EXPECT_NE(config_error(c).find("kv_channels"), std::string::npos);
-  c = tiny_config();
-  c["post_layernorm"] = true;
-  EXPECT_NE(config_error(c).find("unknown key 'post_layernorm'"), std::string::npos);
+  testing::expect_config_errors<T5Config>(
+      tiny_config(), {{"vocab_size", 12, "num_sentinels + 2"},
+                      {"kv_channels", 300, "kv_channels"},
+                      {"post_layernorm", true, "unknown key 'post_layernorm'"}});
   const T5Config config = T5Config::from_json(tiny_config());
   ModelLayout two_stages;
   two_stages.stages = 2;
@@ -332,42 +249,17 @@ TEST(T5, BadConfigsAndInputsAreClearErrors) {
 // Saved at iteration 3 and resumed to 6 through the trainer (mock span corruption): the
 // uninterrupted run's losses exactly, and the target-token accuracy reported.
 TEST(T5, TrainerResumesBitForBitAndReportsAccuracy) {
-  const std::string dir = testing::temp_dir();
-  std::ofstream(dir + "/t5.json") << tiny_config().dump(2) << "\n";
+  testing::TrainerFixture fixture(tiny_config());
   for (const std::string precision : {"fp32", "bf16"}) {
     SCOPED_TRACE(precision);
-    TrainOptions o;
-    o.config_path = dir + "/t5.json";
-    o.mock_data = true;
+    TrainOptions o = fixture.options(precision);
     o.micro_batch_size = 2;
     o.global_batch_size = 4;
-    o.precision = precision;
-    o.lr = 3e-3f;
-    o.min_lr = 3e-4f;
-    o.lr_warmup_iters = 100;
-    o.eval_iters = 2;
-    o.eval_interval = 0;
-    o.peak_gflops = 1000;
-    o.quiet = true;
-    o.train_iters = 6;
-    const TrainResult whole = train_gpt(o);
-    ASSERT_EQ(whole.losses.size(), 6u);
-    EXPECT_TRUE(std::isfinite(whole.last_val_accuracy));
-    TrainOptions first = o;
-    first.train_iters = 3;
-    first.save = dir + "/ckpt-" + precision;
-    train_gpt(first);
-    TrainOptions second = o;
-    second.load = first.save;
-    const TrainResult tail = train_gpt(second);
-    ASSERT_EQ(tail.losses.size(), 3u);
-    for (size_t i = 0; i < 3; ++i) EXPECT_EQ(tail.losses[i], whole.losses[3 + i]) << i;
-    TrainOptions tp = o;
-    tp.seq_length = 17;
-    EXPECT_NE(error_of([&] { train_gpt(tp); }).find("--seq-length 17 expected in [2, 16]"),
+    testing::expect_resume_bit_for_bit(o, fixture.path("ckpt-" + precision));
+    o.seq_length = 17;
+    EXPECT_NE(error_of([&] { train_gpt(o); }).find("--seq-length 17 expected in [2, 16]"),
               std::string::npos);
   }
-  std::filesystem::remove_all(dir);
 }
 
 }  // namespace

@@ -4,7 +4,6 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
-#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -13,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "model_test_util.h"
 #include "octet/data.h"
 #include "octet/error.h"
 #include "octet/t5.h"
@@ -21,7 +21,7 @@
 namespace octet {
 namespace {
 
-namespace fs = std::filesystem;
+using testing::error_of;
 using train_detail::T5Batcher;
 
 constexpr int64_t kTextVocab = 1000;
@@ -35,28 +35,6 @@ T5Config small_config() {
   config.max_target_len = 64;
   return config;
 }
-
-// A temporary directory with a shard of ids i % kTextVocab, so that a window's ids count up by
-// one (mod kTextVocab) and a window put back together is recognizable.
-class ShardDir {
- public:
-  ShardDir() {
-    std::string pattern = (fs::temp_directory_path() / "octet-t5-data-XXXXXX").string();
-    OCTET_CHECK(mkdtemp(pattern.data()) != nullptr, "cannot create a temporary directory");
-    dir_ = pattern;
-  }
-  ~ShardDir() { fs::remove_all(dir_); }
-  std::string write(const std::string& name, int64_t tokens, int32_t vocab = kTextVocab) const {
-    std::vector<int32_t> ids(static_cast<size_t>(tokens));
-    for (int64_t i = 0; i < tokens; ++i) ids[static_cast<size_t>(i)] = int32_t(i % kTextVocab);
-    const std::string path = dir_ + "/" + name;
-    write_token_shard(path, ids, vocab);
-    return path;
-  }
-
- private:
-  std::string dir_;
-};
 
 // One sample taken apart: the kept runs and noise spans in window order, and the window.
 struct Sample {
@@ -150,15 +128,6 @@ bool consecutive(const std::vector<int32_t>& ids) {
   return true;
 }
 
-std::string error_of(const std::function<void()>& run) {
-  try {
-    run();
-  } catch (const Error& error) {
-    return error.what();
-  }
-  return "(no octet::Error thrown)";
-}
-
 TEST(T5Data, WindowLengthIsTheLargestThatFits) {
   // T5's published pair: 568 raw tokens make 512 inputs and 114 targets.
   EXPECT_EQ(T5Batcher::window_length(512, 114), 568);
@@ -200,7 +169,7 @@ TEST(T5Data, WindowLengthIsTheLargestThatFits) {
 }
 
 TEST(T5Data, EverySampleGivesBackItsWindow) {
-  ShardDir dir;
+  testing::TokenShardDir dir(kTextVocab);
   const std::string path = dir.write("train.bin", 5000);
   const T5Config config = small_config();
   // The encoder binds, the decoder binds, the smallest window, T5's own ratio.
@@ -228,7 +197,7 @@ TEST(T5Data, EverySampleGivesBackItsWindow) {
 }
 
 TEST(T5Data, NoiseRateAndSpanLengthsMatchT5) {
-  ShardDir dir;
+  testing::TokenShardDir dir(kTextVocab);
   const std::string path = dir.write("train.bin", 20000);
   const T5Config config = small_config();
   const int64_t S = 128, T = 32;
@@ -290,19 +259,9 @@ TEST(T5Data, NoiseRateAndSpanLengthsMatchT5) {
 }
 
 TEST(T5Data, BatchesAreDeterministicAndDiffer) {
-  ShardDir dir;
+  testing::TokenShardDir dir(kTextVocab);
   const std::string path = dir.write("train.bin", 5000);
   const T5Config config = small_config();
-  auto same = [](const pipeline::MicroBatch& x, const pipeline::MicroBatch& y) {
-    for (const char* name : {"enc_ids", "enc_lengths", "dec_ids", "dec_lengths", "targets"}) {
-      const Tensor &a = x.at(name), &b = y.at(name);
-      if (a.shape() != b.shape()) return false;
-      for (int64_t i = 0; i < a.numel(); ++i) {
-        if (a.data<int32_t>()[i] != b.data<int32_t>()[i]) return false;
-      }
-    }
-    return true;
-  };
   const int64_t S = 96, T = 24;
   for (const bool mock : {false, true}) {
     SCOPED_TRACE(mock ? "mock" : "shard");
@@ -310,12 +269,9 @@ TEST(T5Data, BatchesAreDeterministicAndDiffer) {
     T5Batcher again(mock ? "" : path, mock, config, S, T, 5, 2);
     T5Batcher other_seed(path, mock, config, S, T, 6, 2);
     T5Batcher other_stream(path, mock, config, S, T, 5, 3);
-    const pipeline::MicroBatch first = batcher.batch(7, 8);
-    EXPECT_TRUE(same(first, batcher.batch(7, 8)));
-    EXPECT_TRUE(same(first, again.batch(7, 8)));
-    EXPECT_FALSE(same(first, batcher.batch(8, 8)));
-    EXPECT_FALSE(same(first, other_seed.batch(7, 8)));
-    EXPECT_FALSE(same(first, other_stream.batch(7, 8)));
+    testing::expect_batches_deterministic(
+        batcher, again, other_seed, other_stream,
+        {"enc_ids", "enc_lengths", "dec_ids", "dec_lengths", "targets"});
     int64_t consecutive_windows = 0;
     for (int64_t index : {0, 7, 8}) {
       const pipeline::MicroBatch batch = batcher.batch(index, 8);
@@ -330,7 +286,7 @@ TEST(T5Data, BatchesAreDeterministicAndDiffer) {
 }
 
 TEST(T5Data, ErrorsNameTheProblem) {
-  ShardDir dir;
+  testing::TokenShardDir dir(kTextVocab);
   const T5Config config = small_config();
   const std::string big_vocab = dir.write("big_vocab.bin", 1000, 2000);
   std::string message = error_of([&] { T5Batcher(big_vocab, false, config, 64, 16, 1, 0); });
@@ -372,15 +328,13 @@ TEST(T5Data, ErrorsNameTheProblem) {
       EXPECT_NE(message.find("got " + std::to_string(dec_len)), std::string::npos) << message;
     }
   }
-  const std::string missing =
-      error_of([&] { T5Batcher(dir.write("x", 1) + ".missing", false, config, 64, 16, 1, 0); });
-  EXPECT_NE(missing.find("cannot open"), std::string::npos) << missing;
-  EXPECT_NE(missing.find("x.missing"), std::string::npos) << missing;
+  testing::expect_missing_shard_error(
+      dir, [&](const std::string& missing) { T5Batcher(missing, false, config, 64, 16, 1, 0); });
 }
 
 // T5's own shape, 64 samples of 512 inputs: building one must cost far less than a step.
 TEST(T5Data, BatchOf64x512IsFast) {
-  ShardDir dir;
+  testing::TokenShardDir dir(kTextVocab);
   const std::string path = dir.write("train.bin", 100000);
   T5Config config = small_config();
   config.max_seq_len = 512;
@@ -389,14 +343,9 @@ TEST(T5Data, BatchOf64x512IsFast) {
   config.vocab_size = kTextVocab + 2 + 100;
   T5Batcher batcher(path, false, config, 512, 114, 1, 0);
   const int repeats = 10;
-  const auto start = std::chrono::steady_clock::now();
   int64_t checksum = 0;
-  for (int i = 0; i < repeats; ++i) {
-    checksum += batcher.batch(i, 64).at("enc_ids").data<int32_t>()[5];
-  }
-  const double ms =
-      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count() /
-      repeats;
+  const double ms = testing::ms_per_call(
+      repeats, [&](int i) { checksum += batcher.batch(i, 64).at("enc_ids").data<int32_t>()[5]; });
   std::printf("T5Batcher: %.3f ms per 64 x 512 batch (checksum %lld)\n", ms,
               static_cast<long long>(checksum));
   EXPECT_LT(ms, 20.0);  // loose: a shared, loaded machine must not fail it

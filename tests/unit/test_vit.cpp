@@ -6,18 +6,16 @@
 
 #include <cmath>
 #include <filesystem>
-#include <fstream>
 #include <random>
 #include <set>
 
+#include "model_test_util.h"
 #include "octet/data.h"
 #include "octet/fp8.h"
 #include "octet/model.h"
 #include "octet/recipe.h"
 #include "octet/train.h"
 #include "octet/vit.h"
-#include "test_util.h"
-#include "torch_reference.h"
 #include "train/batcher.h"
 #include "train/model_family.h"
 
@@ -25,6 +23,8 @@ namespace octet {
 namespace {
 
 namespace fs = std::filesystem;
+using testing::error_of;
+using testing::scaled_error;
 
 // Small enough for seconds: 8x8 images in 4x4 patches (4 patches + the class token).
 nlohmann::json tiny_config(int64_t channels = 1) {
@@ -34,11 +34,7 @@ nlohmann::json tiny_config(int64_t channels = 1) {
 }
 
 Tensor random_pixels(int64_t batch, const ViTConfig& c, uint32_t seed, float scale = 1.0f) {
-  std::mt19937 rng(seed);
-  std::normal_distribution<float> normal(0.0f, scale);
-  Tensor t = Tensor::empty({batch, c.pixels()}, DType::F32);
-  for (int64_t i = 0; i < t.numel(); ++i) t.data<float>()[i] = normal(rng);
-  return t;
+  return testing::random_tensor({batch, c.pixels()}, DType::F32, seed, 0.0f, scale);
 }
 
 Tensor random_labels(int64_t batch, int64_t classes, uint32_t seed) {
@@ -49,59 +45,23 @@ Tensor random_labels(int64_t batch, int64_t classes, uint32_t seed) {
   return t;
 }
 
-// Largest |a - b| as a fraction of the reference's largest magnitude.
-double scaled_error(const Tensor& a, const Tensor& b) {
-  std::vector<float> x = a.to_floats(), y = b.to_floats();
-  EXPECT_EQ(x.size(), y.size());
-  if (x.size() != y.size()) return 1e9;
-  double error = 0, scale = 1e-30;
-  for (size_t i = 0; i < x.size(); ++i) {
-    error = std::max(error, std::fabs(double(x[i]) - y[i]));
-    scale = std::max(scale, std::fabs(double(y[i])));
-  }
-  return error / scale;
-}
-
-// Norm weights start at 1 and biases at 0: moved so that their gradients and their effect on
-// the forward are both exercised.
-void perturb_vectors(ViT& model) {
-  std::mt19937 rng(11);
-  std::normal_distribution<float> noise(0.0f, 0.1f);
-  for (Parameter* p : model.parameters()) {
-    if (p->value.ndim() != 1) continue;
-    for (int64_t i = 0; i < p->value.numel(); ++i) p->value.data<float>()[i] += noise(rng);
-  }
-  model.on_parameters_updated();
-}
-
 // One FP32 step against PyTorch in float64. Measured: loss 1e-7, logits 1e-6, gradients
 // below 2e-5 of each tensor's largest magnitude.
 void check_against_torch(const nlohmann::json& config_json, float pixel_scale) {
   const ViTConfig config = ViTConfig::from_json(config_json);
   ViT model(config, 7);
-  perturb_vectors(model);
+  testing::perturb_vectors(model);
   const int64_t B = 6;
   const Tensor pixels = random_pixels(B, config, 3, pixel_scale);
   const Tensor labels = random_labels(B, config.num_classes, 4);
+  const pipeline::MicroBatch batch = vit_micro_batch(pixels, labels);
   model.zero_grad();
-  const float loss = model.train_step(vit_micro_batch(pixels, labels), DType::F32, 1.0f);
+  const float loss = model.train_step(batch, DType::F32, 1.0f);
   const Tensor logits = model.logits(pixels, DType::F32);
-  TensorMap inputs = model.state_dict();
-  inputs["pixels"] = pixels;
-  inputs["labels"] = labels;
-  const nlohmann::json args = {{"config", config_json}};
-  TensorMap torch = testing::run_torch("vit", inputs, args.dump());
+  const TensorMap torch = testing::torch_step("vit", config_json, model, batch);
   const float torch_loss = torch.at("loss").to_floats()[0];
-  EXPECT_NEAR(loss, torch_loss, 1e-5 * std::fabs(torch_loss));
   EXPECT_LE(scaled_error(logits, torch.at("logits")), 1e-5);
-  double worst = 0;
-  for (Parameter* p : model.parameters()) {
-    SCOPED_TRACE(p->name);
-    ASSERT_TRUE(torch.count(p->name + ".grad"));
-    const double error = scaled_error(p->grad, torch.at(p->name + ".grad"));
-    worst = std::max(worst, error);
-    EXPECT_LE(error, 1e-4);
-  }
+  const double worst = testing::expect_step_matches(loss, model.parameters(), torch, 1e-4);
   EXPECT_EQ(torch.size(), model.parameters().size() + 2);
   std::printf("[ measured ] pixels x%g: loss %.2e, logits %.2e, worst gradient %.2e\n", pixel_scale,
               std::fabs(loss - torch_loss) / torch_loss, scaled_error(logits, torch.at("logits")),
@@ -128,36 +88,20 @@ TEST(ViT, RmsnormSwigluMatchTorch) {
   check_against_torch(c, 1.0f);
 }
 
-// The gradients of one step, by name.
-TensorMap step_gradients(ViT& model, const pipeline::MicroBatch& batch, DType dtype, float* loss) {
-  model.zero_grad();
-  *loss = model.train_step(batch, dtype, 1.0f);
-  TensorMap grads;
-  for (Parameter* p : model.parameters()) grads[p->name] = p->grad.clone();
-  return grads;
-}
-
 // BF16 and FP8 compute stay near FP32 (measured: BF16 loss 1e-3, gradients 1-3% RMS; FP8
 // delayed scaling loss 1e-2, gradients within 15% RMS).
 TEST(ViT, Bf16AndFp8StepsStayNearFp32) {
   const ViTConfig config = ViTConfig::from_json(tiny_config());
   ViT model(config, 7);
-  perturb_vectors(model);
+  testing::perturb_vectors(model);
   const auto batch = vit_micro_batch(random_pixels(8, config, 3), random_labels(8, 5, 4));
-  float f32_loss = 0, bf16_loss = 0, fp8_loss = 0;
-  const TensorMap f32 = step_gradients(model, batch, DType::F32, &f32_loss);
-  const TensorMap bf16 = step_gradients(model, batch, DType::BF16, &bf16_loss);
-  TensorMap fp8;
-  {
-    fp8_autocast scope(true, recipe::Float8CurrentScaling{});
-    fp8 = step_gradients(model, batch, DType::BF16, &fp8_loss);
-  }
-  EXPECT_NEAR(bf16_loss, f32_loss, 0.01 * f32_loss);
-  EXPECT_NEAR(fp8_loss, f32_loss, 0.05 * f32_loss);
-  for (const auto& [name, grad] : f32) {
+  const testing::PrecisionSteps s = testing::fp32_bf16_fp8_steps(model, batch);
+  EXPECT_NEAR(s.bf16_loss, s.f32_loss, 0.01 * s.f32_loss);
+  EXPECT_NEAR(s.fp8_loss, s.f32_loss, 0.05 * s.f32_loss);
+  for (const auto& [name, grad] : s.f32) {
     SCOPED_TRACE(name);
-    EXPECT_LE(testing::relative_rms(bf16.at(name), grad), 0.05);
-    EXPECT_LE(testing::relative_rms(fp8.at(name), grad), 0.25);
+    EXPECT_LE(testing::relative_rms(s.bf16.at(name), grad), 0.05);
+    EXPECT_LE(testing::relative_rms(s.fp8.at(name), grad), 0.25);
   }
   EXPECT_FALSE(model.fp8_states().empty());
 }
@@ -166,29 +110,8 @@ TEST(ViT, Bf16AndFp8StepsStayNearFp32) {
 // forward, backward in reverse: the whole model's loss and gradients, bit for bit.
 TEST(ViT, TwoStagesInOneProcessEqualTheWholeModel) {
   const ViTConfig config = ViTConfig::from_json(tiny_config());
-  ViT whole(config, 7);
-  ModelLayout layout;
-  layout.stages = 2;
-  layout.stage_of_chunk = {0, 1};
-  ViT staged(config, 7, layout);
-  EXPECT_EQ(whole.state_dict().size(), staged.state_dict().size());
-  staged.load_state_dict(whole.state_dict());
-  const auto batch = vit_micro_batch(random_pixels(4, config, 3), random_labels(4, 5, 4));
-  float loss = 0;
-  const TensorMap expected = step_gradients(whole, batch, DType::F32, &loss);
-  staged.zero_grad();
-  auto first = staged.make_context(), second = staged.make_context();
-  const Tensor boundary = staged.forward(0, Tensor(), batch, DType::F32, 1.0f, *first);
-  EXPECT_EQ(boundary.shape(), staged.activation_shape(batch));
-  staged.forward(1, boundary, batch, DType::F32, 1.0f, *second);
-  EXPECT_EQ(second->loss, loss);
-  const Tensor dboundary = staged.backward(1, Tensor(), *second);
-  staged.backward(0, dboundary, *first);
-  for (Parameter* p : staged.parameters()) {
-    SCOPED_TRACE(p->name);
-    EXPECT_EQ(p->grad.to_floats(), expected.at(p->name).to_floats());
-  }
-  EXPECT_THROW(staged.train_step(batch, DType::F32, 1.0f), Error);  // needs the whole model
+  testing::expect_two_stages_equal_the_whole<ViT>(
+      config, vit_micro_batch(random_pixels(4, config, 3), random_labels(4, 5, 4)));
 }
 
 // Evaluation counts correct predictions; a constant model predicts one class.
@@ -210,34 +133,19 @@ TEST(ViT, EvaluationCountsCorrectPredictions) {
 }
 
 TEST(ViT, BadConfigsAndInputsAreClearErrors) {
-  auto error_of = [](const std::function<void()>& f) {
-    try {
-      f();
-    } catch (const Error& e) {
-      return std::string(e.what());
-    }
-    return std::string("no error");
-  };
-  auto config_error = [&](nlohmann::json c) { return error_of([&] { ViTConfig::from_json(c); }); };
-  nlohmann::json c = tiny_config();
-  c["patch_size"] = 3;
-  EXPECT_NE(config_error(c).find("multiple of patch_size"), std::string::npos);
-  c = tiny_config();
-  c["vocab_size"] = 10;
-  EXPECT_NE(config_error(c).find("unknown key 'vocab_size'"), std::string::npos);
-  c = tiny_config();
-  c["hidden"] = 30;
-  EXPECT_NE(config_error(c).find("multiple of num_heads"), std::string::npos);
-  c = tiny_config();
-  c["num_classes"] = 1;
-  EXPECT_NE(config_error(c).find("num_classes"), std::string::npos);
-  c = tiny_config();
-  c["image_size"] = 1e30;
-  EXPECT_NE(config_error(c).find("expected an integer"), std::string::npos);
+  testing::expect_config_errors<ViTConfig>(tiny_config(),
+                                           {{"patch_size", 3, "multiple of patch_size"},
+                                            {"vocab_size", 10, "unknown key 'vocab_size'"},
+                                            {"hidden", 30, "multiple of num_heads"},
+                                            {"num_classes", 1, "num_classes"},
+                                            {"image_size", 1e30, "expected an integer"}});
   // A ViT config is not a GPT's, and the reverse.
   EXPECT_NE(error_of([] { GPTConfig::from_json(tiny_config()); }).find("'model'"),
             std::string::npos);
-  EXPECT_NE(config_error({{"model", "gpt"}}).find("expected \"vit\""), std::string::npos);
+  EXPECT_NE(error_of([] {
+              ViTConfig::from_json(nlohmann::json{{"model", "gpt"}});
+            }).find("expected \"vit\""),
+            std::string::npos);
 
   const ViTConfig config = ViTConfig::from_json(tiny_config());
   ViT model(config, 7);
@@ -262,62 +170,19 @@ TEST(ViT, BadConfigsAndInputsAreClearErrors) {
 // ---------------------------------------------------------------------------------------------
 // The trainer on ViT configs: data, accuracy, resume, errors.
 
-class VitTrainFixture {
- public:
-  VitTrainFixture() : dir_(testing::temp_dir()) {
-    std::ofstream(config_path()) << tiny_config().dump(2) << "\n";
-  }
-  ~VitTrainFixture() { fs::remove_all(dir_); }
-  std::string path(const std::string& name) const { return dir_ + "/" + name; }
-  std::string config_path() const { return path("vit.json"); }
-  TrainOptions options(const std::string& precision) const {
-    TrainOptions o;
-    o.config_path = config_path();
-    o.mock_data = true;
-    o.micro_batch_size = 4;
-    o.global_batch_size = 8;
-    o.precision = precision;
-    o.lr = 3e-3f;
-    o.min_lr = 3e-4f;
-    o.eval_iters = 2;
-    o.eval_interval = 0;
-    o.peak_gflops = 1000;
-    o.quiet = true;
-    return o;
-  }
-
- private:
-  std::string dir_;
-};
-
 // Saved at iteration 3 and resumed to 6: the uninterrupted run's losses exactly (parameters,
 // AdamW state, the data position), and the validation accuracy is reported.
 TEST(ViT, TrainerResumesBitForBitAndReportsAccuracy) {
-  VitTrainFixture fixture;
+  testing::TrainerFixture fixture(tiny_config());
   for (const std::string precision : {"fp32", "bf16"}) {
     SCOPED_TRACE(precision);
-    TrainOptions o = fixture.options(precision);
-    o.lr_warmup_iters = 100;
-    o.train_iters = 6;
-    const TrainResult whole = train_gpt(o);
-    ASSERT_EQ(whole.losses.size(), 6u);
-    EXPECT_TRUE(std::isfinite(whole.last_val_accuracy));
-    EXPECT_GE(whole.last_val_accuracy, 0.0f);
-    EXPECT_LE(whole.last_val_accuracy, 1.0f);
-    TrainOptions first = o;
-    first.train_iters = 3;
-    first.save = fixture.path("ckpt-" + precision);
-    train_gpt(first);
-    TrainOptions second = o;
-    second.load = first.save;
-    const TrainResult tail = train_gpt(second);
-    ASSERT_EQ(tail.losses.size(), 3u);
-    for (size_t i = 0; i < 3; ++i) EXPECT_EQ(tail.losses[i], whole.losses[3 + i]) << i;
+    testing::expect_resume_bit_for_bit(fixture.options(precision),
+                                       fixture.path("ckpt-" + precision));
   }
 }
 
 TEST(ViT, TrainerRefusesLanguageModelOptions) {
-  VitTrainFixture fixture;
+  testing::TrainerFixture fixture(tiny_config());
   TrainOptions o = fixture.options("bf16");
   o.seq_length = 10;
   EXPECT_THROW(train_gpt(o), Error);
