@@ -178,13 +178,9 @@ void TrainingRun::open_data() {
   train_batches_ = family_->open_data(o_, /*train=*/true, seq_len_);
   entropy_ = chief_ ? family_->baseline_loss(o_) : NAN;
   if (!quiet_ && std::isfinite(entropy_)) {
-    if (family_->classifies()) {
-      std::printf("training data: %.3f nats for a uniform guess (a model below it sees)\n",
-                  entropy_);
-    } else {
-      std::printf("training data: unigram entropy %.3f nats (a model below it uses context)\n",
-                  entropy_);
-    }
+    // What a model that ignores its input reaches: one below it has learned from the input.
+    std::printf("training data: %s %.3f nats (a model below it uses its input)\n",
+                family_->baseline_name().c_str(), entropy_);
   }
   valid_batches_ = family_->open_data(o_, /*train=*/false, seq_len_);
 }
