@@ -129,6 +129,8 @@ class Bert : public TransformerStack {
                      float grad_scale, Context* ctx, float* loss);
   Tensor embed(const Tensor& ids, const Tensor& token_types, DType dtype, Context* ctx);
   void embed_backward(const Tensor& dx, Context& ctx);
+  // The last stage's heads (and pre-LN's final norm), in the order backward finishes them.
+  std::vector<Parameter*> heads_in_backward_order();
   float heads_loss(const Tensor& h, const pipeline::MicroBatch& batch, DType dtype,
                    float grad_scale, Context* ctx, bool count);
 

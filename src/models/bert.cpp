@@ -9,6 +9,7 @@
 #include <cstring>
 
 #include "models/gpt_parts.h"
+#include "models/precision_scope.h"
 #include "modules/common.h"
 #include "octet/fp4.h"
 #include "octet/mappings.h"
@@ -18,13 +19,9 @@
 
 namespace octet {
 
-namespace {
+using models_detail::HighPrecisionScope;
 
-// The heads and the embeddings run outside FP8 and FP4 for the scope's lifetime.
-struct HighPrecisionScope {
-  fp8_autocast fp8{false};
-  fp4_autocast fp4{false};
-};
+namespace {
 
 TransformerLayerOptions layer_options(const BertConfig& c, int64_t index, uint64_t seed,
                                       bool recompute) {
@@ -204,19 +201,23 @@ void Bert::collect_parameters(std::vector<Parameter*>& out) {
   }
 }
 
+std::vector<Parameter*> Bert::heads_in_backward_order() {
+  std::vector<Parameter*> out;
+  for (Linear* head : {&*nsp_, &*pooler_}) {
+    for (Parameter* p : head->parameters()) out.push_back(p);
+  }
+  out.push_back(&mlm_bias);
+  for (Parameter* p : mlm_norm_->parameters()) out.push_back(p);
+  for (Parameter* p : mlm_dense_->parameters()) out.push_back(p);
+  if (final_norm_) {
+    for (Parameter* p : final_norm_->parameters()) out.push_back(p);
+  }
+  return out;
+}
+
 std::vector<Parameter*> Bert::parameters_in_backward_order() {
   std::vector<Parameter*> out;
-  if (has_last_) {
-    for (Linear* head : {&*nsp_, &*pooler_}) {
-      for (Parameter* p : head->parameters()) out.push_back(p);
-    }
-    out.push_back(&mlm_bias);
-    for (Parameter* p : mlm_norm_->parameters()) out.push_back(p);
-    for (Parameter* p : mlm_dense_->parameters()) out.push_back(p);
-    if (final_norm_) {
-      for (Parameter* p : final_norm_->parameters()) out.push_back(p);
-    }
-  }
+  if (has_last_) out = heads_in_backward_order();
   std::vector<int> chunks = chunks_in_stage_order();
   for (auto chunk = chunks.rbegin(); chunk != chunks.rend(); ++chunk) {
     std::vector<TransformerLayer>& stack = layers(*chunk);
@@ -537,17 +538,7 @@ Tensor Bert::backward(int chunk, const Tensor& doutput, StagedModel::Context& ba
                                  ? Shape{ctx.ids.numel() / layout_.tensor->size(), config_.hidden}
                                  : Shape{ctx.ids.dim(0), ctx.ids.dim(1), config_.hidden});
     ctx.dhidden = Tensor();
-    std::vector<Parameter*> ready;
-    for (Linear* head : {&*nsp_, &*pooler_}) {
-      for (Parameter* p : head->parameters()) ready.push_back(p);
-    }
-    ready.push_back(&mlm_bias);
-    for (Parameter* p : mlm_norm_->parameters()) ready.push_back(p);
-    for (Parameter* p : mlm_dense_->parameters()) ready.push_back(p);
-    if (final_norm_) {
-      for (Parameter* p : final_norm_->parameters()) ready.push_back(p);
-    }
-    grads_ready(ready);
+    grads_ready(heads_in_backward_order());
   } else {
     dx = doutput;
   }

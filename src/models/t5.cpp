@@ -10,6 +10,7 @@
 #include <optional>
 
 #include "models/gpt_parts.h"
+#include "models/precision_scope.h"
 #include "modules/common.h"
 #include "octet/fp4.h"
 #include "octet/ops/activation.h"
@@ -17,24 +18,9 @@
 
 namespace octet {
 
+using models_detail::HighPrecisionScope;
+
 namespace {
-
-struct HighPrecisionScope {
-  fp8_autocast fp8{false};
-  fp4_autocast fp4{false};
-};
-
-// Outside FP8 and FP4 when `plain` (--first-last-layers-bf16), else nothing changes.
-struct LayerPrecisionScope {
-  explicit LayerPrecisionScope(bool plain) {
-    if (plain) {
-      fp8.emplace(false);
-      fp4.emplace(false);
-    }
-  }
-  std::optional<fp8_autocast> fp8;
-  std::optional<fp4_autocast> fp4;
-};
 
 TransformerLayerOptions layer_options(const T5Config& c, int64_t index, uint64_t seed,
                                       bool recompute) {
@@ -274,7 +260,7 @@ Tensor T5::run_forward(const pipeline::MicroBatch& batch, DType dtype, float gra
   Tensor h = embed(enc_ids);
   for (int64_t i = 0; i < L; ++i) {
     TransformerLayer::Context layer_scratch;
-    LayerPrecisionScope precision(is_high_precision_layer(i));
+    HighPrecisionScope precision(is_high_precision_layer(i));
     h = stack[static_cast<size_t>(i)].forward(
         h, ctx ? c.layers[static_cast<size_t>(i)] : layer_scratch, nullptr, &enc_lengths, nullptr,
         0, &enc_bias);
@@ -285,7 +271,7 @@ Tensor T5::run_forward(const pipeline::MicroBatch& batch, DType dtype, float gra
   Tensor y = embed(dec_ids);
   for (size_t i = static_cast<size_t>(L); i < stack.size(); ++i) {
     TransformerLayer::Context layer_scratch;
-    LayerPrecisionScope precision(is_high_precision_layer(static_cast<int64_t>(i)));
+    HighPrecisionScope precision(is_high_precision_layer(static_cast<int64_t>(i)));
     y = stack[i].forward(y, ctx ? c.layers[i] : layer_scratch, &c.enc_out, &dec_lengths,
                          &enc_lengths, 0, &dec_bias);
   }
@@ -339,7 +325,7 @@ Tensor T5::backward(int chunk, const Tensor&, StagedModel::Context& base) {
   Tensor ddec_bias = Tensor::zeros({H, T, T}, DType::F32);
   for (size_t i = stack.size(); i-- > static_cast<size_t>(L);) {
     Tensor d_encoder_output;
-    LayerPrecisionScope precision(is_high_precision_layer(static_cast<int64_t>(i)));
+    HighPrecisionScope precision(is_high_precision_layer(static_cast<int64_t>(i)));
     dy = stack[i].backward(dy, ctx.layers[i], &d_encoder_output, &ddec_bias);
     ctx.layers[i] = TransformerLayer::Context{};
     const Tensor d32 = to_dtype(d_encoder_output, DType::F32);
@@ -358,7 +344,7 @@ Tensor T5::backward(int chunk, const Tensor&, StagedModel::Context& base) {
   grads_ready(encoder_norm_->parameters());
   Tensor denc_bias = Tensor::zeros({H, S, S}, DType::F32);
   for (size_t i = static_cast<size_t>(L); i-- > 0;) {
-    LayerPrecisionScope precision(is_high_precision_layer(static_cast<int64_t>(i)));
+    HighPrecisionScope precision(is_high_precision_layer(static_cast<int64_t>(i)));
     dh = stack[i].backward(dh, ctx.layers[i], nullptr, &denc_bias);
     ctx.layers[i] = TransformerLayer::Context{};
     grads_ready(stack[i].parameters());

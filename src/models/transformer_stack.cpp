@@ -4,27 +4,14 @@
 #include <optional>
 #include <utility>
 
+#include "models/precision_scope.h"
 #include "octet/fp4.h"
 #include "octet/tensor_parallel.h"
 #include "octet/trainable_model.h"
 
 namespace octet {
 
-namespace {
-
-// Outside FP8 and FP4 for the scope's lifetime when `plain`, else nothing changes.
-struct HighPrecisionScope {
-  explicit HighPrecisionScope(bool plain) {
-    if (plain) {
-      fp8.emplace(false);
-      fp4.emplace(false);
-    }
-  }
-  std::optional<fp8_autocast> fp8;
-  std::optional<fp4_autocast> fp4;
-};
-
-}  // namespace
+using models_detail::HighPrecisionScope;
 
 TransformerStack::TransformerStack(std::string who, int64_t num_layers, ModelLayout layout,
                                    const std::function<TransformerLayerOptions(int64_t)>& layer)

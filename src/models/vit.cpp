@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cstring>
 
+#include "models/precision_scope.h"
 #include "modules/common.h"
 #include "octet/fp4.h"
 #include "octet/mappings.h"
@@ -14,17 +15,13 @@
 
 namespace octet {
 
+using models_detail::HighPrecisionScope;
+
 pipeline::MicroBatch vit_micro_batch(const Tensor& pixels, const Tensor& labels) {
   return {{"pixels", pixels}, {"labels", labels}};
 }
 
 namespace {
-
-// The patch embedding and the head run outside FP8 and FP4 for the scope's lifetime.
-struct HighPrecisionScope {
-  fp8_autocast fp8{false};
-  fp4_autocast fp4{false};
-};
 
 NormKind norm_kind(const ViTConfig& c) {
   return c.normalization == "rmsnorm" ? NormKind::RMSNorm : NormKind::LayerNorm;
