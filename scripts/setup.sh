@@ -5,6 +5,7 @@ set -euo pipefail
 
 packages=(
   g++ cmake make            # the toolchain
+  lld                       # LLVM's linker: links the ~50 test programs 2-3x faster than GNU ld
   libdnnl-dev               # oneDNN: GEMM (matmul primitive, AMX/AVX-512 BF16 kernels)
   ocl-icd-opencl-dev opencl-c-headers  # only because Debian's dnnl-config.cmake asks for OpenCL
   nlohmann-json3-dev        # JSON for --json output, configs, checkpoint headers

@@ -125,7 +125,7 @@ run 4 "PP=2 x DP=2 (each chunk reduced after its last backward)" --pipeline-mode
 run 4 "PP=2 x DP=2 reduce after the step" --pipeline-model-parallel-size 2 --no-overlap-grad-reduce
 run 4 "PP=2 x DP=2 ZB1P, 2 buckets" --pipeline-model-parallel-size 2 --pipeline-schedule zb1p \
   --ddp-bucket-size 100000
-# gpt-tiny's vocabulary (50257) is odd: the TP=2 shards hold 25129 and 25128 rows.
+# The test's vocabulary (4097, gpt-layouts.json) is odd: the TP=2 shards hold 2049 and 2048 rows.
 run 2 "TP=2" --tensor-model-parallel-size 2
 run 2 "TP=2 sequence-parallel" --tensor-model-parallel-size 2 --sequence-parallel
 run 2 "TP=2 sequence-parallel, all-gathers overlapped with the GEMMs" \
