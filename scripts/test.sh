@@ -45,7 +45,7 @@ stage_done "ASan+UBSan build"
 (cd build-sanitize && ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 \
   UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
   ctest --output-on-failure -j 2 \
-  -E '^(train_layouts|train_layouts_vit|bench_converge|multi_host|GPT.MixedPrecisionCurvesFollowFp32|GPT.Mxfp8CurveFollowsFp32|GPT.Fp4CurvesFollowFp32|(ViT|Bert|T5)[.].*Match(es)?Torch)$')
+  -E '^(train_layouts|train_layouts_vit|bench_converge|multi_host|GPT.MixedPrecisionCurvesFollowFp32|GPT.Mxfp8CurveFollowsFp32|GPT.Fp4CurvesFollowFp32|(ViT|Bert|T5|Clip)[.].*Match(es)?Torch)$')
 isa_paths build-sanitize
 stage_done "ASan+UBSan tests"
 

@@ -1,6 +1,6 @@
-// `octet bench train`: timed training steps of a GPT on mock tokens, a ViT on mock images or a
-// BERT on mock pretraining sequences (the config's family) — tokens/s (and images/s), MFU
-// against the measured BF16 GEMM peak,
+// `octet bench train`: timed training steps of a GPT on mock tokens, a ViT on mock images, a
+// BERT on mock pretraining sequences or a T5 on mock span-corruption batches (the config's
+// family) — tokens/s (and images/s), MFU against the measured BF16 GEMM peak,
 // peak memory, saved activations — beside the same model in eager PyTorch 1.13
 // (bench/peers/torch_train.py: fp32, and bf16 autocast) kept running beside ours.
 // Both sides take their steps in rounds (ours then the peer's, the peer's then ours, ...) and
@@ -26,6 +26,7 @@
 #include "octet/model.h"
 #include "octet/profile.h"
 #include "octet/recipe.h"
+#include "octet/t5.h"
 #include "octet/train.h"
 #include "octet/vit.h"
 
@@ -43,7 +44,8 @@ struct Options {
   // Debian's torch runs FP32 GEMMs on a generic BLAS (~2 GFLOP/s): a full gpt-mini micro-batch
   // would take minutes per step, so torch fp32 times fewer sequences (tokens/s is per token).
   int64_t torch_fp32_micro_batch_size = 1;
-  int64_t seq_length = 0;  // 0 = the config's (GPT, BERT: max_seq_len; a ViT: patches + 1)
+  int64_t seq_length = 0;  // 0 = the config's (GPT, BERT, T5's encoder: max_seq_len; a ViT:
+                           // patches + 1)
   double peak_gflops = 0;  // 0 = measure
   uint64_t seed = 1234;
   bool json = false;
@@ -165,14 +167,69 @@ pipeline::MicroBatch mock_bert_batch(const BertConfig& config, int64_t B, int64_
   return bert_micro_batch(ids, token_types, lengths, targets, nsp_labels);
 }
 
-// The model under test, from the config's family: a GPT on mock tokens, a ViT on mock images
-// or a BERT on mock pretraining sequences.
+// The lengths of a mock batch's B sequences of L tokens: full, but every fourth sequence
+// (b % 4 == 3) 1 .. L/4 tokens shorter (none shorter below 4 tokens).
+Tensor mock_lengths(int64_t B, int64_t L, Xorshift& random) {
+  Tensor lengths = Tensor::empty({B}, DType::I32);
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t cut = L >= 4 ? 1 + random.below(L / 4) : 0;
+    lengths.data<int32_t>()[b] = static_cast<int32_t>(b % 4 == 3 ? L - cut : L);
+  }
+  return lengths;
+}
+
+// A mock T5 span-corruption micro-batch (t5_micro_batch's contract) of B sequences, S encoder
+// and T decoder tokens, lengths from mock_lengths: encoder ids uniform text ids with ~1/8 of
+// the positions the next sentinel, [EOS] last, [PAD] after; targets the same with ~1/4
+// sentinels, [EOS] last, -100 after; the decoder's ids [PAD] then the targets shifted right
+// ([PAD] where the targets are -100). bench/peers/torch_t5.py's mock_batch has the same form.
+pipeline::MicroBatch mock_t5_batch(const T5Config& config, int64_t B, int64_t S, int64_t T,
+                                   uint64_t seed) {
+  Xorshift random(seed);
+  const auto pad = static_cast<int32_t>(config.pad_id()),
+             eos = static_cast<int32_t>(config.eos_id());
+  // [B,L] text ids and sentinels, [EOS] at length - 1, `padding` from length on.
+  auto sequences = [&](const Tensor& lengths, int64_t L, int64_t sentinel_every, int32_t padding) {
+    Tensor ids = Tensor::empty({B, L}, DType::I32);
+    for (int64_t b = 0; b < B; ++b) {
+      int32_t* id = ids.data<int32_t>() + b * L;
+      const int64_t length = lengths.data<int32_t>()[b];
+      int64_t sentinels = 0;
+      for (int64_t t = 0; t < L; ++t) {
+        id[t] = random.below(config.text_vocab());
+        if (random.below(sentinel_every) == 0 && sentinels < config.num_sentinels) {
+          id[t] = static_cast<int32_t>(config.sentinel_id(sentinels++));
+        }
+        if (t == length - 1) id[t] = eos;
+        if (t >= length) id[t] = padding;
+      }
+    }
+    return ids;
+  };
+  const Tensor enc_lengths = mock_lengths(B, S, random);
+  const Tensor enc_ids = sequences(enc_lengths, S, 8, pad);
+  const Tensor dec_lengths = mock_lengths(B, T, random);
+  const Tensor targets = sequences(dec_lengths, T, 4, -100);
+  Tensor dec_ids = Tensor::empty({B, T}, DType::I32);
+  for (int64_t b = 0; b < B; ++b) {
+    const int32_t* target = targets.data<int32_t>() + b * T;
+    int32_t* id = dec_ids.data<int32_t>() + b * T;
+    id[0] = pad;
+    for (int64_t t = 1; t < T; ++t) id[t] = target[t - 1] == -100 ? pad : target[t - 1];
+  }
+  return t5_micro_batch(enc_ids, enc_lengths, dec_ids, dec_lengths, targets);
+}
+
+// The model under test, from the config's family: a GPT on mock tokens, a ViT on mock images,
+// a BERT on mock pretraining sequences or a T5 on mock span-corruption batches.
 struct BenchModel {
   std::string family = "gpt", name;
   GPTConfig gpt;
   ViTConfig vit;
   BertConfig bert;
-  int64_t seq_length = 0;  // tokens per sample
+  T5Config t5;
+  int64_t seq_length = 0;     // tokens per sample (a T5: its encoder's, what tokens/s counts)
+  int64_t target_length = 0;  // a T5: decoder tokens per sample (the config's max_target_len)
   // The BF16 tokens/s ratio to PyTorch's BF16 autocast a family's issue asks for: GPT's on
   // this processor (Debian's torch runs BF16 slowly here), 2x for the other models (issue 15).
   double torch_goal() const { return family == "gpt" ? 6.0 : 2.0; }
@@ -199,6 +256,18 @@ struct BenchModel {
                   seq_length);
       return;
     }
+    if (family == "t5") {
+      t5 = T5Config::load(config_path);
+      name = t5.name;
+      seq_length = seq_length_option ? seq_length_option : t5.max_seq_len;
+      target_length = t5.max_target_len;
+      OCTET_CHECK(seq_length >= 1 && seq_length <= t5.max_seq_len,
+                  "bench train: --seq-length (a T5's encoder tokens) expected in [1, ",
+                  t5.max_seq_len, "] for ", t5.name, ", got ", seq_length);
+      return;
+    }
+    OCTET_CHECK(family == "gpt", "bench train: config '", config_path,
+                "': expected a gpt, vit, bert or t5 model, got '", family, "'");
     gpt = GPTConfig::load(config_path);
     name = gpt.name;
     seq_length = seq_length_option ? seq_length_option : gpt.max_seq_len;
@@ -208,28 +277,34 @@ struct BenchModel {
   }
   bool is_vit() const { return family == "vit"; }
   bool is_bert() const { return family == "bert"; }
+  bool is_t5() const { return family == "t5"; }
   double num_parameters() const {
     if (is_bert()) return static_cast<double>(bert.num_parameters());
+    if (is_t5()) return static_cast<double>(t5.num_parameters());
     return static_cast<double>(is_vit() ? vit.num_parameters() : gpt.num_parameters());
   }
   double flops_per_token() const {
     if (is_bert()) return bert.train_flops_per_token(seq_length);
+    if (is_t5()) return t5.train_flops_per_token(seq_length, target_length);  // per input token
     return is_vit() ? vit.train_flops_per_token() : gpt.train_flops_per_token(seq_length);
   }
   // What train_step's loss is, for the printed explanation.
   const char* loss_text() const {
     if (is_bert()) return "MLM cross-entropy over the masked tokens + NSP";
+    if (is_t5()) return "the decoder's cross-entropy over the targets";
     return is_vit() ? "the class token's cross-entropy" : "fused chunked cross-entropy";
   }
   std::unique_ptr<TrainableModel> make(uint64_t seed) const {
     if (is_bert()) return std::make_unique<Bert>(bert, seed);
+    if (is_t5()) return std::make_unique<T5>(t5, seed);
     if (is_vit()) return std::make_unique<ViT>(vit, seed);
     return std::make_unique<GPT>(gpt, seed);
   }
-  // Mock micro-batch: tokens and their next tokens, uniform pixels and labels, or masked
-  // sentence pairs.
+  // Mock micro-batch: tokens and their next tokens, uniform pixels and labels, masked
+  // sentence pairs, or corrupted text and its spans.
   pipeline::MicroBatch batch(int64_t B, uint64_t seed) const {
     if (is_bert()) return mock_bert_batch(bert, B, seq_length, seed);
+    if (is_t5()) return mock_t5_batch(t5, B, seq_length, target_length, seed);
     if (!is_vit()) {
       Tensor ids, targets;
       mock_batch(B, seq_length, gpt.vocab_size, seed, ids, targets);
@@ -369,8 +444,8 @@ class OctetRun {
 class TorchPeer {
  public:
   TorchPeer(const std::filesystem::path& config_path, const std::string& precision,
-            const Options& o, int64_t seq_length)
-      : seq_length_(seq_length) {
+            const Options& o, const BenchModel& model)
+      : seq_length_(model.seq_length) {
     result_.impl = "torch_" + precision;
     result_.precision = precision;
     result_.micro_batch_size = precision == "fp32"
@@ -382,11 +457,26 @@ class TorchPeer {
       std::fprintf(stderr, "bench train: bench/peers/torch_train.py not found; no torch figures\n");
       return;
     }
-    running_ = process_.start(
-        {"/usr/bin/python3", script.string(), "--config", config_path.string(), "--precision",
-         precision, "--micro-batch-size", std::to_string(result_.micro_batch_size), "--seq-length",
-         std::to_string(seq_length), "--warmup", std::to_string(o.warmup), "--threads",
-         std::to_string(num_threads()), "--seed", std::to_string(o.seed)});
+    std::vector<std::string> command = {"/usr/bin/python3",
+                                        script.string(),
+                                        "--config",
+                                        config_path.string(),
+                                        "--precision",
+                                        precision,
+                                        "--micro-batch-size",
+                                        std::to_string(result_.micro_batch_size),
+                                        "--seq-length",
+                                        std::to_string(model.seq_length),
+                                        "--warmup",
+                                        std::to_string(o.warmup),
+                                        "--threads",
+                                        std::to_string(num_threads()),
+                                        "--seed",
+                                        std::to_string(o.seed)};
+    if (model.is_t5()) {
+      command.insert(command.end(), {"--target-length", std::to_string(model.target_length)});
+    }
+    running_ = process_.start(command);
     if (!running_) std::fprintf(stderr, "bench train: torch %s did not start\n", precision.c_str());
   }
   bool running() const { return running_; }
@@ -544,6 +634,7 @@ void print_json(const std::vector<Result>& results, const RoundRatios& rounds,
                            {"saved_activation_bytes", r.saved_activation_bytes},
                            {"loss", bench::json_number(r.loss)},
                            {"threads", num_threads()}};
+    if (model.is_t5()) line["target_length"] = model.target_length;
     if (r.has_breakdown) line["breakdown_ms"] = breakdown_json(r);
     if (r.impl == "octet") {
       line["train_step_peak_bytes"] = r.step_peak_bytes;
@@ -627,6 +718,12 @@ void print_table(const std::vector<Result>& results, const RoundRatios& rounds,
   if (model.is_vit()) {
     std::printf("a ViT: images/s = tokens/s / %lld (its patches and the class token)\n",
                 (long long)model.seq_length);
+  }
+  if (model.is_t5()) {
+    std::printf(
+        "a T5: tokens are encoder (input) tokens; each sequence also has %lld decoder "
+        "tokens, whose work the FLOPs per token include\n",
+        (long long)model.target_length);
   }
   std::printf("measured BF16 GEMM peak %.1f GFLOP/s; %.3f GFLOP per token (MFU counts these)\n",
               peak_gflops, model.flops_per_token() / 1e9);
@@ -718,7 +815,7 @@ void run_bench(const Options& o) {
                                      [&](const auto& p) { return p->impl() == "torch_" + peer; });
     if (o.no_torch || started) continue;
     if (!o.json) std::fprintf(stderr, "bench train: starting torch %s ...\n", peer.c_str());
-    peers.push_back(std::make_unique<TorchPeer>(config_path, peer, o, model.seq_length));
+    peers.push_back(std::make_unique<TorchPeer>(config_path, peer, o, model));
   }
   for (int i = 0; i < o.warmup; ++i) {
     for (auto& run : runs) run->step(/*warmup=*/true);
@@ -786,8 +883,8 @@ void run_bench(const Options& o) {
 void register_bench_train(CLI::App& bench) {
   CLI::App* cmd = bench.add_subcommand(
       "train",
-      "Training steps of a GPT, ViT or BERT config: tokens/s, MFU, memory; beside PyTorch fp32 "
-      "and bf16");
+      "Training steps of a GPT, ViT, BERT or T5 config: tokens/s, MFU, memory; beside PyTorch "
+      "fp32 and bf16");
   auto o = std::make_shared<Options>();
   cmd->add_option("--config", o->config, "Model config JSON, or a name in configs/")
       ->capture_default_str();
@@ -813,7 +910,8 @@ void register_bench_train(CLI::App& bench) {
       ->capture_default_str()
       ->check(at_least(1));
   cmd->add_option("--seq-length", o->seq_length,
-                  "Tokens per sequence (0: the config's; a ViT: its patches + 1; a BERT: >= 5)")
+                  "Tokens per sequence (0: the config's; a ViT: its patches + 1; a BERT: >= 5; "
+                  "a T5: its encoder's)")
       ->capture_default_str()
       ->check(at_least(1));
   cmd->add_option("--peak-gflops", o->peak_gflops, "BF16 GEMM peak for MFU (0: measure)")

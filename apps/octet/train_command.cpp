@@ -70,6 +70,11 @@ void register_train(CLI::App& app) {
   cmd->add_flag("--fp8-dpa", o->fp8_dpa,
                 "FP8 attention (TransformerEngine's fp8_dpa): Q, K, V, the probabilities, dO and "
                 "the score gradients in FP8 inside DotProductAttention (--fp8-recipe delayed)");
+  cmd->add_option(
+         "--freeze", o->freeze,
+         "Parameter name prefixes, comma-separated (e.g. vision_model.,visual_projection): "
+         "those parameters keep their weights and get no optimizer state")
+      ->delimiter(',');
   cmd->add_flag("--first-last-layers-bf16", o->first_last_layers_bf16,
                 "Under fp8 / fp4: the first and last transformer layers in BF16 (counts below)");
   cmd->add_option("--num-layers-at-start-in-bf16", o->num_layers_at_start_in_bf16,

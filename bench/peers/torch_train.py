@@ -3,7 +3,9 @@
 
 The config's family decides the model: a GPT (torch_gpt.py) on mock tokens, a ViT
 (torch_vit.py, a config with "model": "vit") on mock images, or a BERT (torch_bert.py, "model":
-"bert") on mock masked sentence pairs (the MLM and NSP losses). AdamW (betas 0.9/0.95, weight
+"bert") on mock masked sentence pairs (the MLM and NSP losses), or a T5 (torch_t5.py, "model":
+"t5") on mock span-corruption batches (--seq-length encoder tokens, --target-length decoder
+tokens; a step's tokens are its encoder tokens, as octet counts them). AdamW (betas 0.9/0.95, weight
 decay 0.1 on matrices only, foreach off as torch 1.13's CPU default) with global-norm clipping
 at 1.0, as octet's trainer does.
 
@@ -32,6 +34,7 @@ import torch
 
 import torch_bert
 import torch_gpt
+import torch_t5
 import torch_vit
 from torch_gpt import answer, profile_step, resident_bytes, saved_activation_bytes
 
@@ -42,8 +45,10 @@ def main():
     parser.add_argument("--precision", default="bf16", help="fp32 | bf16")
     parser.add_argument("--micro-batch-size", type=int, default=8)
     parser.add_argument("--seq-length", type=int, default=0,
-                        help="GPT, BERT: 0 = the config's max_seq_len (a ViT's is its "
-                        "patches + 1)")
+                        help="GPT, BERT, T5 (encoder): 0 = the config's max_seq_len (a ViT's "
+                        "is its patches + 1)")
+    parser.add_argument("--target-length", type=int, default=0,
+                        help="T5: decoder tokens per sequence, 0 = the config's max_target_len")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps before ready")
     parser.add_argument("--threads", type=int, default=0, help="0 keeps torch's default")
     parser.add_argument("--seed", type=int, default=1234)
@@ -69,6 +74,13 @@ def main():
         seq = args.seq_length or config["max_seq_len"]
         generator = torch.Generator().manual_seed(args.seed)
         batches = [torch_bert.mock_batch(config, batch, seq, generator) for _ in range(4)]
+    elif family == "t5":
+        model = torch_t5.T5(config)
+        seq = args.seq_length or config["max_seq_len"]
+        target_len = args.target_length or config["max_target_len"]
+        generator = torch.Generator().manual_seed(args.seed)
+        batches = [torch_t5.mock_batch(config, batch, seq, target_len, generator)
+                   for _ in range(4)]
     else:
         torch_gpt.check_config(config)
         model = torch_gpt.GPT(config)

@@ -67,8 +67,11 @@ std::string first_nonfinite(const TensorMap& tensors);
 // nothing is split). Sharding replaces the entries of the part's parameters, keeps the others
 // (FP8 state, other stages' tensors) and names `source` in the error for a missing one.
 // Gathering returns the part's parameters' whole tensors (collective over the tensor group).
-TensorMap shard_optimizer_state(TrainableModel& model, TensorMap whole, const std::string& source);
-TensorMap gather_optimizer_state(TrainableModel& model, const TensorMap& local);
+// `trained`: the parameters the optimizer updates (all of the part's but the frozen ones).
+TensorMap shard_optimizer_state(TrainableModel& model, const std::vector<Parameter*>& trained,
+                                TensorMap whole, const std::string& source);
+TensorMap gather_optimizer_state(TrainableModel& model, const std::vector<Parameter*>& trained,
+                                 const TensorMap& local);
 // Sharded by pipeline stage (collective over the world): the first tensor- and data-parallel
 // rank of each stage writes model-pp{S}.safetensors and optimizer-pp{S}.safetensors with its
 // part (GPT names), rank 0 writes trainer.json listing the shards and the layout, then swaps
@@ -159,6 +162,10 @@ struct TrainOptions {
   int64_t num_layers_at_start_in_bf16 = 1;
   int64_t num_layers_at_end_in_bf16 = 1;
   bool recompute_activations = false;
+  // Frozen parameters: those whose names start with one of these prefixes (e.g.
+  // "vision_model." for a CLIP's image tower) keep their values, and the optimizer holds no
+  // state for them nor counts them in the clipping norm. Each prefix must name a parameter.
+  std::vector<std::string> freeze;
   // FP8 health per quantized tensor (amax, scale, underflow, saturation) in each metrics line
   // ("fp8") and a summary table at the end. Needs precision fp8; off costs nothing.
   bool fp8_stats = false;

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cstring>
 
+#include "models/image_rows.h"
 #include "models/precision_scope.h"
 #include "modules/common.h"
 #include "octet/fp4.h"
@@ -16,6 +17,9 @@
 namespace octet {
 
 using models_detail::HighPrecisionScope;
+using models_detail::put_rows;
+using models_detail::strided_rows;
+using models_detail::take_rows;
 
 pipeline::MicroBatch vit_micro_batch(const Tensor& pixels, const Tensor& labels) {
   return {{"pixels", pixels}, {"labels", labels}};
@@ -52,32 +56,6 @@ ViT::Context& own_context(pipeline::StagedModel::Context& base) {
   auto* ctx = dynamic_cast<ViT::Context*>(&base);
   OCTET_CHECK(ctx, "vit: expected a context from ViT::make_context()");
   return *ctx;
-}
-
-// Rows first, first + stride, ... (count of them) of x [N, C] (any dtype) -> [count, C]; and
-// the adjoint: y's rows into those rows of a zeroed [rows, C].
-Tensor take_rows(const Tensor& x, int64_t first, int64_t stride, int64_t count) {
-  const int64_t C = x.dim(-1);
-  const size_t row_bytes = static_cast<size_t>(C) * dtype_bytes(x.dtype());
-  Tensor out = Tensor::empty({count, C}, x.dtype());
-  const auto* src = static_cast<const char*>(x.raw());
-  auto* dst = static_cast<char*>(out.raw());
-  for (int64_t i = 0; i < count; ++i) {
-    std::memcpy(dst + i * row_bytes, src + (first + i * stride) * row_bytes, row_bytes);
-  }
-  return out;
-}
-
-Tensor put_rows(const Tensor& y, int64_t rows, int64_t first, int64_t stride) {
-  const int64_t C = y.dim(-1);
-  const size_t row_bytes = static_cast<size_t>(C) * dtype_bytes(y.dtype());
-  Tensor out = Tensor::zeros({rows, C}, y.dtype());
-  const auto* src = static_cast<const char*>(y.raw());
-  auto* dst = static_cast<char*>(out.raw());
-  for (int64_t i = 0; i < y.dim(0); ++i) {
-    std::memcpy(dst + (first + i * stride) * row_bytes, src + i * row_bytes, row_bytes);
-  }
-  return out;
 }
 
 }  // namespace
@@ -178,64 +156,21 @@ Shape ViT::activation_shape(const pipeline::MicroBatch& batch) const {
 
 Tensor ViT::embed(const Tensor& pixels, DType dtype, Linear::Context& patch_ctx) {
   const ViTConfig& c = config_;
-  const int64_t B = pixels.dim(0), N = c.num_patches(), T = c.seq_len(), C = c.hidden;
-  const int64_t P = c.patch_size, S = c.image_size, per_row = S / P, D = c.patch_dim();
-  // patches [B*N, C_in*P*P]: patch (py, px) holds pixel (ch, py*P + i, px*P + j) at
-  // ch*P*P + i*P + j (a convolution's weight layout [hidden, C_in, P, P], flattened).
-  Tensor patches = Tensor::empty({B * N, D}, DType::F32);
-  const float* image = pixels.data<float>();
-  float* out = patches.data<float>();
-#pragma omp parallel for
-  for (int64_t bn = 0; bn < B * N; ++bn) {
-    const int64_t b = bn / N, n = bn % N, py = n / per_row, px = n % per_row;
-    float* row = out + bn * D;
-    for (int64_t ch = 0; ch < c.channels; ++ch) {
-      const float* plane = image + (b * c.channels + ch) * S * S;
-      for (int64_t i = 0; i < P; ++i) {
-        std::memcpy(row + (ch * P + i) * P, plane + (py * P + i) * S + px * P,
-                    static_cast<size_t>(P) * sizeof(float));
-      }
-    }
-  }
+  const int64_t B = pixels.dim(0);
+  const Tensor patches =
+      models_detail::image_patches(pixels, c.channels, c.image_size, c.patch_size);
   Tensor embedded;
   {
     HighPrecisionScope scope;
     embedded = patch_embed_->forward(dtype == DType::F32 ? patches : patches.to(dtype), patch_ctx);
   }
   const Tensor y = embedded.dtype() == DType::F32 ? embedded : embedded.to(DType::F32);
-  Tensor x = Tensor::empty({B * T, C}, DType::F32);
-  const float* cls = cls_token.value.data<float>();
-  const float* pos = pos_embed.value.data<float>();
-  const float* patch_rows = y.data<float>();
-  float* xs = x.data<float>();
-#pragma omp parallel for
-  for (int64_t bt = 0; bt < B * T; ++bt) {
-    const int64_t b = bt / T, t = bt % T;
-    const float* from = t == 0 ? cls : patch_rows + (b * N + t - 1) * C;
-    for (int64_t k = 0; k < C; ++k) xs[bt * C + k] = from[k] + pos[t * C + k];
-  }
-  return x;
+  return models_detail::class_and_patches(y, cls_token.value, pos_embed.value, B);
 }
 
 void ViT::embed_backward(const Tensor& dx, int64_t batch, Linear::Context& patch_ctx) {
-  const int64_t N = config_.num_patches(), T = config_.seq_len(), C = config_.hidden;
-  const float* d = dx.data<float>();
-  float* dcls = cls_token.grad.data<float>();
-  float* dpos = pos_embed.grad.data<float>();
-  Tensor dpatch = Tensor::empty({batch * N, C}, DType::F32);
-  float* dp = dpatch.data<float>();
-#pragma omp parallel for
-  for (int64_t t = 0; t < T; ++t) {
-    for (int64_t b = 0; b < batch; ++b) {
-      const float* row = d + (b * T + t) * C;
-      for (int64_t k = 0; k < C; ++k) dpos[t * C + k] += row[k];
-      if (t == 0) {
-        for (int64_t k = 0; k < C; ++k) dcls[k] += row[k];
-      } else {
-        std::memcpy(dp + (b * N + t - 1) * C, row, static_cast<size_t>(C) * sizeof(float));
-      }
-    }
-  }
+  const Tensor dpatch =
+      models_detail::class_and_patches_backward(dx, batch, cls_token.grad, pos_embed.grad);
   HighPrecisionScope scope;
   patch_embed_->backward(patch_ctx.dtype == DType::F32 ? dpatch : dpatch.to(patch_ctx.dtype),
                          patch_ctx);
@@ -250,7 +185,7 @@ float ViT::head_loss(const Tensor& h, const Tensor& labels, int64_t batch, DType
   const Tensor rows = h.reshape({h.numel() / C, C});
   // Every rank's class tokens: the whole [B*T, C] under sequence parallelism.
   const Tensor whole = sequence_parallel() ? gather_from_sequence_parallel_region(rows, *tp) : rows;
-  const Tensor cls = take_rows(whole, 0, T, batch);
+  const Tensor cls = take_rows(whole, strided_rows(0, T, batch));
   HighPrecisionScope scope;
   Norm::Context norm_scratch;
   Linear::Context head_scratch;
@@ -334,7 +269,7 @@ Tensor ViT::backward(int chunk, const Tensor& doutput, StagedModel::Context& bas
     OCTET_CHECK(ctx.dclass.defined(), "vit: backward of the last stage before its forward");
     // Only the class tokens reach the head; each rank keeps its rows of the gradient (the
     // head ran whole on every rank).
-    Tensor dwhole = put_rows(ctx.dclass, B * T, 0, T);
+    Tensor dwhole = put_rows(ctx.dclass, B * T, strided_rows(0, T, B));
     ctx.dclass = Tensor();
     if (sequence_parallel()) dwhole = scatter_to_sequence_parallel_region(dwhole, *tp);
     dx = dwhole.reshape(boundary);
@@ -369,8 +304,8 @@ Tensor ViT::logits(const Tensor& pixels, DType dtype) {
   Tensor h = embed(pixels, dtype, patch);
   h = (dtype == DType::F32 ? h : h.to(dtype)).reshape({B, config_.seq_len(), config_.hidden});
   h = forward_layers(0, h, nullptr, 0);
-  const Tensor cls =
-      take_rows(h.reshape({h.numel() / config_.hidden, config_.hidden}), 0, config_.seq_len(), B);
+  const Tensor cls = take_rows(h.reshape({h.numel() / config_.hidden, config_.hidden}),
+                               strided_rows(0, config_.seq_len(), B));
   HighPrecisionScope scope;
   Norm::Context norm;
   Linear::Context head;

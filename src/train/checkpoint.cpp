@@ -288,8 +288,9 @@ constexpr const char* kOptimizerSuffixes[] = {".exp_avg", ".exp_avg_sq"};
 
 }  // namespace
 
-TensorMap shard_optimizer_state(TrainableModel& model, TensorMap whole, const std::string& source) {
-  for (Parameter* p : model.parameters()) {
+TensorMap shard_optimizer_state(TrainableModel& model, const std::vector<Parameter*>& trained,
+                                TensorMap whole, const std::string& source) {
+  for (Parameter* p : trained) {
     for (const char* suffix : kOptimizerSuffixes) {
       auto it = whole.find(p->name + suffix);
       OCTET_CHECK(it != whole.end(), "checkpoint '", source, "': optimizer state misses '",
@@ -300,9 +301,10 @@ TensorMap shard_optimizer_state(TrainableModel& model, TensorMap whole, const st
   return whole;
 }
 
-TensorMap gather_optimizer_state(TrainableModel& model, const TensorMap& local) {
+TensorMap gather_optimizer_state(TrainableModel& model, const std::vector<Parameter*>& trained,
+                                 const TensorMap& local) {
   TensorMap whole;
-  for (Parameter* p : model.parameters()) {
+  for (Parameter* p : trained) {
     for (const char* suffix : kOptimizerSuffixes) {
       auto it = local.find(p->name + suffix);
       OCTET_CHECK(it != local.end(), "optimizer state: no '", p->name + suffix, "' to save");

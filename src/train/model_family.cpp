@@ -1,14 +1,17 @@
-// The model families the trainer runs: GPT, BERT and T5 on token shards, ViT on labelled images.
+// The model families the trainer runs: GPT, BERT and T5 on token shards, ViT on labelled images,
+// CLIP on captioned images.
 #include "train/model_family.h"
 
 #include <cmath>
 
 #include "octet/bert.h"
+#include "octet/clip.h"
 #include "octet/data.h"
 #include "octet/model.h"
 #include "octet/t5.h"
 #include "octet/vit.h"
 #include "train/bert_batcher.h"
+#include "train/clip_captions.h"
 #include "train/t5_batcher.h"
 
 namespace octet::train_detail {
@@ -77,6 +80,37 @@ class GptFamily : public ModelFamily {
   GPTConfig config_;
 };
 
+// Labelled images for an image model of `channels` x `size` x `size` pixels and at least
+// `classes` classes: --mock-data, or the IDX directory of --train-data (its training split) /
+// --valid-data (its test split, normalized with the training split's statistics); null for
+// validation without --valid-data.
+std::unique_ptr<ImageBatcher> open_images(const TrainOptions& o, bool train, int64_t channels,
+                                          int64_t size, int64_t classes) {
+  if (o.mock_data) {
+    return std::make_unique<ImageBatcher>(channels * size * size, classes, o.seed, train ? 1 : 2);
+  }
+  if (!train && o.valid_data.empty()) return nullptr;
+  ImageDataset data = load_fashion_mnist(train ? o.train_data : o.valid_data, train);
+  OCTET_CHECK(channels == 1 && data.rows == size && data.cols == size, "image data '",
+              train ? o.train_data : o.valid_data, "' holds ", data.rows, "x", data.cols,
+              " grey images; the config expects ", channels, "x", size, "x", size);
+  OCTET_CHECK(data.num_classes <= classes, "image data has ", data.num_classes,
+              " classes; the config has ", classes);
+  if (train) {
+    return std::make_unique<ImageBatcher>(std::move(data), true, o.seed, 1, o.image_augment);
+  }
+  // Validation images normalized with the training split's statistics, as training saw them.
+  const ImageBatcher::PixelStats stats =
+      o.train_data.empty() ? ImageBatcher::pixel_stats(data)
+                           : ImageBatcher::pixel_stats(load_fashion_mnist(o.train_data, true));
+  return std::make_unique<ImageBatcher>(std::move(data), false, o.seed, 2, false, stats);
+}
+
+std::string image_data_hint() {
+  return "--train-data DIR (IDX images and labels, e.g. " + default_fashion_mnist_dir() +
+         " from Debian's dataset-fashion-mnist) or --mock-data";
+}
+
 class VitFamily : public ModelFamily {
  public:
   explicit VitFamily(const TrainOptions& o) : config_(ViTConfig::load(o.config_path)) {
@@ -98,10 +132,7 @@ class VitFamily : public ModelFamily {
   }
   double train_flops_per_token(int64_t) const override { return config_.train_flops_per_token(); }
   bool classifies() const override { return true; }
-  std::string data_hint() const override {
-    return "--train-data DIR (IDX images and labels, e.g. " + default_fashion_mnist_dir() +
-           " from Debian's dataset-fashion-mnist) or --mock-data";
-  }
+  std::string data_hint() const override { return image_data_hint(); }
   std::unique_ptr<TrainableModel> make_model(ModelLayout layout,
                                              const TrainOptions& o) const override {
     auto model = std::make_unique<ViT>(config_, o.seed, std::move(layout), o.recompute_activations);
@@ -111,28 +142,7 @@ class VitFamily : public ModelFamily {
     return model;
   }
   std::unique_ptr<DataSource> open_data(const TrainOptions& o, bool train, int64_t) const override {
-    if (o.mock_data) {
-      return std::make_unique<ImageBatcher>(config_.pixels(), config_.num_classes, o.seed,
-                                            train ? 1 : 2);
-    }
-    if (!train && o.valid_data.empty()) return nullptr;
-    // --train-data DIR: its training split; --valid-data DIR: its test split.
-    ImageDataset data = load_fashion_mnist(train ? o.train_data : o.valid_data, train);
-    OCTET_CHECK(
-        config_.channels == 1 && data.rows == config_.image_size && data.cols == config_.image_size,
-        "image data '", train ? o.train_data : o.valid_data, "' holds ", data.rows, "x", data.cols,
-        " grey images; the config expects ", config_.channels, "x", config_.image_size, "x",
-        config_.image_size);
-    OCTET_CHECK(data.num_classes <= config_.num_classes, "image data has ", data.num_classes,
-                " classes; the config's head has ", config_.num_classes);
-    if (train) {
-      return std::make_unique<ImageBatcher>(std::move(data), true, o.seed, 1, o.image_augment);
-    }
-    // Validation images normalized with the training split's statistics, as training saw them.
-    const ImageBatcher::PixelStats stats =
-        o.train_data.empty() ? ImageBatcher::pixel_stats(data)
-                             : ImageBatcher::pixel_stats(load_fashion_mnist(o.train_data, true));
-    return std::make_unique<ImageBatcher>(std::move(data), false, o.seed, 2, false, stats);
+    return open_images(o, train, config_.channels, config_.image_size, config_.num_classes);
   }
   double baseline_loss(const TrainOptions&) const override {
     return std::log(static_cast<double>(config_.num_classes));  // a uniform guess
@@ -270,6 +280,67 @@ class T5Family : public ModelFamily {
   T5Config config_;
 };
 
+// CLIP's contrastive training on labelled images, each paired with a caption made from its
+// class (train/clip_captions.h); validation reports the loss and zero-shot accuracy.
+class ClipFamily : public ModelFamily {
+ public:
+  explicit ClipFamily(const TrainOptions& o) : config_(CLIPConfig::load(o.config_path)) {
+    OCTET_CHECK(o.vocab_dir.empty() && o.vocab_size == 0,
+                "--vocab-dir and --vocab-size are a language model's: the config '", o.config_path,
+                "' is a CLIP (its captions' words are its vocabulary)");
+    const auto words = static_cast<int64_t>(clip_vocabulary().size());
+    OCTET_CHECK(config_.vocab_size >= words, "config '", o.config_path, "': vocab_size ",
+                config_.vocab_size, " expected at least the captions' ", words, " words");
+    OCTET_CHECK(config_.num_classes == static_cast<int64_t>(fashion_mnist_classes().size()),
+                "config '", o.config_path, "': num_classes ", config_.num_classes, " expected ",
+                fashion_mnist_classes().size(), " (the captioned classes)");
+    OCTET_CHECK(!o.image_augment || !o.mock_data,
+                "--image-augment transforms real images: give --train-data DIR, not --mock-data");
+  }
+  std::string name() const override { return config_.name; }
+  nlohmann::json config_json() const override { return config_.to_json(); }
+  int64_t num_parameters() const override { return config_.num_parameters(); }
+  int64_t num_layers() const override { return config_.num_layers(); }
+  int64_t seq_len(const TrainOptions& o) const override {
+    OCTET_CHECK(o.seq_length == 0, "--seq-length: a CLIP's sequences are its image's ",
+                config_.vision_seq_len(), " patch tokens and its caption's ", config_.max_text_len,
+                " tokens; leave it out");
+    return config_.vision_seq_len();
+  }
+  // Tokens/s count image tokens (patches and the class token); the captions' work is in the
+  // FLOPs of each.
+  double train_flops_per_token(int64_t) const override {
+    return config_.train_flops_per_pair() / static_cast<double>(config_.vision_seq_len());
+  }
+  bool classifies() const override { return true; }
+  std::string accuracy_name() const override { return "zero-shot accuracy"; }
+  std::string baseline_name() const override { return "uniform guess (ln micro-batch)"; }
+  std::string data_hint() const override { return image_data_hint(); }
+  std::unique_ptr<TrainableModel> make_model(ModelLayout layout,
+                                             const TrainOptions& o) const override {
+    auto model =
+        std::make_unique<CLIP>(config_, o.seed, std::move(layout), o.recompute_activations);
+    if (o.first_last_layers_bf16) {
+      model->set_high_precision_layers(o.num_layers_at_start_in_bf16, o.num_layers_at_end_in_bf16);
+    }
+    return model;
+  }
+  std::unique_ptr<DataSource> open_data(const TrainOptions& o, bool train, int64_t) const override {
+    std::unique_ptr<DataSource> images =
+        open_images(o, train, config_.channels, config_.image_size, config_.num_classes);
+    if (!images) return nullptr;
+    return std::make_unique<ClipBatcher>(std::move(images), config_.max_text_len, o.seed,
+                                         train ? 3 : 4);
+  }
+  // Each caption's image guessed among the micro-batch's.
+  double baseline_loss(const TrainOptions& o) const override {
+    return std::log(static_cast<double>(o.micro_batch_size));
+  }
+
+ private:
+  CLIPConfig config_;
+};
+
 }  // namespace
 
 std::unique_ptr<ModelFamily> ModelFamily::from_options(const TrainOptions& o) {
@@ -277,6 +348,7 @@ std::unique_ptr<ModelFamily> ModelFamily::from_options(const TrainOptions& o) {
   if (family == "vit") return std::make_unique<VitFamily>(o);
   if (family == "bert") return std::make_unique<BertFamily>(o);
   if (family == "t5") return std::make_unique<T5Family>(o);
+  if (family == "clip") return std::make_unique<ClipFamily>(o);
   return std::make_unique<GptFamily>(o);
 }
 

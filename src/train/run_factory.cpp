@@ -90,6 +90,7 @@ TrainingRun::TrainingRun(const TrainOptions& options) : o_(options) {
   } else {
     model_ = make_model(ModelLayout{});
   }
+  trained_ = select_trained();
   if (!o_.load.empty()) load_checkpoint_state();
   if (data_parallel_) build_data_parallel();
   build_optimizer();
@@ -124,6 +125,12 @@ void TrainingRun::check_options() {
                  {"--log-interval", static_cast<double>(o_.log_interval), 0},
                  {"--save-interval", static_cast<double>(o_.save_interval), 0},
                  {"--ddp-bucket-size", static_cast<double>(o_.ddp_bucket_size), 1}};
+  OCTET_CHECK(o_.freeze.empty() || !o_.use_distributed_optimizer,
+              "--freeze with --use-distributed-optimizer is not supported yet (ZeRO-1 shards "
+              "every parameter's state): leave one out");
+  for (const std::string& prefix : o_.freeze) {
+    OCTET_CHECK(!prefix.empty(), "--freeze expected parameter name prefixes, got an empty one");
+  }
   for (const auto& number : numbers) {
     OCTET_CHECK(std::isfinite(number.value) && number.value >= number.min, number.flag,
                 " expected a finite number >= ", number.min, ", got ", number.value);
@@ -248,7 +255,8 @@ void TrainingRun::load_checkpoint_state() {
   // this rank's slices of their optimizer state.
   loaded_model_ = model_->from_checkpoint_names(checkpoint.model);
   model_->load_state_dict(loaded_model_);
-  loaded_optimizer_ = shard_optimizer_state(*model_, std::move(checkpoint.optimizer), o_.load);
+  loaded_optimizer_ =
+      shard_optimizer_state(*model_, trained_, std::move(checkpoint.optimizer), o_.load);
   loaded_steps_ = count("optimizer_steps");
   start_iteration_ = count("iteration");
 }
@@ -299,6 +307,42 @@ void TrainingRun::build_data_parallel() {
   });
 }
 
+std::vector<Parameter*> TrainingRun::select_trained() const {
+  const std::vector<Parameter*> all = model_->parameters();
+  if (o_.freeze.empty()) return all;
+  auto frozen = [&](const Parameter* p) {
+    return std::any_of(o_.freeze.begin(), o_.freeze.end(), [&](const std::string& prefix) {
+      return p->name.compare(0, prefix.size(), prefix) == 0;
+    });
+  };
+  std::vector<Parameter*> trained;
+  int64_t frozen_values = 0;
+  for (Parameter* p : all) {
+    if (frozen(p)) {
+      frozen_values += p->value.numel();
+    } else {
+      trained.push_back(p);
+    }
+  }
+  // Each prefix names a parameter of the model (of this rank's part where the model is cut
+  // into pipeline stages, whose parts hold different names).
+  if (!pipelined_) {
+    for (const std::string& prefix : o_.freeze) {
+      const bool found = std::any_of(all.begin(), all.end(), [&](const Parameter* p) {
+        return p->name.compare(0, prefix.size(), prefix) == 0;
+      });
+      OCTET_CHECK(found, "--freeze '", prefix, "' names no parameter of ", family_->name(),
+                  " (its names start e.g. '", all.front()->name, "', '", all.back()->name, "')");
+    }
+  }
+  OCTET_CHECK(!trained.empty() || pipelined_, "--freeze leaves no parameter to train");
+  if (!quiet_) {
+    std::printf("frozen: %zu tensors (%.2fM values) keep their weights, without optimizer state\n",
+                all.size() - trained.size(), static_cast<double>(frozen_values) / 1e6);
+  }
+  return trained;
+}
+
 void TrainingRun::build_optimizer() {
   // With the model split over tensor or pipeline ranks the clipping norm spans the model
   // group: AdamW clips nothing, the loop does (or ZeRO-1's scope).
@@ -316,7 +360,7 @@ void TrainingRun::build_optimizer() {
   }
   AdamWOptions options = adam_;
   if (split_model) options.clip_grad = 0;
-  adamw_ = std::make_unique<AdamW>(model_->parameters(), options);
+  adamw_ = std::make_unique<AdamW>(trained_, options);
   if (!o_.load.empty()) adamw_->load_state(loaded_optimizer_, loaded_steps_);
 }
 

@@ -248,10 +248,17 @@ double TrainingRun::optimizer_step(float lr) {
     grad_norm = adamw_->step(lr);  // the whole model here: AdamW clips
   } else {
     // Over the model group, each model parameter counted once.
-    grad_norm = grad_norm_over(
-        model_->counted_in_norm(executor_ ? executor_->owned_parameters() : model_->parameters()),
-        parallel_->model());
-    clip_gradients(grad_norm, o_.clip_grad, model_->parameters());
+    std::vector<Parameter*> counted =
+        model_->counted_in_norm(executor_ ? executor_->owned_parameters() : model_->parameters());
+    // Frozen parameters (--freeze) are not counted.
+    counted.erase(std::remove_if(counted.begin(), counted.end(),
+                                 [&](Parameter* p) {
+                                   return std::find(trained_.begin(), trained_.end(), p) ==
+                                          trained_.end();
+                                 }),
+                  counted.end());
+    grad_norm = grad_norm_over(counted, parallel_->model());
+    clip_gradients(grad_norm, o_.clip_grad, trained_);
     if (std::isfinite(grad_norm)) adamw_->step(lr);
   }
   model_->on_parameters_updated();
@@ -332,7 +339,8 @@ void TrainingRun::save(int64_t iteration) {
   // Whole-model tensors under the checkpoint's names (tensor shards and ZeRO's shards
   // gathered: collective), so it loads at any layout. Each pipeline stage writes its own part.
   Checkpoint checkpoint;
-  checkpoint.optimizer = gather_optimizer_state(*model_, zero_ ? zero_->state() : adamw_->state());
+  checkpoint.optimizer =
+      gather_optimizer_state(*model_, trained_, zero_ ? zero_->state() : adamw_->state());
   checkpoint.model = model_->to_checkpoint_names(model_->state_dict());
   for (size_t i = 0; i < fp8_part_.size(); ++i) {
     fp8_part_[i]->save_state(checkpoint.optimizer, "fp8." + std::to_string(fp8_index_[i]) + ".");

@@ -41,6 +41,8 @@ class TrainingRun {
   void restore_fp8_state();
   void print_setup() const;
   std::vector<Parameter*> pipeline_backward_order() const;
+  // The part's parameters outside --freeze (checked: each prefix names a parameter).
+  std::vector<Parameter*> select_trained() const;
 
   // --- the loop (trainer.cpp) ---
   double run_micro_batches(int64_t iteration);
@@ -85,7 +87,8 @@ class TrainingRun {
   double entropy_ = 0;
   float last_val_accuracy_ = NAN;  // classifiers
 
-  std::unique_ptr<TrainableModel> model_;                 // this rank's part of the model
+  std::unique_ptr<TrainableModel> model_;  // this rank's part of the model
+  std::vector<Parameter*> trained_;        // the part's parameters the optimizer updates (--freeze)
   std::unique_ptr<pipeline::PipelineExecutor> executor_;  // pipeline parallelism only
   std::unique_ptr<DistributedDataParallel> ddp_;
   std::unique_ptr<DistributedOptimizer> zero_;

@@ -13,7 +13,7 @@
 # `core` (for another model family on the same trainer, e.g. a ViT config) runs one layout of
 # each kind - ZeRO-1, TP, PP, TP x DP with SP, TP x PP with SP and recomputation, PP x DP -
 # in FP32 instead of every schedule, option, FP8 layout and resume.
-# `dp` (a model with data parallelism only so far, e.g. T5) runs DP=2, ZeRO-1 and DP=4.
+# `dp` (a model with data parallelism only so far: T5, CLIP) runs DP=2, ZeRO-1 and DP=4.
 set -euo pipefail
 octet="$1"
 config="$2"
@@ -48,6 +48,7 @@ case "$(grep -oE '"model" *: *"[a-z0-9]+"' "$config" | grep -oE '[a-z0-9]+"$' | 
   vit) small_tensor=grad.vit.layernorm.bias ;;
   bert) small_tensor=grad.cls.predictions.transform.LayerNorm.bias ;;
   t5) small_tensor=grad.decoder.final_layer_norm.weight ;;
+  clip) small_tensor=grad.text_model.final_layer_norm.bias ;;
   *) small_tensor=grad.transformer.ln_f.bias ;;
 esac
 perturbed_status=0

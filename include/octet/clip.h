@@ -1,0 +1,150 @@
+// CLIP (Radford et al. 2021): a vision tower (patches embedded by one GEMM, a class token,
+// learned positions, a LayerNorm, pre-norm encoder layers, the class token's LayerNorm and a
+// projection without bias) and a text tower (token and position embeddings, causal pre-norm
+// layers, a final LayerNorm, the [EOS] token's row and a projection without bias), trained by
+// the symmetric contrastive loss over a micro-batch's image-caption pairs: the cosine
+// similarities of every image with every caption, scaled by exp(logit_scale) (at most 100),
+// cross-entropy towards each image's own caption and each caption's own image, averaged.
+// Evaluation also classifies each image zero-shot: the class whose prompts' mean text feature
+// is the most similar. Written on the TransformerEngine-style modules; whole model and data
+// parallelism (each micro-batch its own contrastive batch, so DP equals one process).
+#pragma once
+
+#include <memory>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "octet/modules.h"
+#include "octet/pipeline_stage.h"
+#include "octet/trainable_model.h"
+
+namespace octet {
+
+struct CLIPConfig {
+  std::string name = "clip";
+  // The vision tower (square images).
+  int64_t image_size = 28;
+  int64_t channels = 1;
+  int64_t patch_size = 4;  // image_size must be a multiple
+  int64_t vision_layers = 4;
+  int64_t vision_hidden = 128;
+  int64_t vision_heads = 4;
+  int64_t vision_ffn = 0;  // 0 = 4 x vision_hidden
+  // The text tower.
+  int64_t vocab_size = 128;
+  int64_t max_text_len = 16;
+  int64_t text_layers = 2;
+  int64_t text_hidden = 128;
+  int64_t text_heads = 4;
+  int64_t text_ffn = 0;  // 0 = 4 x text_hidden
+  // The shared embedding space and the loss.
+  int64_t embed_dim = 64;
+  int64_t num_classes = 10;             // zero-shot classification: K classes of M prompts each
+  float logit_scale_init = 2.6592600f;  // ln(1 / 0.07), CLIP's initial temperature
+  std::string activation = "gelu";
+  float layernorm_eps = 1e-5f;
+  float dropout = 0.0f;
+  float init_std = 0.02f;
+
+  // A JSON object with "model": "clip"; unknown keys and out-of-range values are errors.
+  static CLIPConfig from_json(const nlohmann::json& json);
+  static CLIPConfig load(const std::string& path);
+  nlohmann::json to_json() const;
+  int64_t vision_ffn_hidden() const { return vision_ffn ? vision_ffn : 4 * vision_hidden; }
+  int64_t text_ffn_hidden() const { return text_ffn ? text_ffn : 4 * text_hidden; }
+  int64_t num_patches() const { return (image_size / patch_size) * (image_size / patch_size); }
+  int64_t patch_dim() const { return patch_size * patch_size * channels; }
+  int64_t vision_seq_len() const { return num_patches() + 1; }  // patches and the class token
+  int64_t pixels() const { return image_size * image_size * channels; }
+  int64_t num_layers() const { return vision_layers + text_layers; }
+  int64_t num_parameters() const;
+  // Training FLOPs per image-caption pair: 6 x the GEMMs' parameters per token of each tower
+  // plus attention's 12 x layers x T x hidden per token, the projections and the similarity
+  // matrix's row once.
+  double train_flops_per_pair() const;
+};
+
+// A CLIP micro-batch: {"pixels": [B, C*H*W] F32, "labels": [B] I32 (the images' classes, for
+// zero-shot accuracy), "text_ids": [B, T] I32 (each image's caption: [SOS] words [EOS], then
+// padding), "text_lengths": [B] I32 (tokens up to and with the [EOS]), "class_ids": [K*M, T]
+// I32 and "class_lengths": [K*M] I32 (M prompts for each of the K classes, class k's rows
+// k*M .. k*M+M-1; evaluation only)}.
+pipeline::MicroBatch clip_micro_batch(const Tensor& pixels, const Tensor& labels,
+                                      const Tensor& text_ids, const Tensor& text_lengths,
+                                      const Tensor& class_ids, const Tensor& class_lengths);
+
+// A CLIP, whole (one process or data parallelism): TransformerStack's layers 0 .. L_v-1 are
+// the vision tower's, L_v .. L_v+L_t-1 the text tower's. The patch embedding and the two
+// projections run in the step's dtype outside FP8 / FP4 (the first and last GEMMs in high
+// precision); FP8 recipes quantize the towers' layers.
+class CLIP : public TransformerStack {
+ public:
+  CLIP(const CLIPConfig& config, uint64_t seed, ModelLayout layout = {},
+       bool recompute_activations = false);
+
+  using TransformerStack::evaluate;  // the whole model's train_step and evaluate
+  using TransformerStack::train_step;
+  // take_eval_counts(): images classified correctly zero-shot, and images seen by evaluation.
+
+  // Unit-length features [N, embed_dim] F32: of images [N, C*H*W], and of token sequences
+  // [N, T] I32 with their lengths [N] I32 (the whole model, no contexts kept).
+  Tensor image_features(const Tensor& pixels, DType dtype);
+  Tensor text_features(const Tensor& ids, const Tensor& lengths, DType dtype);
+  // Zero-shot class of each image: argmax over classes of the cosine with each class's mean
+  // prompt feature (class_ids [K*M, T], K = config().num_classes, M prompts per class).
+  std::vector<int64_t> zero_shot(const Tensor& pixels, const Tensor& class_ids,
+                                 const Tensor& class_lengths, DType dtype);
+
+  struct Context : StagedModel::Context {
+    std::vector<TransformerLayer::Context> layers;  // vision layers, then text layers
+    Linear::Context patch, visual_projection, text_projection;
+    Norm::Context pre_norm, post_norm, final_norm;
+    Tensor text_ids, text_lengths;
+    int64_t batch = 0;
+    // The loss's gradients at the projections' outputs [B, embed_dim] F32.
+    Tensor dimage, dtext;
+  };
+  std::unique_ptr<StagedModel::Context> make_context() const override;
+  Tensor forward(int chunk, const Tensor& input, const pipeline::MicroBatch& batch, DType dtype,
+                 float grad_scale, StagedModel::Context& ctx) override;
+  Tensor backward(int chunk, const Tensor& doutput, StagedModel::Context& ctx) override;
+  Tensor evaluate(int chunk, const Tensor& input, const pipeline::MicroBatch& batch, DType dtype,
+                  float* loss) override;
+  Shape activation_shape(const pipeline::MicroBatch& batch) const override;
+  std::vector<pipeline::TiedParameters> tied_parameters() override { return {}; }
+  std::vector<Parameter*> chunk_parameters(int chunk) override;
+
+  void collect_parameters(std::vector<Parameter*>& out) override;
+  void on_parameters_updated() override;
+  std::vector<Parameter*> parameters_in_backward_order() override;
+  TensorMap to_checkpoint_names(const TensorMap& ours) const override { return ours; }
+  TensorMap from_checkpoint_names(const TensorMap& theirs) const override { return theirs; }
+
+  const CLIPConfig& config() const { return config_; }
+
+  Parameter class_embedding;   // [1, Cv]
+  Parameter vision_positions;  // [Tv, Cv]
+  Parameter token_embedding;   // [V, Ct]
+  Parameter text_positions;    // [max_text_len, Ct]
+  Parameter logit_scale;       // [1]: ln of the similarities' scale
+
+ private:
+  // pixels -> the class token's normed features [B, Cv] in dtype (contexts kept with ctx).
+  Tensor vision_forward(const Tensor& pixels, DType dtype, Context* ctx);
+  void vision_backward(const Tensor& dpooled, Context& ctx);
+  // ids [N,T], lengths [N] -> the [EOS] rows' normed features [N, Ct] in dtype.
+  Tensor text_forward(const Tensor& ids, const Tensor& lengths, DType dtype, Context* ctx);
+  void text_backward(const Tensor& dpooled, Context& ctx);
+  Tensor run_forward(const pipeline::MicroBatch& batch, DType dtype, float grad_scale, Context* ctx,
+                     float* loss, bool count);
+
+  CLIPConfig config_;
+  std::optional<Linear> patch_embed_, visual_projection_, text_projection_;
+  std::optional<Norm> pre_norm_, post_norm_, final_norm_;
+};
+
+}  // namespace octet

@@ -1,0 +1,538 @@
+// CLIP, whole: construction, the two towers' forward (vision: patch embedding, class token and
+// positions, pre-LayerNorm, encoder layers, the class token's LayerNorm; text: token and
+// position embeddings, causal layers, the [EOS] row's LayerNorm), the projections, the
+// symmetric contrastive loss and zero-shot classification, and their backward.
+#include "octet/clip.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "models/image_rows.h"
+#include "models/precision_scope.h"
+#include "modules/common.h"
+#include "octet/ops/activation.h"
+#include "octet/ops/embedding.h"
+
+namespace octet {
+
+using models_detail::HighPrecisionScope;
+using models_detail::put_rows;
+using models_detail::take_rows;
+
+pipeline::MicroBatch clip_micro_batch(const Tensor& pixels, const Tensor& labels,
+                                      const Tensor& text_ids, const Tensor& text_lengths,
+                                      const Tensor& class_ids, const Tensor& class_lengths) {
+  return {{"pixels", pixels},       {"labels", labels},
+          {"text_ids", text_ids},   {"text_lengths", text_lengths},
+          {"class_ids", class_ids}, {"class_lengths", class_lengths}};
+}
+
+namespace {
+
+// The largest similarity scale (CLIP clamps exp(logit_scale) at 100).
+const float kMaxLogitScale = std::log(100.0f);
+
+TransformerLayerOptions layer_options(const CLIPConfig& c, int64_t index, uint64_t seed,
+                                      bool recompute) {
+  const bool text = index >= c.vision_layers;
+  TransformerLayerOptions o;
+  o.checkpoint = recompute;
+  o.hidden_size = text ? c.text_hidden : c.vision_hidden;
+  o.ffn_hidden_size = text ? c.text_ffn_hidden() : c.vision_ffn_hidden();
+  o.num_attention_heads = text ? c.text_heads : c.vision_heads;
+  o.layernorm_epsilon = c.layernorm_eps;
+  o.hidden_dropout = c.dropout;
+  o.attention_dropout = c.dropout;
+  o.normalization = NormKind::LayerNorm;
+  o.activation = ops::parse_activation(c.activation);
+  o.layer_type = LayerType::Encoder;
+  // Every patch sees every patch; a caption's token sees the tokens before it (so the [EOS]
+  // row, the one pooled, sees the whole caption and never its padding).
+  o.self_attn_mask_type = text ? AttnMaskType::Causal : AttnMaskType::NoMask;
+  o.init_std = c.init_std;
+  o.output_init_std = c.init_std;
+  o.seed = seed * 1000 + static_cast<uint64_t>(index) + 1;
+  o.name = text ? "text_model.encoder.layers." + std::to_string(index - c.vision_layers)
+                : "vision_model.encoder.layers." + std::to_string(index);
+  return o;
+}
+
+NormOptions norm_options(const CLIPConfig& c, int64_t hidden, std::string name) {
+  NormOptions n;
+  n.hidden = hidden;
+  n.kind = NormKind::LayerNorm;
+  n.eps = c.layernorm_eps;
+  n.name = std::move(name);
+  return n;
+}
+
+LinearOptions projection(int64_t in, int64_t out, float init_std, uint64_t seed, std::string name) {
+  LinearOptions o;
+  o.in_features = in;
+  o.out_features = out;
+  o.bias = false;
+  o.init_std = init_std;
+  o.seed = seed;
+  o.name = std::move(name);
+  return o;
+}
+
+CLIP::Context& own_context(pipeline::StagedModel::Context& base) {
+  auto* ctx = dynamic_cast<CLIP::Context*>(&base);
+  OCTET_CHECK(ctx, "clip: expected a context from CLIP::make_context()");
+  return *ctx;
+}
+
+Tensor to_dtype(const Tensor& x, DType dtype) {
+  return x.dtype() == dtype ? x : x.to(dtype);
+}
+
+// Each row of x [N, D] F32 divided by its L2 norm (norms kept for the backward).
+Tensor unit_rows(const Tensor& x, std::vector<double>* norms) {
+  const int64_t N = x.dim(0), D = x.dim(1);
+  Tensor out = Tensor::empty({N, D}, DType::F32);
+  const float* in = x.data<float>();
+  float* o = out.data<float>();
+  if (norms) norms->assign(static_cast<size_t>(N), 0.0);
+  for (int64_t i = 0; i < N; ++i) {
+    double sum = 0;
+    for (int64_t k = 0; k < D; ++k) sum += double(in[i * D + k]) * in[i * D + k];
+    const double norm = std::max(std::sqrt(sum), 1e-12);
+    if (norms) (*norms)[static_cast<size_t>(i)] = norm;
+    for (int64_t k = 0; k < D; ++k) o[i * D + k] = static_cast<float>(in[i * D + k] / norm);
+  }
+  return out;
+}
+
+// unit_rows' backward: du (the gradient at the unit rows u) -> dx = (du - u (u . du)) / norm.
+Tensor unit_rows_backward(const std::vector<double>& du, const Tensor& u,
+                          const std::vector<double>& norms) {
+  const int64_t N = u.dim(0), D = u.dim(1);
+  Tensor dx = Tensor::empty({N, D}, DType::F32);
+  const float* uu = u.data<float>();
+  float* d = dx.data<float>();
+  for (int64_t i = 0; i < N; ++i) {
+    double dot = 0;
+    for (int64_t k = 0; k < D; ++k) dot += du[static_cast<size_t>(i * D + k)] * uu[i * D + k];
+    for (int64_t k = 0; k < D; ++k) {
+      d[i * D + k] = static_cast<float>((du[static_cast<size_t>(i * D + k)] - uu[i * D + k] * dot) /
+                                        norms[static_cast<size_t>(i)]);
+    }
+  }
+  return dx;
+}
+
+// The [EOS] row of each sequence of ids [N, T]: row n*T + lengths[n] - 1.
+std::vector<int64_t> eos_rows(const Tensor& lengths, int64_t T) {
+  const int32_t* l = lengths.data<int32_t>();
+  std::vector<int64_t> rows(static_cast<size_t>(lengths.numel()));
+  for (int64_t n = 0; n < lengths.numel(); ++n) rows[static_cast<size_t>(n)] = n * T + l[n] - 1;
+  return rows;
+}
+
+}  // namespace
+
+CLIP::CLIP(const CLIPConfig& config, uint64_t seed, ModelLayout layout, bool recompute_activations)
+    : TransformerStack(
+          "clip", config.num_layers(), std::move(layout),
+          [&](int64_t i) { return layer_options(config, i, seed, recompute_activations); }),
+      config_(config) {
+  OCTET_CHECK(layout_.stages == 1 && layout_.tensor == nullptr,
+              "clip: tensor and pipeline parallelism for the two towers are not supported yet "
+              "(use data parallelism)");
+  const CLIPConfig& c = config;
+  const int64_t Cv = c.vision_hidden, Ct = c.text_hidden;
+  patch_embed_.emplace(projection(c.patch_dim(), Cv, c.init_std, seed * 7919 + 1,
+                                  "vision_model.embeddings.patch_embedding"));
+  class_embedding = modules_detail::make_parameter("vision_model.embeddings.class_embedding",
+                                                   {1, Cv}, c.init_std, seed * 7919 + 2);
+  vision_positions =
+      modules_detail::make_parameter("vision_model.embeddings.position_embedding",
+                                     {c.vision_seq_len(), Cv}, c.init_std, seed * 7919 + 3);
+  pre_norm_.emplace(norm_options(c, Cv, "vision_model.pre_layrnorm"));
+  post_norm_.emplace(norm_options(c, Cv, "vision_model.post_layernorm"));
+  visual_projection_.emplace(
+      projection(Cv, c.embed_dim, c.init_std, seed * 7919 + 4, "visual_projection"));
+  token_embedding = modules_detail::make_parameter("text_model.embeddings.token_embedding",
+                                                   {c.vocab_size, Ct}, c.init_std, seed * 7919 + 5);
+  text_positions =
+      modules_detail::make_parameter("text_model.embeddings.position_embedding",
+                                     {c.max_text_len, Ct}, c.init_std, seed * 7919 + 6);
+  final_norm_.emplace(norm_options(c, Ct, "text_model.final_layer_norm"));
+  text_projection_.emplace(
+      projection(Ct, c.embed_dim, c.init_std, seed * 7919 + 7, "text_projection"));
+  logit_scale = modules_detail::make_parameter("logit_scale", {1}, 0.0f, 0);
+  logit_scale.value.data<float>()[0] = c.logit_scale_init;
+}
+
+std::vector<Parameter*> CLIP::chunk_parameters(int chunk) {
+  OCTET_CHECK(chunk == 0, "clip: one chunk (the whole model)");
+  std::vector<Parameter*> out;
+  patch_embed_->collect_parameters(out);
+  out.push_back(&class_embedding);
+  out.push_back(&vision_positions);
+  pre_norm_->collect_parameters(out);
+  std::vector<TransformerLayer>& stack = layers(0);
+  for (int64_t i = 0; i < config_.vision_layers; ++i) {
+    stack[static_cast<size_t>(i)].collect_parameters(out);
+  }
+  post_norm_->collect_parameters(out);
+  visual_projection_->collect_parameters(out);
+  out.push_back(&token_embedding);
+  out.push_back(&text_positions);
+  for (size_t i = static_cast<size_t>(config_.vision_layers); i < stack.size(); ++i) {
+    stack[i].collect_parameters(out);
+  }
+  final_norm_->collect_parameters(out);
+  text_projection_->collect_parameters(out);
+  out.push_back(&logit_scale);
+  return out;
+}
+
+void CLIP::collect_parameters(std::vector<Parameter*>& out) {
+  for (Parameter* p : chunk_parameters(0)) out.push_back(p);
+}
+
+// Backward runs the text tower, then the vision tower (CLIP::backward).
+std::vector<Parameter*> CLIP::parameters_in_backward_order() {
+  std::vector<Parameter*> out = {&logit_scale};
+  auto add = [&](const std::vector<Parameter*>& ps) {
+    out.insert(out.end(), ps.begin(), ps.end());
+  };
+  std::vector<TransformerLayer>& stack = layers(0);
+  const auto Lv = static_cast<size_t>(config_.vision_layers);
+  add(text_projection_->parameters());
+  add(final_norm_->parameters());
+  for (size_t i = stack.size(); i-- > Lv;) add(stack[i].parameters());
+  add({&token_embedding, &text_positions});
+  add(visual_projection_->parameters());
+  add(post_norm_->parameters());
+  for (size_t i = Lv; i-- > 0;) add(stack[i].parameters());
+  add(pre_norm_->parameters());
+  add(patch_embed_->parameters());
+  add({&class_embedding, &vision_positions});
+  return out;
+}
+
+void CLIP::on_parameters_updated() {
+  TransformerStack::on_parameters_updated();
+  patch_embed_->on_parameters_updated();
+  visual_projection_->on_parameters_updated();
+  text_projection_->on_parameters_updated();
+}
+
+std::unique_ptr<pipeline::StagedModel::Context> CLIP::make_context() const {
+  return std::make_unique<Context>();
+}
+
+Shape CLIP::activation_shape(const pipeline::MicroBatch& batch) const {
+  const int64_t B = pipeline::batch_tensor(batch, "pixels", "clip").dim(0);
+  return {B, config_.vision_seq_len(), config_.vision_hidden};
+}
+
+Tensor CLIP::vision_forward(const Tensor& pixels, DType dtype, Context* ctx) {
+  const CLIPConfig& c = config_;
+  check_dtype(pixels, DType::F32, "clip: pixels");
+  OCTET_CHECK(pixels.ndim() == 2 && pixels.dim(1) == c.pixels() && pixels.dim(0) > 0,
+              "clip: pixels expected [B, ", c.pixels(), "] (", c.channels, "x", c.image_size, "x",
+              c.image_size, " images), got ", shape_str(pixels.shape()));
+  const int64_t B = pixels.dim(0), T = c.vision_seq_len(), C = c.vision_hidden;
+  Context scratch;
+  Context& x_ctx = ctx ? *ctx : scratch;
+  const Tensor patches =
+      models_detail::image_patches(pixels, c.channels, c.image_size, c.patch_size);
+  Tensor embedded;
+  {
+    HighPrecisionScope scope;
+    embedded = patch_embed_->forward(to_dtype(patches, dtype), x_ctx.patch);
+  }
+  const Tensor x = models_detail::class_and_patches(
+      to_dtype(embedded, DType::F32), class_embedding.value, vision_positions.value, B);
+  Tensor h = pre_norm_->forward(to_dtype(x, dtype).reshape({B, T, C}), x_ctx.pre_norm);
+  std::vector<TransformerLayer>& stack = layers(0);
+  for (int64_t i = 0; i < c.vision_layers; ++i) {
+    TransformerLayer::Context layer_scratch;
+    HighPrecisionScope precision(is_high_precision_layer(i));
+    h = stack[static_cast<size_t>(i)].forward(
+        h, ctx ? ctx->layers[static_cast<size_t>(i)] : layer_scratch);
+  }
+  const Tensor cls = take_rows(h.reshape({B * T, C}), models_detail::strided_rows(0, T, B));
+  return post_norm_->forward(cls, x_ctx.post_norm);
+}
+
+Tensor CLIP::text_forward(const Tensor& ids, const Tensor& lengths, DType dtype, Context* ctx) {
+  const CLIPConfig& c = config_;
+  check_dtype(ids, DType::I32, "clip: text ids");
+  check_dtype(lengths, DType::I32, "clip: text lengths");
+  OCTET_CHECK(ids.ndim() == 2 && ids.dim(0) > 0 && ids.dim(1) >= 1 && ids.dim(1) <= c.max_text_len,
+              "clip: text ids expected [N, T] with T in [1, max_text_len = ", c.max_text_len,
+              "], got ", shape_str(ids.shape()));
+  check_shape(lengths, {ids.dim(0)}, "clip: text lengths", "N");
+  const int64_t N = ids.dim(0), T = ids.dim(1), C = c.text_hidden;
+  for (int64_t n = 0; n < N; ++n) {
+    const int32_t l = lengths.data<int32_t>()[n];
+    OCTET_CHECK(l >= 1 && l <= T, "clip: text length ", l, " of sequence ", n, " expected in [1, ",
+                T, "]");
+  }
+  const int32_t* id = ids.data<int32_t>();
+  for (int64_t k = 0; k < N * T; ++k) {
+    OCTET_CHECK(id[k] >= 0 && id[k] < c.vocab_size, "clip: token id ", id[k],
+                " expected in [0, vocab_size = ", c.vocab_size, ")");
+  }
+  Context scratch;
+  Context& x_ctx = ctx ? *ctx : scratch;
+  Tensor x = Tensor::empty({N * T, C}, DType::F32);
+  ops::embedding_forward(ids.reshape({N * T}), token_embedding.value, x);
+  ops::position_embedding_forward(x, text_positions.value, T);
+  Tensor h = to_dtype(x, dtype).reshape({N, T, C});
+  std::vector<TransformerLayer>& stack = layers(0);
+  for (size_t i = static_cast<size_t>(c.vision_layers); i < stack.size(); ++i) {
+    TransformerLayer::Context layer_scratch;
+    HighPrecisionScope precision(is_high_precision_layer(static_cast<int64_t>(i)));
+    h = stack[i].forward(h, ctx ? ctx->layers[i] : layer_scratch);
+  }
+  // The final LayerNorm acts on each row alone: normalizing the pooled rows only is the same.
+  const Tensor eos = take_rows(h.reshape({N * T, C}), eos_rows(lengths, T));
+  return final_norm_->forward(eos, x_ctx.final_norm);
+}
+
+Tensor CLIP::image_features(const Tensor& pixels, DType dtype) {
+  const Tensor pooled = vision_forward(pixels, dtype, nullptr);
+  HighPrecisionScope scope;
+  Linear::Context proj;
+  return unit_rows(to_dtype(visual_projection_->forward(pooled, proj), DType::F32), nullptr);
+}
+
+Tensor CLIP::text_features(const Tensor& ids, const Tensor& lengths, DType dtype) {
+  const Tensor pooled = text_forward(ids, lengths, dtype, nullptr);
+  HighPrecisionScope scope;
+  Linear::Context proj;
+  return unit_rows(to_dtype(text_projection_->forward(pooled, proj), DType::F32), nullptr);
+}
+
+namespace {
+
+// argmax over K classes of image . mean(class prompts) (unit features; M prompts per class).
+std::vector<int64_t> nearest_class(const Tensor& images, const Tensor& prompts, int64_t M) {
+  const int64_t B = images.dim(0), D = images.dim(1), K = prompts.dim(0) / M;
+  std::vector<float> classes(static_cast<size_t>(K * D), 0.0f);
+  const float* p = prompts.data<float>();
+  for (int64_t r = 0; r < K * M; ++r) {
+    for (int64_t k = 0; k < D; ++k) classes[static_cast<size_t>((r / M) * D + k)] += p[r * D + k];
+  }
+  Tensor mean = Tensor::from_floats({K, D}, classes);
+  const Tensor unit = unit_rows(mean, nullptr);
+  const float* u = unit.data<float>();
+  const float* x = images.data<float>();
+  std::vector<int64_t> out(static_cast<size_t>(B));
+  for (int64_t b = 0; b < B; ++b) {
+    double best = -1e300;
+    for (int64_t k = 0; k < K; ++k) {
+      double dot = 0;
+      for (int64_t d = 0; d < D; ++d) dot += double(x[b * D + d]) * u[k * D + d];
+      if (dot > best) best = dot, out[static_cast<size_t>(b)] = k;
+    }
+  }
+  return out;
+}
+
+// Cross-entropy towards the diagonal of logits = scale * sim [B,B], along each row (columns =
+// false) or each column: the summed losses, and the softmax of each line into p.
+double softmax_lines(const std::vector<double>& sim, int64_t B, double scale, bool columns,
+                     std::vector<double>& p) {
+  double loss = 0;
+  for (int64_t line = 0; line < B; ++line) {
+    auto at = [&](int64_t k) { return static_cast<size_t>(columns ? k * B + line : line * B + k); };
+    double top = -1e300, sum = 0;
+    for (int64_t k = 0; k < B; ++k) top = std::max(top, scale * sim[at(k)]);
+    for (int64_t k = 0; k < B; ++k) {
+      p[at(k)] = std::exp(scale * sim[at(k)] - top);
+      sum += p[at(k)];
+    }
+    for (int64_t k = 0; k < B; ++k) p[at(k)] /= sum;
+    loss += top + std::log(sum) - scale * sim[at(line)];
+  }
+  return loss;
+}
+
+int64_t prompts_per_class(const Tensor& class_ids, int64_t num_classes) {
+  OCTET_CHECK(class_ids.ndim() == 2 && class_ids.dim(0) > 0 && class_ids.dim(0) % num_classes == 0,
+              "clip: class_ids expected [K*M, T] (M prompts for each of num_classes = ",
+              num_classes, " classes), got ", shape_str(class_ids.shape()));
+  return class_ids.dim(0) / num_classes;
+}
+
+}  // namespace
+
+std::vector<int64_t> CLIP::zero_shot(const Tensor& pixels, const Tensor& class_ids,
+                                     const Tensor& class_lengths, DType dtype) {
+  const int64_t M = prompts_per_class(class_ids, config_.num_classes);
+  const Tensor images = image_features(pixels, dtype);
+  return nearest_class(images, text_features(class_ids, class_lengths, dtype), M);
+}
+
+Tensor CLIP::run_forward(const pipeline::MicroBatch& batch, DType dtype, float grad_scale,
+                         Context* ctx, float* loss, bool count) {
+  OCTET_CHECK(dtype == DType::F32 || dtype == DType::BF16,
+              "clip: compute dtype expected f32 or bf16, got ", dtype_name(dtype));
+  const Tensor& pixels = pipeline::batch_tensor(batch, "pixels", "clip");
+  const Tensor& text_ids = pipeline::batch_tensor(batch, "text_ids", "clip");
+  const Tensor& text_lengths = pipeline::batch_tensor(batch, "text_lengths", "clip");
+  OCTET_CHECK(text_ids.ndim() == 2 && pixels.ndim() == 2 && text_ids.dim(0) == pixels.dim(0),
+              "clip: text_ids expected one caption per image (", pixels.dim(0), " images), got ",
+              shape_str(text_ids.shape()));
+  const int64_t B = pixels.dim(0), D = config_.embed_dim;
+  Context scratch;
+  Context& c = ctx ? *ctx : scratch;
+  c.layers.assign(layers(0).size(), TransformerLayer::Context{});
+  c.batch = B;
+  c.text_ids = text_ids;
+  c.text_lengths = text_lengths;
+  const Tensor pooled_image = vision_forward(pixels, dtype, ctx);
+  const Tensor pooled_text = text_forward(text_ids, text_lengths, dtype, ctx);
+  Tensor image, text;
+  {
+    HighPrecisionScope scope;
+    image = to_dtype(visual_projection_->forward(pooled_image, c.visual_projection), DType::F32);
+    text = to_dtype(text_projection_->forward(pooled_text, c.text_projection), DType::F32);
+  }
+  std::vector<double> image_norms, text_norms;
+  const Tensor u_image = unit_rows(image, &image_norms);
+  const Tensor u_text = unit_rows(text, &text_norms);
+  const float* ui = u_image.data<float>();
+  const float* ut = u_text.data<float>();
+  const float log_scale = logit_scale.value.data<float>()[0];
+  const bool clamped = log_scale > kMaxLogitScale;
+  const double scale = std::exp(static_cast<double>(std::min(log_scale, kMaxLogitScale)));
+  // sim[i][j]: caption i against image j; logits per caption = scale * sim, per image its
+  // transpose.
+  std::vector<double> sim(static_cast<size_t>(B * B));
+  for (int64_t i = 0; i < B; ++i) {
+    for (int64_t j = 0; j < B; ++j) {
+      double dot = 0;
+      for (int64_t k = 0; k < D; ++k) dot += double(ut[i * D + k]) * ui[j * D + k];
+      sim[static_cast<size_t>(i * B + j)] = dot;
+    }
+  }
+  // Softmax over each row (captions -> images) and each column (images -> captions).
+  std::vector<double> row_p(sim.size()), col_p(sim.size());
+  const double loss_text = softmax_lines(sim, B, scale, /*columns=*/false, row_p);
+  const double loss_image = softmax_lines(sim, B, scale, /*columns=*/true, col_p);
+  *loss = static_cast<float>(0.5 * (loss_text + loss_image) / static_cast<double>(B));
+  if (count) {
+    const Tensor& labels = pipeline::batch_tensor(batch, "labels", "clip");
+    const Tensor& class_ids = pipeline::batch_tensor(batch, "class_ids", "clip");
+    const Tensor& class_lengths = pipeline::batch_tensor(batch, "class_lengths", "clip");
+    check_dtype(labels, DType::I32, "clip: labels");
+    check_shape(labels, {B}, "clip: labels", "B");
+    const int32_t* y = labels.data<int32_t>();
+    const int64_t M = prompts_per_class(class_ids, config_.num_classes);
+    const std::vector<int64_t> predicted =
+        nearest_class(u_image, text_features(class_ids, class_lengths, dtype), M);
+    for (int64_t b = 0; b < B; ++b) eval_correct_ += predicted[static_cast<size_t>(b)] == y[b];
+    eval_seen_ += B;
+  }
+  if (!ctx) return Tensor();
+  // d loss / d (scale * sim) = 0.5 / B * ((row softmax - I) + (column softmax - I)).
+  const double g = 0.5 / static_cast<double>(B) * grad_scale;
+  std::vector<double> du_text(static_cast<size_t>(B * D), 0.0), du_image(du_text.size(), 0.0);
+  double dscale = 0;
+  for (int64_t i = 0; i < B; ++i) {
+    for (int64_t j = 0; j < B; ++j) {
+      const size_t ij = static_cast<size_t>(i * B + j);
+      const double dz = g * (row_p[ij] + col_p[ij] - (i == j ? 2.0 : 0.0));
+      dscale += dz * sim[ij];
+      const double dsim = dz * scale;
+      for (int64_t k = 0; k < D; ++k) {
+        du_text[static_cast<size_t>(i * D + k)] += dsim * ui[j * D + k];
+        du_image[static_cast<size_t>(j * D + k)] += dsim * ut[i * D + k];
+      }
+    }
+  }
+  // d loss / d logit_scale = dscale * scale (none where clamped).
+  if (!clamped) logit_scale.grad.data<float>()[0] += static_cast<float>(dscale * scale);
+  c.dimage = unit_rows_backward(du_image, u_image, image_norms);
+  c.dtext = unit_rows_backward(du_text, u_text, text_norms);
+  return Tensor();
+}
+
+Tensor CLIP::forward(int chunk, const Tensor&, const pipeline::MicroBatch& batch, DType dtype,
+                     float grad_scale, StagedModel::Context& base) {
+  OCTET_CHECK(chunk == 0, "clip: one chunk (the whole model)");
+  Context& ctx = own_context(base);
+  return run_forward(batch, dtype, grad_scale, &ctx, &ctx.loss, false);
+}
+
+Tensor CLIP::evaluate(int chunk, const Tensor&, const pipeline::MicroBatch& batch, DType dtype,
+                      float* loss) {
+  OCTET_CHECK(chunk == 0, "clip: one chunk (the whole model)");
+  return run_forward(batch, dtype, 1.0f, nullptr, loss, true);
+}
+
+void CLIP::text_backward(const Tensor& dpooled, Context& ctx) {
+  const int64_t N = ctx.text_ids.dim(0), T = ctx.text_ids.dim(1), C = config_.text_hidden;
+  const Tensor deos = final_norm_->backward(dpooled, ctx.final_norm);
+  grads_ready(final_norm_->parameters());
+  Tensor dh = put_rows(deos, N * T, eos_rows(ctx.text_lengths, T)).reshape({N, T, C});
+  std::vector<TransformerLayer>& stack = layers(0);
+  for (size_t i = stack.size(); i-- > static_cast<size_t>(config_.vision_layers);) {
+    HighPrecisionScope precision(is_high_precision_layer(static_cast<int64_t>(i)));
+    dh = stack[i].backward(dh, ctx.layers[i]);
+    ctx.layers[i] = TransformerLayer::Context{};
+    grads_ready(stack[i].parameters());
+  }
+  const Tensor dx = to_dtype(dh, DType::F32).reshape({N * T, C});
+  ops::embedding_backward(ctx.text_ids.reshape({N * T}), dx, token_embedding.grad);
+  ops::position_embedding_backward(dx, T, text_positions.grad);
+  grads_ready({&token_embedding, &text_positions});
+}
+
+void CLIP::vision_backward(const Tensor& dpooled, Context& ctx) {
+  const int64_t B = ctx.batch, T = config_.vision_seq_len(), C = config_.vision_hidden;
+  const Tensor dcls = post_norm_->backward(dpooled, ctx.post_norm);
+  grads_ready(post_norm_->parameters());
+  Tensor dh = put_rows(dcls, B * T, models_detail::strided_rows(0, T, B)).reshape({B, T, C});
+  std::vector<TransformerLayer>& stack = layers(0);
+  for (size_t i = static_cast<size_t>(config_.vision_layers); i-- > 0;) {
+    HighPrecisionScope precision(is_high_precision_layer(static_cast<int64_t>(i)));
+    dh = stack[i].backward(dh, ctx.layers[i]);
+    ctx.layers[i] = TransformerLayer::Context{};
+    grads_ready(stack[i].parameters());
+  }
+  const Tensor dx = pre_norm_->backward(dh, ctx.pre_norm);
+  grads_ready(pre_norm_->parameters());
+  const Tensor dpatch = models_detail::class_and_patches_backward(
+      to_dtype(dx, DType::F32).reshape({B * T, C}), B, class_embedding.grad, vision_positions.grad);
+  {
+    HighPrecisionScope scope;
+    patch_embed_->backward(to_dtype(dpatch, ctx.patch.dtype), ctx.patch);
+  }
+  grads_ready(patch_embed_->parameters());
+  grads_ready({&class_embedding, &vision_positions});
+}
+
+Tensor CLIP::backward(int chunk, const Tensor&, StagedModel::Context& base) {
+  OCTET_CHECK(chunk == 0, "clip: one chunk (the whole model)");
+  Context& ctx = own_context(base);
+  OCTET_CHECK(ctx.dimage.defined() && ctx.dtext.defined(), "clip: backward before its forward");
+  grads_ready({&logit_scale});
+  Tensor dtext_pooled, dimage_pooled;
+  {
+    HighPrecisionScope scope;
+    dtext_pooled = text_projection_->backward(to_dtype(ctx.dtext, ctx.text_projection.dtype),
+                                              ctx.text_projection);
+  }
+  grads_ready(text_projection_->parameters());
+  text_backward(dtext_pooled, ctx);
+  {
+    HighPrecisionScope scope;
+    dimage_pooled = visual_projection_->backward(to_dtype(ctx.dimage, ctx.visual_projection.dtype),
+                                                 ctx.visual_projection);
+  }
+  grads_ready(visual_projection_->parameters());
+  vision_backward(dimage_pooled, ctx);
+  ctx = Context{};
+  return Tensor();
+}
+
+}  // namespace octet
