@@ -393,7 +393,7 @@ void TrainingRun::print_setup() const {
                 ddp_ ? ddp_->buckets().size() : size_t{0},
                 ddp_ && ddp_->options().overlap_grad_reduce ? " reduced during backward" : "");
   }
-  std::printf("measured BF16 GEMM peak %.0f GFLOP/s; %.2f GFLOP per token\n", peak_gflops_,
+  std::printf("measured BF16 GEMM peak %.0f GFLOP/s; %.3g GFLOP per token\n", peak_gflops_,
               flops_per_token_ / 1e9);
 }
 
