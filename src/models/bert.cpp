@@ -20,6 +20,7 @@
 namespace octet {
 
 using models_detail::HighPrecisionScope;
+using models_detail::to_dtype;
 
 namespace {
 
@@ -96,10 +97,6 @@ void add_rows(const Tensor& y, const std::vector<int32_t>& rows, Tensor& out) {
     float* row = dst + rows[i] * C;
     for (int64_t k = 0; k < C; ++k) row[k] += src[static_cast<int64_t>(i) * C + k];
   }
-}
-
-Tensor to_dtype(const Tensor& x, DType dtype) {
-  return x.dtype() == dtype ? x : x.to(dtype);
 }
 
 }  // namespace

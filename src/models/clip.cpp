@@ -18,6 +18,7 @@ namespace octet {
 using models_detail::HighPrecisionScope;
 using models_detail::put_rows;
 using models_detail::take_rows;
+using models_detail::to_dtype;
 
 pipeline::MicroBatch clip_micro_batch(const Tensor& pixels, const Tensor& labels,
                                       const Tensor& text_ids, const Tensor& text_lengths,
@@ -81,10 +82,6 @@ CLIP::Context& own_context(pipeline::StagedModel::Context& base) {
   auto* ctx = dynamic_cast<CLIP::Context*>(&base);
   OCTET_CHECK(ctx, "clip: expected a context from CLIP::make_context()");
   return *ctx;
-}
-
-Tensor to_dtype(const Tensor& x, DType dtype) {
-  return x.dtype() == dtype ? x : x.to(dtype);
 }
 
 // Each row of x [N, D] F32 divided by its L2 norm (norms kept for the backward).

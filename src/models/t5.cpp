@@ -19,6 +19,7 @@
 namespace octet {
 
 using models_detail::HighPrecisionScope;
+using models_detail::to_dtype;
 
 namespace {
 
@@ -102,10 +103,6 @@ void relative_bias_backward(const Tensor& dbias, const Tensor& buckets, Paramete
   for (int64_t h = 0; h < H; ++h) {
     for (int64_t ij = 0; ij < TS; ++ij) g[b[ij] * H + h] += d[h * TS + ij];
   }
-}
-
-Tensor to_dtype(const Tensor& x, DType dtype) {
-  return x.dtype() == dtype ? x : x.to(dtype);
 }
 
 void check_ids(const Tensor& ids, const Tensor& lengths, const char* what, const char* lengths_what,
