@@ -3,9 +3,12 @@
 
 #include <unistd.h>
 
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
+#include <fstream>
+#include <iterator>
 #include <string>
 
 #include "octet/safetensors.h"
@@ -18,19 +21,62 @@ inline std::string temp_dir() {
   return pattern;
 }
 
+// FNV-1a over a file's bytes, continuing from `hash`.
+inline uint64_t hash_file(const std::string& path, uint64_t hash) {
+  std::ifstream file(path, std::ios::binary);
+  OCTET_CHECK(file.good(), "cannot read ", path);
+  for (std::istreambuf_iterator<char> it(file), end; it != end; ++it) {
+    hash = (hash ^ static_cast<unsigned char>(*it)) * 1099511628211ull;
+  }
+  return hash;
+}
+
 // Writes `inputs`, runs `torch_ref.py op`, returns its outputs. Fails loudly (no skip) when
 // python or torch is missing: scripts/setup.sh installs them.
+//
+// With OCTET_TORCH_CACHE=DIR, the outputs are kept in DIR under a hash of the exact input
+// bytes, the op, its arguments and the reference scripts, and a later call with the same
+// bytes reads them instead of starting Python again (scripts/test.sh: the sanitizer pass
+// reuses what the Release pass computed; any input that differs by one bit runs PyTorch).
 inline TensorMap run_torch(const std::string& op, const TensorMap& inputs,
                            const std::string& args_json = "{}") {
   std::string dir = temp_dir();
   std::string in = dir + "/in.safetensors";
   std::string out = dir + "/out.safetensors";
   save_safetensors(in, inputs);
+  const char* cache = std::getenv("OCTET_TORCH_CACHE");
+  std::string cached;
+  if (cache != nullptr && *cache != '\0') {
+    uint64_t hash = 14695981039346656037ull;
+    for (char c : op + '\n' + args_json + '\n') {
+      hash = (hash ^ static_cast<unsigned char>(c)) * 1099511628211ull;
+    }
+    for (const auto& entry :
+         std::filesystem::directory_iterator(OCTET_SOURCE_DIR "/tests/reference")) {
+      if (entry.path().extension() == ".py") hash = hash_file(entry.path().string(), hash);
+    }
+    hash = hash_file(in, hash);
+    std::filesystem::create_directories(cache);
+    char name[32];
+    std::snprintf(name, sizeof(name), "/%016llx.safetensors",
+                  static_cast<unsigned long long>(hash));
+    cached = std::string(cache) + name;
+    if (std::filesystem::exists(cached)) {
+      std::filesystem::remove_all(dir);
+      return load_safetensors(cached);
+    }
+  }
   std::string command = "/usr/bin/python3 " OCTET_SOURCE_DIR "/tests/reference/torch_ref.py " + op +
                         " " + in + " " + out + " '" + args_json + "'";
   int status = std::system(command.c_str());
   OCTET_CHECK(status == 0, "PyTorch reference failed (exit ", status, "): ", command);
   TensorMap outputs = load_safetensors(out);
+  if (!cached.empty()) {
+    // Another test process may write the same entry: copy under a private name, then rename.
+    std::string temp = cached + "." + std::to_string(getpid()) + ".tmp";
+    std::filesystem::copy_file(out, temp, std::filesystem::copy_options::overwrite_existing);
+    std::filesystem::rename(temp, cached);
+  }
   std::filesystem::remove_all(dir);
   return outputs;
 }
