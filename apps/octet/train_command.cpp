@@ -75,6 +75,11 @@ void register_train(CLI::App& app) {
          "Parameter name prefixes, comma-separated (e.g. vision_model.,visual_projection): "
          "those parameters keep their weights and get no optimizer state")
       ->delimiter(',');
+  cmd->add_option("--pretrained-checkpoint", o->pretrained_checkpoint,
+                  "A checkpoint directory to start from: each tensor with a name and shape of "
+                  "this model is loaded (e.g. a CLIP's vision_model.* into a captioner); "
+                  "ignored when --load resumes")
+      ->check(CLI::ExistingDirectory);
   cmd->add_flag("--first-last-layers-bf16", o->first_last_layers_bf16,
                 "Under fp8 / fp4: the first and last transformer layers in BF16 (counts below)");
   cmd->add_option("--num-layers-at-start-in-bf16", o->num_layers_at_start_in_bf16,

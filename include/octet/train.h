@@ -172,8 +172,13 @@ struct TrainOptions {
   int64_t eval_interval = 50;
   int64_t eval_iters = 10;
   int64_t log_interval = 10;
-  std::string save;           // checkpoint directory
-  std::string load;           // resume from this checkpoint directory
+  std::string save;  // checkpoint directory
+  std::string load;  // resume from this checkpoint directory
+  // Start from another run's weights (Megatron's --pretrained-checkpoint): every tensor of the
+  // model whose name and shape a checkpoint directory holds is loaded before step 1 (e.g. a
+  // CLIP's vision_model.* into a captioner); the optimizer starts fresh. Ignored when --load
+  // resumes a run.
+  std::string pretrained_checkpoint;
   int64_t save_interval = 0;  // 0 = only at the end (when save is set)
   std::string metrics;        // JSON lines file
   std::string plot;           // loss curve SVG

@@ -7,7 +7,7 @@
 #include <algorithm>
 #include <cmath>
 
-#include "models/image_rows.h"
+#include "models/image_embedding.h"
 #include "models/precision_scope.h"
 #include "modules/common.h"
 #include "octet/ops/activation.h"
@@ -236,15 +236,9 @@ Tensor CLIP::vision_forward(const Tensor& pixels, DType dtype, Context* ctx) {
   const int64_t B = pixels.dim(0), T = c.vision_seq_len(), C = c.vision_hidden;
   Context scratch;
   Context& x_ctx = ctx ? *ctx : scratch;
-  const Tensor patches =
-      models_detail::image_patches(pixels, c.channels, c.image_size, c.patch_size);
-  Tensor embedded;
-  {
-    HighPrecisionScope scope;
-    embedded = patch_embed_->forward(to_dtype(patches, dtype), x_ctx.patch);
-  }
-  const Tensor x = models_detail::class_and_patches(
-      to_dtype(embedded, DType::F32), class_embedding.value, vision_positions.value, B);
+  const Tensor x =
+      models_detail::embed_images(pixels, c.channels, c.image_size, c.patch_size, *patch_embed_,
+                                  class_embedding, vision_positions, dtype, x_ctx.patch);
   Tensor h = pre_norm_->forward(to_dtype(x, dtype).reshape({B, T, C}), x_ctx.pre_norm);
   std::vector<TransformerLayer>& stack = layers(0);
   for (int64_t i = 0; i < c.vision_layers; ++i) {
@@ -498,12 +492,8 @@ void CLIP::vision_backward(const Tensor& dpooled, Context& ctx) {
   }
   const Tensor dx = pre_norm_->backward(dh, ctx.pre_norm);
   grads_ready(pre_norm_->parameters());
-  const Tensor dpatch = models_detail::class_and_patches_backward(
-      to_dtype(dx, DType::F32).reshape({B * T, C}), B, class_embedding.grad, vision_positions.grad);
-  {
-    HighPrecisionScope scope;
-    patch_embed_->backward(to_dtype(dpatch, ctx.patch.dtype), ctx.patch);
-  }
+  models_detail::embed_images_backward(to_dtype(dx, DType::F32).reshape({B * T, C}), B,
+                                       *patch_embed_, class_embedding, vision_positions, ctx.patch);
   grads_ready(patch_embed_->parameters());
   grads_ready({&class_embedding, &vision_positions});
 }

@@ -7,7 +7,7 @@
 #include <algorithm>
 #include <cstring>
 
-#include "models/image_rows.h"
+#include "models/image_embedding.h"
 #include "models/precision_scope.h"
 #include "modules/common.h"
 #include "octet/fp4.h"
@@ -156,24 +156,12 @@ Shape ViT::activation_shape(const pipeline::MicroBatch& batch) const {
 
 Tensor ViT::embed(const Tensor& pixels, DType dtype, Linear::Context& patch_ctx) {
   const ViTConfig& c = config_;
-  const int64_t B = pixels.dim(0);
-  const Tensor patches =
-      models_detail::image_patches(pixels, c.channels, c.image_size, c.patch_size);
-  Tensor embedded;
-  {
-    HighPrecisionScope scope;
-    embedded = patch_embed_->forward(dtype == DType::F32 ? patches : patches.to(dtype), patch_ctx);
-  }
-  const Tensor y = embedded.dtype() == DType::F32 ? embedded : embedded.to(DType::F32);
-  return models_detail::class_and_patches(y, cls_token.value, pos_embed.value, B);
+  return models_detail::embed_images(pixels, c.channels, c.image_size, c.patch_size, *patch_embed_,
+                                     cls_token, pos_embed, dtype, patch_ctx);
 }
 
 void ViT::embed_backward(const Tensor& dx, int64_t batch, Linear::Context& patch_ctx) {
-  const Tensor dpatch =
-      models_detail::class_and_patches_backward(dx, batch, cls_token.grad, pos_embed.grad);
-  HighPrecisionScope scope;
-  patch_embed_->backward(patch_ctx.dtype == DType::F32 ? dpatch : dpatch.to(patch_ctx.dtype),
-                         patch_ctx);
+  models_detail::embed_images_backward(dx, batch, *patch_embed_, cls_token, pos_embed, patch_ctx);
 }
 
 float ViT::head_loss(const Tensor& h, const Tensor& labels, int64_t batch, DType dtype,

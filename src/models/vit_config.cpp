@@ -12,11 +12,12 @@ std::string config_model_family(const std::string& path) {
   const nlohmann::json json = models_detail::read_config_file(path);
   if (!json.is_object() || !json.contains("model")) return "gpt";
   const nlohmann::json& model = json.at("model");
-  OCTET_CHECK(model.is_string() && (model == "gpt" || model == "vit" || model == "bert" ||
-                                    model == "t5" || model == "clip"),
-              "model config '", path,
-              "': 'model' expected \"gpt\", \"vit\", \"bert\", \"t5\" or \"clip\", got ",
-              model.dump().substr(0, 64));
+  OCTET_CHECK(
+      model.is_string() && (model == "gpt" || model == "vit" || model == "bert" || model == "t5" ||
+                            model == "clip" || model == "captioner"),
+      "model config '", path,
+      "': 'model' expected \"gpt\", \"vit\", \"bert\", \"t5\", \"clip\" or \"captioner\", got ",
+      model.dump().substr(0, 64));
   return model.get<std::string>();
 }
 

@@ -195,6 +195,21 @@ const std::vector<std::string>& clip_class_names(int64_t label) {
   return class_of(label, "clip_class_names").names;
 }
 
+int64_t clip_named_class(const std::string& caption) {
+  const std::string padded = " " + caption + " ";
+  int64_t named = -1;
+  size_t longest = 0;
+  for (size_t k = 0; k < class_words().size(); ++k) {
+    for (const std::string& name : class_words()[k].names) {
+      if (name.size() > longest && padded.find(" " + name + " ") != std::string::npos) {
+        longest = name.size();
+        named = static_cast<int64_t>(k);
+      }
+    }
+  }
+  return named;
+}
+
 std::string clip_caption(int64_t label, SampleDraws& draws) {
   const ClassWords& words = class_of(label, "clip_caption");
   const std::vector<std::string>& templates = caption_templates();

@@ -33,6 +33,10 @@ const std::vector<std::string>& fashion_mnist_classes();
 // The names a caption may call class `label` by: its main name first, then its synonyms.
 const std::vector<std::string>& clip_class_names(int64_t label);
 
+// The class a caption names: the class of the longest class name found in it as whole words
+// ("a dress shirt" names Shirt, not Dress); -1 when it names none.
+int64_t clip_named_class(const std::string& caption);
+
 // One caption of an image of class `label` in [0, 10): a template, a name and an attribute,
 // each drawn uniformly from `draws` (always three draws, in that order).
 std::string clip_caption(int64_t label, SampleDraws& draws);

@@ -1,12 +1,19 @@
 // The model families the trainer runs: GPT, BERT and T5 on token shards, ViT on labelled images,
-// CLIP on captioned images.
+// CLIP and the captioner on captioned images.
 #include "train/model_family.h"
 
+#include <unistd.h>
+#include <algorithm>
 #include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
 
 #include "octet/bert.h"
+#include "octet/captioner.h"
 #include "octet/clip.h"
 #include "octet/data.h"
+#include "octet/files.h"
 #include "octet/model.h"
 #include "octet/t5.h"
 #include "octet/vit.h"
@@ -341,6 +348,148 @@ class ClipFamily : public ModelFamily {
   CLIPConfig config_;
 };
 
+// The words of generated ids ("?" for an id outside the captions' vocabulary).
+std::string caption_words(const std::vector<int32_t>& ids) {
+  const auto words = static_cast<int32_t>(clip_vocabulary().size());
+  std::vector<int32_t> known;
+  std::string unknown;
+  for (const int32_t id : ids) {
+    if (id < words) known.push_back(id);
+    if (id >= words) unknown += " ?";
+  }
+  return clip_decode(known) + unknown;
+}
+
+// Images (rows of pixels [N, C*S*S], shown in gray, each scaled to its own range) with a line of
+// text beside each: an SVG written to a temporary name, then renamed.
+void write_captions_svg(const std::string& path, const Tensor& pixels, int64_t channels,
+                        int64_t size, const std::vector<std::string>& lines) {
+  const int64_t cell = 3, side = size * cell, row_height = side + 12;
+  const auto n = static_cast<int64_t>(lines.size());
+  const std::string temp = path + ".tmp." + std::to_string(getpid());
+  {
+    std::ofstream out(temp);
+    OCTET_CHECK(out.good(), "cannot write ", temp);
+    out << "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"760\" height=\""
+        << n * row_height + 10 << "\" font-family=\"sans-serif\" font-size=\"14\">\n"
+        << "<rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n";
+    const float* p = pixels.data<float>();
+    const int64_t plane = size * size;
+    for (int64_t i = 0; i < n; ++i) {
+      const float* image = p + i * channels * plane;
+      const auto [lo, hi] = std::minmax_element(image, image + channels * plane);
+      const float range = std::max(*hi - *lo, 1e-6f);
+      const int64_t top = 5 + i * row_height;
+      for (int64_t y = 0; y < size; ++y) {
+        for (int64_t x = 0; x < size; ++x) {
+          float v = 0;
+          for (int64_t ch = 0; ch < channels; ++ch) v += image[ch * plane + y * size + x];
+          const int gray = static_cast<int>(255.0f * (v / channels - *lo) / range + 0.5f);
+          out << "<rect x=\"" << 5 + x * cell << "\" y=\"" << top + y * cell << "\" width=\""
+              << cell << "\" height=\"" << cell << "\" fill=\"rgb(" << gray << ',' << gray << ','
+              << gray << ")\"/>\n";
+        }
+      }
+      out << "<text x=\"" << side + 20 << "\" y=\"" << top + side / 2 + 5 << "\">" << lines[i]
+          << "</text>\n";
+    }
+    out << "</svg>\n";
+    OCTET_CHECK(out.good(), "cannot write ", temp);
+  }
+  std::filesystem::rename(temp, path);
+}
+
+class CaptionerFamily : public ModelFamily {
+ public:
+  explicit CaptionerFamily(const TrainOptions& o) : config_(CaptionerConfig::load(o.config_path)) {
+    OCTET_CHECK(o.vocab_dir.empty() && o.vocab_size == 0,
+                "--vocab-dir and --vocab-size are a language model's: the config '", o.config_path,
+                "' is a captioner (its captions' words are its vocabulary)");
+    const auto words = static_cast<int64_t>(clip_vocabulary().size());
+    OCTET_CHECK(config_.vocab_size >= words, "config '", o.config_path, "': vocab_size ",
+                config_.vocab_size, " expected at least the captions' ", words, " words");
+    OCTET_CHECK(config_.sos_id == kClipSos && config_.eos_id == kClipEos, "config '", o.config_path,
+                "': sos_id and eos_id expected ", kClipSos, " and ", kClipEos,
+                " (the captions' [SOS] and [EOS]), got ", config_.sos_id, " and ", config_.eos_id);
+    OCTET_CHECK(!o.image_augment || !o.mock_data,
+                "--image-augment transforms real images: give --train-data DIR, not --mock-data");
+  }
+  std::string name() const override { return config_.name; }
+  nlohmann::json config_json() const override { return config_.to_json(); }
+  int64_t num_parameters() const override { return config_.num_parameters(); }
+  int64_t num_layers() const override { return config_.num_layers(); }
+  int64_t seq_len(const TrainOptions& o) const override {
+    OCTET_CHECK(o.seq_length == 0, "--seq-length: a captioner's sequences are its image's ",
+                config_.vision_seq_len(), " patch tokens and its caption's ", config_.max_text_len,
+                " tokens; leave it out");
+    return config_.vision_seq_len();
+  }
+  // Tokens/s count image tokens (patches and the class token); the decoder's work is in the
+  // FLOPs of each.
+  double train_flops_per_token(int64_t) const override {
+    return config_.train_flops_per_pair() / static_cast<double>(config_.vision_seq_len());
+  }
+  bool classifies() const override { return true; }
+  std::string accuracy_name() const override { return "caption token accuracy"; }
+  std::string baseline_name() const override { return "uniform guess (ln words)"; }
+  std::string data_hint() const override { return image_data_hint(); }
+  std::unique_ptr<TrainableModel> make_model(ModelLayout layout,
+                                             const TrainOptions& o) const override {
+    auto model = std::make_unique<ImageCaptioner>(config_, o.seed, std::move(layout),
+                                                  o.recompute_activations);
+    if (o.first_last_layers_bf16) {
+      model->set_high_precision_layers(o.num_layers_at_start_in_bf16, o.num_layers_at_end_in_bf16);
+    }
+    return model;
+  }
+  std::unique_ptr<DataSource> open_data(const TrainOptions& o, bool train, int64_t) const override {
+    std::unique_ptr<DataSource> images =
+        open_images(o, train, config_.channels, config_.image_size, kClipClasses);
+    if (!images) return nullptr;
+    return std::make_unique<ClipBatcher>(std::move(images), config_.max_text_len, o.seed,
+                                         train ? 3 : 4);
+  }
+  double baseline_loss(const TrainOptions&) const override {
+    return std::log(static_cast<double>(clip_vocabulary().size()));
+  }
+  // Greedy captions of the first validation images: how many name the image's class, a few
+  // printed, and (with --plot) the images beside their captions.
+  void report(TrainableModel& model, const DataSource& valid, DType dtype,
+              const TrainOptions& o) const override {
+    auto* captioner = dynamic_cast<ImageCaptioner*>(&model);
+    if (captioner == nullptr) return;
+    const int64_t count = 256, shown = 8;
+    const pipeline::MicroBatch batch = valid.batch(0, count);
+    const Tensor& pixels = pipeline::batch_tensor(batch, "pixels", "captioner");
+    const int32_t* labels = pipeline::batch_tensor(batch, "labels", "captioner").data<int32_t>();
+    const std::vector<std::vector<int32_t>> captions = captioner->generate(pixels, dtype);
+    int64_t named = 0;
+    std::vector<std::string> lines;
+    for (int64_t i = 0; i < pixels.dim(0); ++i) {
+      const std::string text = caption_words(captions[static_cast<size_t>(i)]);
+      named += clip_named_class(text) == labels[i];
+      if (i < shown) {
+        lines.push_back(text + "   (" + fashion_mnist_classes()[static_cast<size_t>(labels[i])] +
+                        ")");
+      }
+    }
+    std::printf("greedy captions naming the image's class: %.1f%% of %lld validation images\n",
+                100.0 * static_cast<double>(named) / static_cast<double>(pixels.dim(0)),
+                static_cast<long long>(pixels.dim(0)));
+    for (const std::string& line : lines) std::printf("  %s\n", line.c_str());
+    if (!o.plot.empty()) {
+      const size_t dot = o.plot.rfind('.');
+      const std::string path =
+          (dot == std::string::npos ? o.plot : o.plot.substr(0, dot)) + "-captions.svg";
+      write_captions_svg(path, pixels, config_.channels, config_.image_size, lines);
+      std::printf("captions drawn: %s\n", path.c_str());
+    }
+  }
+
+ private:
+  CaptionerConfig config_;
+};
+
 }  // namespace
 
 std::unique_ptr<ModelFamily> ModelFamily::from_options(const TrainOptions& o) {
@@ -349,6 +498,7 @@ std::unique_ptr<ModelFamily> ModelFamily::from_options(const TrainOptions& o) {
   if (family == "bert") return std::make_unique<BertFamily>(o);
   if (family == "t5") return std::make_unique<T5Family>(o);
   if (family == "clip") return std::make_unique<ClipFamily>(o);
+  if (family == "captioner") return std::make_unique<CaptionerFamily>(o);
   return std::make_unique<GptFamily>(o);
 }
 

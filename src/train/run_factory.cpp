@@ -91,7 +91,11 @@ TrainingRun::TrainingRun(const TrainOptions& options) : o_(options) {
     model_ = make_model(ModelLayout{});
   }
   trained_ = select_trained();
-  if (!o_.load.empty()) load_checkpoint_state();
+  if (!o_.load.empty()) {
+    load_checkpoint_state();
+  } else if (!o_.pretrained_checkpoint.empty()) {
+    load_pretrained();
+  }
   if (data_parallel_) build_data_parallel();
   build_optimizer();
   fp8_part_ = model_->fp8_states();
@@ -235,6 +239,32 @@ void TrainingRun::build_pipeline() {
     };
   }
   executor_ = std::make_unique<pipeline::PipelineExecutor>(schedule, *model_, *parallel_, options);
+}
+
+void TrainingRun::load_pretrained() {
+  const std::string& dir = o_.pretrained_checkpoint;
+  const TensorMap theirs = load_checkpoint(dir).model;
+  // Compared under the names on disk (Hugging Face's, where the family writes them).
+  TensorMap ours = model_->to_checkpoint_names(model_->state_dict());
+  std::vector<std::string> loaded;
+  for (auto& [name, tensor] : ours) {
+    const auto it = theirs.find(name);
+    if (it == theirs.end()) continue;
+    OCTET_CHECK(it->second.shape() == tensor.shape() && it->second.dtype() == tensor.dtype(),
+                "--pretrained-checkpoint '", dir, "': tensor '", name, "' is ",
+                shape_str(it->second.shape()), " ", dtype_name(it->second.dtype()),
+                "; this model's is ", shape_str(tensor.shape()), " ", dtype_name(tensor.dtype()));
+    tensor = it->second;
+    loaded.push_back(name);
+  }
+  OCTET_CHECK(!loaded.empty(), "--pretrained-checkpoint '", dir,
+              "': no tensor of its has a name of this model's (", family_->name(), ")");
+  model_->load_state_dict(model_->from_checkpoint_names(ours));
+  model_->on_parameters_updated();
+  if (!quiet_) {
+    std::printf("pretrained: %zu of %zu tensors from %s (first: %s)\n", loaded.size(), ours.size(),
+                dir.c_str(), loaded.front().c_str());
+  }
 }
 
 void TrainingRun::load_checkpoint_state() {

@@ -508,6 +508,7 @@ void TrainingRun::finish(double run_seconds) {
     std::printf("%s tensors over %lld steps (underflow: mean, saturated: max):\n%s",
                 fp4_ ? "FP4" : "FP8", (long long)trained, fp8_summary_.table().c_str());
   }
+  if (!executor_ && valid_batches_) family_->report(*model_, *valid_batches_, dtype_, o_);
 }
 
 }  // namespace train_detail

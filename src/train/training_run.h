@@ -43,6 +43,8 @@ class TrainingRun {
   std::vector<Parameter*> pipeline_backward_order() const;
   // The part's parameters outside --freeze (checked: each prefix names a parameter).
   std::vector<Parameter*> select_trained() const;
+  // --pretrained-checkpoint: the tensors of the model that the directory holds.
+  void load_pretrained();
 
   // --- the loop (trainer.cpp) ---
   double run_micro_batches(int64_t iteration);

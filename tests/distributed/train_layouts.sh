@@ -49,6 +49,7 @@ case "$(grep -oE '"model" *: *"[a-z0-9]+"' "$config" | grep -oE '[a-z0-9]+"$' | 
   bert) small_tensor=grad.cls.predictions.transform.LayerNorm.bias ;;
   t5) small_tensor=grad.decoder.final_layer_norm.weight ;;
   clip) small_tensor=grad.text_model.final_layer_norm.bias ;;
+  captioner) small_tensor=grad.language_model.norm.bias ;;
   *) small_tensor=grad.transformer.ln_f.bias ;;
 esac
 perturbed_status=0

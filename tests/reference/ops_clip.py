@@ -31,7 +31,8 @@ def _layers(p, prefix, x, count, heads, mask, c):
     return x
 
 
-def clip_forward(p, pixels, ids, lengths, c):
+def vision_tokens(p, pixels, c):
+    """The vision tower's tokens [B, 1 + patches, hidden] after its encoder layers."""
     eps = c.get("layernorm_eps", 1e-5)
     b = pixels.shape[0]
     s, ps, ch = c["image_size"], c["patch_size"], c.get("channels", 1)
@@ -43,8 +44,14 @@ def clip_forward(p, pixels, ids, lengths, c):
     x = torch.cat([cls, x], 1) + p["vision_model.embeddings.position_embedding"].unsqueeze(0)
     x = _norm(x, p["vision_model.pre_layrnorm.weight"], p["vision_model.pre_layrnorm.bias"],
               "layernorm", eps)
-    x = _layers(p, "vision_model.encoder.layers.", x, c["vision_layers"], c["vision_heads"],
-                "no_mask", c)
+    return _layers(p, "vision_model.encoder.layers.", x, c["vision_layers"], c["vision_heads"],
+                   "no_mask", c)
+
+
+def clip_forward(p, pixels, ids, lengths, c):
+    eps = c.get("layernorm_eps", 1e-5)
+    b = pixels.shape[0]
+    x = vision_tokens(p, pixels, c)
     pooled = _norm(x[:, 0], p["vision_model.post_layernorm.weight"],
                    p["vision_model.post_layernorm.bias"], "layernorm", eps)
     image = F.linear(pooled, p["visual_projection.weight"])

@@ -1,0 +1,142 @@
+// An image captioner in LLaVA's shape (Liu et al. 2023): a vision encoder (CLIP's vision tower:
+// patches embedded by one GEMM, a class token, learned positions, a LayerNorm, pre-norm encoder
+// layers and a LayerNorm over every token), a projector (LLaVA-1.5's two-layer MLP with GELU)
+// that turns each of the image's tokens into a prefix token of the language model, and a GPT
+// decoder (token and learned position embeddings, causal pre-norm layers, a final LayerNorm,
+// the output layer tied to the token embedding) trained to write the image's caption after its
+// prefix. Greedy decoding writes captions. Its vision tensors carry CLIP's names, so a CLIP
+// checkpoint's vision tower can be loaded (--pretrained-checkpoint) and frozen (--freeze
+// vision_model). Whole model and data parallelism.
+#pragma once
+
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "octet/model.h"
+#include "octet/modules.h"
+#include "octet/pipeline_stage.h"
+#include "octet/trainable_model.h"
+
+namespace octet {
+
+struct CaptionerConfig {
+  std::string name = "captioner";
+  // The vision encoder (square images).
+  int64_t image_size = 28;
+  int64_t channels = 1;
+  int64_t patch_size = 4;  // image_size must be a multiple
+  int64_t vision_layers = 4;
+  int64_t vision_hidden = 128;
+  int64_t vision_heads = 4;
+  int64_t vision_ffn = 0;  // 0 = 4 x vision_hidden
+  // The decoder: captions of at most max_text_len tokens ([SOS] words [EOS]).
+  int64_t vocab_size = 128;
+  int64_t max_text_len = 16;
+  int64_t text_layers = 2;
+  int64_t text_hidden = 128;
+  int64_t text_heads = 4;
+  int64_t text_ffn = 0;  // 0 = 4 x text_hidden
+  int64_t sos_id = 1;    // every caption starts with it; greedy decoding starts from it
+  int64_t eos_id = 2;    // greedy decoding stops after it
+  std::string activation = "gelu";
+  float layernorm_eps = 1e-5f;
+  float dropout = 0.0f;
+  float init_std = 0.02f;
+
+  // A JSON object with "model": "captioner"; unknown keys and out-of-range values are errors.
+  static CaptionerConfig from_json(const nlohmann::json& json);
+  static CaptionerConfig load(const std::string& path);
+  nlohmann::json to_json() const;
+  int64_t vision_ffn_hidden() const { return vision_ffn ? vision_ffn : 4 * vision_hidden; }
+  int64_t text_ffn_hidden() const { return text_ffn ? text_ffn : 4 * text_hidden; }
+  int64_t num_patches() const { return (image_size / patch_size) * (image_size / patch_size); }
+  int64_t patch_dim() const { return patch_size * patch_size * channels; }
+  int64_t vision_seq_len() const { return num_patches() + 1; }  // patches and the class token
+  // The decoder's sequence: the image's prefix tokens, then the caption's.
+  int64_t decoder_seq_len() const { return vision_seq_len() + max_text_len; }
+  int64_t pixels() const { return image_size * image_size * channels; }
+  int64_t num_layers() const { return vision_layers + text_layers; }
+  int64_t num_parameters() const;
+  // Training FLOPs per image-caption pair: 6 x the GEMMs' parameters per token (the encoder over
+  // the image's tokens; the projector over them; the decoder over prefix and caption) plus
+  // attention's 12 x layers x T x hidden per token, and the output layer over the caption.
+  double train_flops_per_pair() const;
+};
+
+// A micro-batch: {"pixels": [B, C*H*W] F32, "labels": [B] I32 (the images' classes; only
+// carried), "text_ids": [B, T] I32 (each image's caption: [SOS] words [EOS], then padding),
+// "text_lengths": [B] I32 (tokens up to and with the [EOS])}. CLIP's micro-batches have these.
+//
+// The loss: the mean cross-entropy of each caption token after the [SOS] (words and [EOS]),
+// predicted from the prefix and the tokens before it.
+
+// The captioner, whole (one process or data parallelism): TransformerStack's layers
+// 0 .. L_v-1 are the encoder's, L_v .. L_v+L_t-1 the decoder's. The patch embedding, the
+// projector and the output layer run in the step's dtype outside FP8 / FP4; FP8 recipes
+// quantize the encoder's and decoder's layers.
+class ImageCaptioner : public TransformerStack {
+ public:
+  ImageCaptioner(const CaptionerConfig& config, uint64_t seed, ModelLayout layout = {},
+                 bool recompute_activations = false);
+
+  using TransformerStack::evaluate;  // the whole model's train_step and evaluate
+  using TransformerStack::train_step;
+  // take_eval_counts(): caption tokens predicted correctly (argmax, teacher forcing), and caption
+  // tokens seen by evaluation.
+
+  // Greedy captions of images [N, C*H*W]: each starts from [SOS] and takes the most likely next
+  // token until [EOS] or max_text_len tokens. The ids, [SOS] first (and [EOS] last when reached).
+  std::vector<std::vector<int32_t>> generate(const Tensor& pixels, DType dtype);
+
+  struct Context : StagedModel::Context {
+    std::vector<TransformerLayer::Context> layers;  // encoder layers, then decoder layers
+    Linear::Context patch, project_in, project_out;
+    Norm::Context pre_norm, post_norm, final_norm;
+    Tensor projector_hidden;  // the first projector GEMM's output (GELU's input)
+    Tensor text_ids;          // [B, T]
+    int64_t batch = 0;
+    Tensor dhidden;  // the loss's gradient at the final norm's output rows of the caption
+  };
+  std::unique_ptr<StagedModel::Context> make_context() const override;
+  Tensor forward(int chunk, const Tensor& input, const pipeline::MicroBatch& batch, DType dtype,
+                 float grad_scale, StagedModel::Context& ctx) override;
+  Tensor backward(int chunk, const Tensor& doutput, StagedModel::Context& ctx) override;
+  Tensor evaluate(int chunk, const Tensor& input, const pipeline::MicroBatch& batch, DType dtype,
+                  float* loss) override;
+  Shape activation_shape(const pipeline::MicroBatch& batch) const override;
+  std::vector<pipeline::TiedParameters> tied_parameters() override { return {}; }
+  std::vector<Parameter*> chunk_parameters(int chunk) override;
+
+  void collect_parameters(std::vector<Parameter*>& out) override;
+  void on_parameters_updated() override;
+  std::vector<Parameter*> parameters_in_backward_order() override;
+  TensorMap to_checkpoint_names(const TensorMap& ours) const override { return ours; }
+  TensorMap from_checkpoint_names(const TensorMap& theirs) const override { return theirs; }
+
+  const CaptionerConfig& config() const { return config_; }
+
+  Parameter class_embedding;   // [1, Cv]
+  Parameter vision_positions;  // [Tv, Cv]
+  Parameter token_embedding;   // [V, Ct], also the output layer
+  Parameter text_positions;    // [Tv + max_text_len, Ct]: the prefix's positions, then the text's
+
+ private:
+  // pixels -> the prefix [B*Tv, Ct] F32 (contexts kept with ctx).
+  Tensor prefix_forward(const Tensor& pixels, DType dtype, Context* ctx);
+  void prefix_backward(const Tensor& dprefix, Context& ctx);
+  // The prefix [B*Tv, Ct] F32 and ids [B, T] -> the final norm's output [B, Tv + T, Ct].
+  Tensor decoder_forward(const Tensor& prefix, const Tensor& ids, DType dtype, Context* ctx);
+  Tensor run_forward(const pipeline::MicroBatch& batch, DType dtype, float grad_scale, Context* ctx,
+                     float* loss, bool count);
+
+  CaptionerConfig config_;
+  std::optional<Linear> patch_embed_, project_in_, project_out_;
+  std::optional<Norm> pre_norm_, post_norm_, final_norm_;
+  TiedOutputCache output_cache_;
+};
+
+}  // namespace octet

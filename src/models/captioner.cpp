@@ -1,0 +1,427 @@
+// The image captioner, whole: construction, the vision encoder and projector (the prefix), the
+// decoder over prefix and caption, the tied output layer's loss over the caption's tokens, their
+// backward, and greedy decoding.
+#include "octet/captioner.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include "models/gpt_parts.h"
+#include "models/image_embedding.h"
+#include "modules/common.h"
+#include "octet/ops/activation.h"
+#include "octet/ops/embedding.h"
+
+namespace octet {
+
+using models_detail::HighPrecisionScope;
+using models_detail::put_rows;
+using models_detail::take_rows;
+using models_detail::to_dtype;
+
+namespace {
+
+// The projector's activation: LLaVA-1.5's nn.GELU(), the exact (erf) form.
+constexpr ops::ActivationKind kProjectorActivation = ops::ActivationKind::GeluErf;
+
+TransformerLayerOptions layer_options(const CaptionerConfig& c, int64_t index, uint64_t seed,
+                                      bool recompute) {
+  const bool text = index >= c.vision_layers;
+  TransformerLayerOptions o;
+  o.checkpoint = recompute;
+  o.hidden_size = text ? c.text_hidden : c.vision_hidden;
+  o.ffn_hidden_size = text ? c.text_ffn_hidden() : c.vision_ffn_hidden();
+  o.num_attention_heads = text ? c.text_heads : c.vision_heads;
+  o.layernorm_epsilon = c.layernorm_eps;
+  o.hidden_dropout = c.dropout;
+  o.attention_dropout = c.dropout;
+  o.normalization = NormKind::LayerNorm;
+  o.activation = ops::parse_activation(c.activation);
+  o.layer_type = LayerType::Encoder;
+  // Every patch sees every patch; the decoder's tokens (prefix and caption) see those before
+  // them, as LLaVA's language model does.
+  o.self_attn_mask_type = text ? AttnMaskType::Causal : AttnMaskType::NoMask;
+  o.init_std = c.init_std;
+  o.output_init_std = c.init_std;
+  o.seed = seed * 1000 + static_cast<uint64_t>(index) + 1;
+  o.name = text ? "language_model.layers." + std::to_string(index - c.vision_layers)
+                : "vision_model.encoder.layers." + std::to_string(index);
+  return o;
+}
+
+NormOptions norm_options(const CaptionerConfig& c, int64_t hidden, std::string name) {
+  NormOptions n;
+  n.hidden = hidden;
+  n.kind = NormKind::LayerNorm;
+  n.eps = c.layernorm_eps;
+  n.name = std::move(name);
+  return n;
+}
+
+LinearOptions linear(int64_t in, int64_t out, bool bias, float init_std, uint64_t seed,
+                     std::string name) {
+  LinearOptions o;
+  o.in_features = in;
+  o.out_features = out;
+  o.bias = bias;
+  o.init_std = init_std;
+  o.seed = seed;
+  o.name = std::move(name);
+  return o;
+}
+
+ImageCaptioner::Context& own_context(pipeline::StagedModel::Context& base) {
+  auto* ctx = dynamic_cast<ImageCaptioner::Context*>(&base);
+  OCTET_CHECK(ctx, "captioner: expected a context from ImageCaptioner::make_context()");
+  return *ctx;
+}
+
+// Rows b * period + first + i, i in [0, count), of every sequence b in [0, B).
+std::vector<int64_t> block_rows(int64_t B, int64_t period, int64_t first, int64_t count) {
+  std::vector<int64_t> rows;
+  rows.reserve(static_cast<size_t>(B * count));
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t i = 0; i < count; ++i) rows.push_back(b * period + first + i);
+  }
+  return rows;
+}
+
+}  // namespace
+
+ImageCaptioner::ImageCaptioner(const CaptionerConfig& config, uint64_t seed, ModelLayout layout,
+                               bool recompute_activations)
+    : TransformerStack(
+          "captioner", config.num_layers(), std::move(layout),
+          [&](int64_t i) { return layer_options(config, i, seed, recompute_activations); }),
+      config_(config) {
+  OCTET_CHECK(layout_.stages == 1 && layout_.tensor == nullptr,
+              "captioner: tensor and pipeline parallelism are not supported yet (use data "
+              "parallelism)");
+  const CaptionerConfig& c = config;
+  const int64_t Cv = c.vision_hidden, Ct = c.text_hidden;
+  // The vision encoder's tensors as CLIP names (and seeds) them.
+  patch_embed_.emplace(linear(c.patch_dim(), Cv, false, c.init_std, seed * 7919 + 1,
+                              "vision_model.embeddings.patch_embedding"));
+  class_embedding = modules_detail::make_parameter("vision_model.embeddings.class_embedding",
+                                                   {1, Cv}, c.init_std, seed * 7919 + 2);
+  vision_positions =
+      modules_detail::make_parameter("vision_model.embeddings.position_embedding",
+                                     {c.vision_seq_len(), Cv}, c.init_std, seed * 7919 + 3);
+  pre_norm_.emplace(norm_options(c, Cv, "vision_model.pre_layrnorm"));
+  post_norm_.emplace(norm_options(c, Cv, "vision_model.post_layernorm"));
+  project_in_.emplace(
+      linear(Cv, Ct, true, c.init_std, seed * 7919 + 11, "multi_modal_projector.linear_1"));
+  project_out_.emplace(
+      linear(Ct, Ct, true, c.init_std, seed * 7919 + 12, "multi_modal_projector.linear_2"));
+  token_embedding = modules_detail::make_parameter(
+      "language_model.embed_tokens", {c.vocab_size, Ct}, c.init_std, seed * 7919 + 13);
+  text_positions = modules_detail::make_parameter(
+      "language_model.embed_positions", {c.decoder_seq_len(), Ct}, c.init_std, seed * 7919 + 14);
+  final_norm_.emplace(norm_options(c, Ct, "language_model.norm"));
+}
+
+std::vector<Parameter*> ImageCaptioner::chunk_parameters(int chunk) {
+  OCTET_CHECK(chunk == 0, "captioner: one chunk (the whole model)");
+  std::vector<Parameter*> out;
+  patch_embed_->collect_parameters(out);
+  out.push_back(&class_embedding);
+  out.push_back(&vision_positions);
+  pre_norm_->collect_parameters(out);
+  std::vector<TransformerLayer>& stack = layers(0);
+  for (int64_t i = 0; i < config_.vision_layers; ++i) {
+    stack[static_cast<size_t>(i)].collect_parameters(out);
+  }
+  post_norm_->collect_parameters(out);
+  project_in_->collect_parameters(out);
+  project_out_->collect_parameters(out);
+  out.push_back(&token_embedding);
+  out.push_back(&text_positions);
+  for (size_t i = static_cast<size_t>(config_.vision_layers); i < stack.size(); ++i) {
+    stack[i].collect_parameters(out);
+  }
+  final_norm_->collect_parameters(out);
+  return out;
+}
+
+void ImageCaptioner::collect_parameters(std::vector<Parameter*>& out) {
+  for (Parameter* p : chunk_parameters(0)) out.push_back(p);
+}
+
+// Backward runs the decoder, the projector, then the encoder (ImageCaptioner::backward).
+std::vector<Parameter*> ImageCaptioner::parameters_in_backward_order() {
+  std::vector<Parameter*> out;
+  auto add = [&](const std::vector<Parameter*>& ps) {
+    out.insert(out.end(), ps.begin(), ps.end());
+  };
+  std::vector<TransformerLayer>& stack = layers(0);
+  const auto Lv = static_cast<size_t>(config_.vision_layers);
+  add(final_norm_->parameters());
+  for (size_t i = stack.size(); i-- > Lv;) add(stack[i].parameters());
+  add({&token_embedding, &text_positions});
+  add(project_out_->parameters());
+  add(project_in_->parameters());
+  add(post_norm_->parameters());
+  for (size_t i = Lv; i-- > 0;) add(stack[i].parameters());
+  add(pre_norm_->parameters());
+  add(patch_embed_->parameters());
+  add({&class_embedding, &vision_positions});
+  return out;
+}
+
+void ImageCaptioner::on_parameters_updated() {
+  TransformerStack::on_parameters_updated();
+  patch_embed_->on_parameters_updated();
+  project_in_->on_parameters_updated();
+  project_out_->on_parameters_updated();
+  output_cache_.invalidate();
+}
+
+std::unique_ptr<pipeline::StagedModel::Context> ImageCaptioner::make_context() const {
+  return std::make_unique<Context>();
+}
+
+Shape ImageCaptioner::activation_shape(const pipeline::MicroBatch& batch) const {
+  const int64_t B = pipeline::batch_tensor(batch, "pixels", "captioner").dim(0);
+  return {B, config_.vision_seq_len(), config_.vision_hidden};
+}
+
+Tensor ImageCaptioner::prefix_forward(const Tensor& pixels, DType dtype, Context* ctx) {
+  const CaptionerConfig& c = config_;
+  check_dtype(pixels, DType::F32, "captioner: pixels");
+  OCTET_CHECK(pixels.ndim() == 2 && pixels.dim(1) == c.pixels() && pixels.dim(0) > 0,
+              "captioner: pixels expected [B, ", c.pixels(), "] (", c.channels, "x", c.image_size,
+              "x", c.image_size, " images), got ", shape_str(pixels.shape()));
+  const int64_t B = pixels.dim(0), T = c.vision_seq_len(), C = c.vision_hidden;
+  Context scratch;
+  Context& x_ctx = ctx ? *ctx : scratch;
+  const Tensor x =
+      models_detail::embed_images(pixels, c.channels, c.image_size, c.patch_size, *patch_embed_,
+                                  class_embedding, vision_positions, dtype, x_ctx.patch);
+  Tensor h = pre_norm_->forward(to_dtype(x, dtype).reshape({B, T, C}), x_ctx.pre_norm);
+  std::vector<TransformerLayer>& stack = layers(0);
+  for (int64_t i = 0; i < c.vision_layers; ++i) {
+    TransformerLayer::Context layer_scratch;
+    HighPrecisionScope precision(is_high_precision_layer(i));
+    h = stack[static_cast<size_t>(i)].forward(
+        h, ctx ? ctx->layers[static_cast<size_t>(i)] : layer_scratch);
+  }
+  const Tensor features = post_norm_->forward(h.reshape({B * T, C}), x_ctx.post_norm);
+  HighPrecisionScope scope;
+  Tensor hidden = project_in_->forward(features, x_ctx.project_in);
+  Tensor activated = Tensor::empty(hidden.shape(), hidden.dtype());
+  ops::activation_forward(kProjectorActivation, hidden, nullptr, activated);
+  if (ctx) ctx->projector_hidden = hidden;
+  return to_dtype(project_out_->forward(activated, x_ctx.project_out), DType::F32);
+}
+
+Tensor ImageCaptioner::decoder_forward(const Tensor& prefix, const Tensor& ids, DType dtype,
+                                       Context* ctx) {
+  const CaptionerConfig& c = config_;
+  const int64_t B = ids.dim(0), T = ids.dim(1), Tv = c.vision_seq_len(), Td = Tv + T;
+  const int64_t C = c.text_hidden;
+  Tensor text = Tensor::empty({B * T, C}, DType::F32);
+  ops::embedding_forward(ids.reshape({B * T}), token_embedding.value, text);
+  // [prefix of image b; caption b] for every b, then the positions 0 .. Td-1.
+  Tensor x = Tensor::empty({B * Td, C}, DType::F32);
+  const auto row_bytes = static_cast<size_t>(C) * sizeof(float);
+  const auto* p = static_cast<const char*>(prefix.raw());
+  const auto* t = static_cast<const char*>(text.raw());
+  auto* out = static_cast<char*>(x.raw());
+  for (int64_t b = 0; b < B; ++b) {
+    std::memcpy(out + static_cast<size_t>(b * Td) * row_bytes,
+                p + static_cast<size_t>(b * Tv) * row_bytes, static_cast<size_t>(Tv) * row_bytes);
+    std::memcpy(out + static_cast<size_t>(b * Td + Tv) * row_bytes,
+                t + static_cast<size_t>(b * T) * row_bytes, static_cast<size_t>(T) * row_bytes);
+  }
+  ops::position_embedding_forward(x, text_positions.value, Td);
+  Tensor h = to_dtype(x, dtype).reshape({B, Td, C});
+  std::vector<TransformerLayer>& stack = layers(0);
+  for (size_t i = static_cast<size_t>(c.vision_layers); i < stack.size(); ++i) {
+    TransformerLayer::Context layer_scratch;
+    HighPrecisionScope precision(is_high_precision_layer(static_cast<int64_t>(i)));
+    h = stack[i].forward(h, ctx ? ctx->layers[i] : layer_scratch);
+  }
+  Context scratch;
+  return final_norm_->forward(h, ctx ? ctx->final_norm : scratch.final_norm);
+}
+
+Tensor ImageCaptioner::run_forward(const pipeline::MicroBatch& batch, DType dtype, float grad_scale,
+                                   Context* ctx, float* loss, bool count) {
+  const CaptionerConfig& c = config_;
+  OCTET_CHECK(dtype == DType::F32 || dtype == DType::BF16,
+              "captioner: compute dtype expected f32 or bf16, got ", dtype_name(dtype));
+  const Tensor& pixels = pipeline::batch_tensor(batch, "pixels", "captioner");
+  const Tensor& ids = pipeline::batch_tensor(batch, "text_ids", "captioner");
+  const Tensor& lengths = pipeline::batch_tensor(batch, "text_lengths", "captioner");
+  check_dtype(ids, DType::I32, "captioner: text_ids");
+  check_dtype(lengths, DType::I32, "captioner: text_lengths");
+  OCTET_CHECK(ids.ndim() == 2 && pixels.ndim() == 2 && ids.dim(0) == pixels.dim(0) &&
+                  ids.dim(1) >= 2 && ids.dim(1) <= c.max_text_len,
+              "captioner: text_ids expected [B, T] with one caption per image (", pixels.dim(0),
+              " images) and T in [2, max_text_len = ", c.max_text_len, "], got ",
+              shape_str(ids.shape()));
+  const int64_t B = ids.dim(0), T = ids.dim(1), Tv = c.vision_seq_len(), Td = Tv + T;
+  const int64_t C = c.text_hidden;
+  check_shape(lengths, {B}, "captioner: text_lengths", "B");
+  const int32_t* id = ids.data<int32_t>();
+  const int32_t* len = lengths.data<int32_t>();
+  for (int64_t k = 0; k < B * T; ++k) {
+    OCTET_CHECK(id[k] >= 0 && id[k] < c.vocab_size, "captioner: token id ", id[k],
+                " expected in [0, vocab_size = ", c.vocab_size, ")");
+  }
+  // Targets: caption b's token j + 1 after its rows up to j (the words and the [EOS]).
+  std::vector<int32_t> target(static_cast<size_t>(B * (T - 1)));
+  for (int64_t b = 0; b < B; ++b) {
+    OCTET_CHECK(len[b] >= 2 && len[b] <= T, "captioner: text length ", len[b], " of caption ", b,
+                " expected in [2, ", T, "] ([SOS] ... [EOS])");
+    OCTET_CHECK(id[b * T] == c.sos_id, "captioner: caption ", b, " expected to start with [SOS] (",
+                c.sos_id, "), got ", id[b * T]);
+    for (int64_t j = 0; j + 1 < T; ++j) {
+      target[static_cast<size_t>(b * (T - 1) + j)] = j + 1 < len[b] ? id[b * T + j + 1] : -100;
+    }
+  }
+  Tensor targets = Tensor::empty({B * (T - 1)}, DType::I32);
+  std::memcpy(targets.raw(), target.data(), target.size() * sizeof(int32_t));
+
+  Context scratch;
+  Context& x = ctx ? *ctx : scratch;
+  x.layers.assign(layers(0).size(), TransformerLayer::Context{});
+  x.batch = B;
+  x.text_ids = ids;
+  const Tensor prefix = prefix_forward(pixels, dtype, ctx);
+  const Tensor hidden = decoder_forward(prefix, ids, dtype, ctx).reshape({B * Td, C});
+  // The output layer over the rows that predict a caption token.
+  const std::vector<int64_t> rows = block_rows(B, Td, Tv, T - 1);
+  const Tensor predicting = take_rows(hidden, rows);
+  HighPrecisionScope scope;
+  if (count) {
+    const Tensor& weight = gpt_parts::tied_weight_as(token_embedding, dtype, output_cache_);
+    Tensor logits = Tensor::empty({predicting.dim(0), c.vocab_size}, DType::F32);
+    gemm(predicting, weight, logits, /*trans_a=*/false, /*trans_b=*/true);
+    const float* l = logits.data<float>();
+    for (size_t r = 0; r < target.size(); ++r) {
+      if (target[r] == -100) continue;
+      const float* row = l + static_cast<int64_t>(r) * c.vocab_size;
+      eval_correct_ += (std::max_element(row, row + c.vocab_size) - row) == target[r];
+      ++eval_seen_;
+    }
+  }
+  Tensor dpredicting;
+  *loss = gpt_parts::tied_output_loss(predicting, targets, token_embedding, dtype, grad_scale,
+                                      ctx ? &dpredicting : nullptr, output_cache_);
+  if (ctx) x.dhidden = put_rows(dpredicting, B * Td, rows).reshape({B, Td, C});
+  return Tensor();
+}
+
+Tensor ImageCaptioner::forward(int chunk, const Tensor&, const pipeline::MicroBatch& batch,
+                               DType dtype, float grad_scale, StagedModel::Context& base) {
+  OCTET_CHECK(chunk == 0, "captioner: one chunk (the whole model)");
+  Context& ctx = own_context(base);
+  return run_forward(batch, dtype, grad_scale, &ctx, &ctx.loss, false);
+}
+
+Tensor ImageCaptioner::evaluate(int chunk, const Tensor&, const pipeline::MicroBatch& batch,
+                                DType dtype, float* loss) {
+  OCTET_CHECK(chunk == 0, "captioner: one chunk (the whole model)");
+  return run_forward(batch, dtype, 1.0f, nullptr, loss, true);
+}
+
+void ImageCaptioner::prefix_backward(const Tensor& dprefix, Context& ctx) {
+  const int64_t B = ctx.batch, T = config_.vision_seq_len(), C = config_.vision_hidden;
+  Tensor dfeatures;
+  {
+    HighPrecisionScope scope;
+    const Tensor dactivated =
+        project_out_->backward(to_dtype(dprefix, ctx.project_out.dtype), ctx.project_out);
+    grads_ready(project_out_->parameters());
+    Tensor dhidden = Tensor::empty(ctx.projector_hidden.shape(), ctx.projector_hidden.dtype());
+    ops::activation_backward(kProjectorActivation, to_dtype(dactivated, dhidden.dtype()),
+                             ctx.projector_hidden, nullptr, dhidden, nullptr);
+    ctx.projector_hidden = Tensor();
+    dfeatures = project_in_->backward(dhidden, ctx.project_in);
+    grads_ready(project_in_->parameters());
+  }
+  Tensor dh = post_norm_->backward(dfeatures, ctx.post_norm).reshape({B, T, C});
+  grads_ready(post_norm_->parameters());
+  std::vector<TransformerLayer>& stack = layers(0);
+  for (size_t i = static_cast<size_t>(config_.vision_layers); i-- > 0;) {
+    HighPrecisionScope precision(is_high_precision_layer(static_cast<int64_t>(i)));
+    dh = stack[i].backward(dh, ctx.layers[i]);
+    ctx.layers[i] = TransformerLayer::Context{};
+    grads_ready(stack[i].parameters());
+  }
+  const Tensor dx = pre_norm_->backward(dh, ctx.pre_norm);
+  grads_ready(pre_norm_->parameters());
+  models_detail::embed_images_backward(to_dtype(dx, DType::F32).reshape({B * T, C}), B,
+                                       *patch_embed_, class_embedding, vision_positions, ctx.patch);
+  grads_ready(patch_embed_->parameters());
+  grads_ready({&class_embedding, &vision_positions});
+}
+
+Tensor ImageCaptioner::backward(int chunk, const Tensor&, StagedModel::Context& base) {
+  OCTET_CHECK(chunk == 0, "captioner: one chunk (the whole model)");
+  Context& ctx = own_context(base);
+  OCTET_CHECK(ctx.dhidden.defined(), "captioner: backward before its forward");
+  const int64_t B = ctx.batch, T = ctx.text_ids.dim(1), Tv = config_.vision_seq_len();
+  const int64_t Td = Tv + T, C = config_.text_hidden;
+  Tensor dh = final_norm_->backward(ctx.dhidden, ctx.final_norm);
+  ctx.dhidden = Tensor();
+  grads_ready(final_norm_->parameters());
+  std::vector<TransformerLayer>& stack = layers(0);
+  for (size_t i = stack.size(); i-- > static_cast<size_t>(config_.vision_layers);) {
+    HighPrecisionScope precision(is_high_precision_layer(static_cast<int64_t>(i)));
+    dh = stack[i].backward(dh, ctx.layers[i]);
+    ctx.layers[i] = TransformerLayer::Context{};
+    grads_ready(stack[i].parameters());
+  }
+  const Tensor dx = to_dtype(dh, DType::F32).reshape({B * Td, C});
+  ops::position_embedding_backward(dx, Td, text_positions.grad);
+  ops::embedding_backward(ctx.text_ids.reshape({B * T}), take_rows(dx, block_rows(B, Td, Tv, T)),
+                          token_embedding.grad);
+  grads_ready({&token_embedding, &text_positions});
+  prefix_backward(take_rows(dx, block_rows(B, Td, 0, Tv)), ctx);
+  ctx = Context{};
+  return Tensor();
+}
+
+std::vector<std::vector<int32_t>> ImageCaptioner::generate(const Tensor& pixels, DType dtype) {
+  const CaptionerConfig& c = config_;
+  OCTET_CHECK(dtype == DType::F32 || dtype == DType::BF16,
+              "captioner: compute dtype expected f32 or bf16, got ", dtype_name(dtype));
+  const Tensor prefix = prefix_forward(pixels, dtype, nullptr);
+  const int64_t N = pixels.dim(0), Tv = c.vision_seq_len(), C = c.text_hidden;
+  std::vector<std::vector<int32_t>> out(static_cast<size_t>(N), {static_cast<int32_t>(c.sos_id)});
+  std::vector<bool> done(static_cast<size_t>(N), false);
+  // Each step runs the decoder over the whole prefix and caption so far: captions are short.
+  for (int64_t T = 1; T < c.max_text_len; ++T) {
+    if (std::all_of(done.begin(), done.end(), [](bool d) { return d; })) break;
+    Tensor ids = Tensor::empty({N, T}, DType::I32);
+    int32_t* id = ids.data<int32_t>();
+    for (int64_t n = 0; n < N; ++n) {
+      const std::vector<int32_t>& caption = out[static_cast<size_t>(n)];
+      for (int64_t t = 0; t < T; ++t) {
+        // A finished caption is held at its [EOS] (its rows are not read again).
+        id[n * T + t] = t < static_cast<int64_t>(caption.size()) ? caption[static_cast<size_t>(t)]
+                                                                 : static_cast<int32_t>(c.eos_id);
+      }
+    }
+    const Tensor hidden = decoder_forward(prefix, ids, dtype, nullptr).reshape({N * (Tv + T), C});
+    const Tensor last = take_rows(hidden, block_rows(N, Tv + T, Tv + T - 1, 1));
+    HighPrecisionScope scope;
+    const Tensor& weight = gpt_parts::tied_weight_as(token_embedding, dtype, output_cache_);
+    Tensor logits = Tensor::empty({N, c.vocab_size}, DType::F32);
+    gemm(last, weight, logits, /*trans_a=*/false, /*trans_b=*/true);
+    const float* l = logits.data<float>();
+    for (int64_t n = 0; n < N; ++n) {
+      if (done[static_cast<size_t>(n)]) continue;
+      const float* row = l + n * c.vocab_size;
+      const auto next = static_cast<int32_t>(std::max_element(row, row + c.vocab_size) - row);
+      out[static_cast<size_t>(n)].push_back(next);
+      done[static_cast<size_t>(n)] = next == c.eos_id;
+    }
+  }
+  return out;
+}
+
+}  // namespace octet
