@@ -20,46 +20,22 @@
 #include "octet/modules.h"
 #include "octet/pipeline_stage.h"
 #include "octet/trainable_model.h"
+#include "octet/vision_text.h"
 
 namespace octet {
 
-struct CaptionerConfig {
+struct CaptionerConfig : VisionTextConfig {
   std::string name = "captioner";
-  // The vision encoder (square images).
-  int64_t image_size = 28;
-  int64_t channels = 1;
-  int64_t patch_size = 4;  // image_size must be a multiple
-  int64_t vision_layers = 4;
-  int64_t vision_hidden = 128;
-  int64_t vision_heads = 4;
-  int64_t vision_ffn = 0;  // 0 = 4 x vision_hidden
-  // The decoder: captions of at most max_text_len tokens ([SOS] words [EOS]).
-  int64_t vocab_size = 128;
-  int64_t max_text_len = 16;
-  int64_t text_layers = 2;
-  int64_t text_hidden = 128;
-  int64_t text_heads = 4;
-  int64_t text_ffn = 0;  // 0 = 4 x text_hidden
-  int64_t sos_id = 1;    // every caption starts with it; greedy decoding starts from it
-  int64_t eos_id = 2;    // greedy decoding stops after it
-  std::string activation = "gelu";
-  float layernorm_eps = 1e-5f;
-  float dropout = 0.0f;
-  float init_std = 0.02f;
+  // Captions are [SOS] words [EOS] of at most max_text_len tokens.
+  int64_t sos_id = 1;  // every caption starts with it; greedy decoding starts from it
+  int64_t eos_id = 2;  // greedy decoding stops after it
 
   // A JSON object with "model": "captioner"; unknown keys and out-of-range values are errors.
   static CaptionerConfig from_json(const nlohmann::json& json);
   static CaptionerConfig load(const std::string& path);
   nlohmann::json to_json() const;
-  int64_t vision_ffn_hidden() const { return vision_ffn ? vision_ffn : 4 * vision_hidden; }
-  int64_t text_ffn_hidden() const { return text_ffn ? text_ffn : 4 * text_hidden; }
-  int64_t num_patches() const { return (image_size / patch_size) * (image_size / patch_size); }
-  int64_t patch_dim() const { return patch_size * patch_size * channels; }
-  int64_t vision_seq_len() const { return num_patches() + 1; }  // patches and the class token
   // The decoder's sequence: the image's prefix tokens, then the caption's.
   int64_t decoder_seq_len() const { return vision_seq_len() + max_text_len; }
-  int64_t pixels() const { return image_size * image_size * channels; }
-  int64_t num_layers() const { return vision_layers + text_layers; }
   int64_t num_parameters() const;
   // Training FLOPs per image-caption pair: 6 x the GEMMs' parameters per token (the encoder over
   // the image's tokens; the projector over them; the decoder over prefix and caption) plus
@@ -78,7 +54,7 @@ struct CaptionerConfig {
 // 0 .. L_v-1 are the encoder's, L_v .. L_v+L_t-1 the decoder's. The patch embedding, the
 // projector and the output layer run in the step's dtype outside FP8 / FP4; FP8 recipes
 // quantize the encoder's and decoder's layers.
-class ImageCaptioner : public TransformerStack {
+class ImageCaptioner : public VisionTextStack {
  public:
   ImageCaptioner(const CaptionerConfig& config, uint64_t seed, ModelLayout layout = {},
                  bool recompute_activations = false);
@@ -94,8 +70,9 @@ class ImageCaptioner : public TransformerStack {
 
   struct Context : StagedModel::Context {
     std::vector<TransformerLayer::Context> layers;  // encoder layers, then decoder layers
-    Linear::Context patch, project_in, project_out;
-    Norm::Context pre_norm, post_norm, final_norm;
+    VisionContext vision;
+    Linear::Context project_in, project_out;
+    Norm::Context post_norm, final_norm;
     Tensor projector_hidden;  // the first projector GEMM's output (GELU's input)
     Tensor text_ids;          // [B, T]
     int64_t batch = 0;
@@ -119,10 +96,8 @@ class ImageCaptioner : public TransformerStack {
 
   const CaptionerConfig& config() const { return config_; }
 
-  Parameter class_embedding;   // [1, Cv]
-  Parameter vision_positions;  // [Tv, Cv]
-  Parameter token_embedding;   // [V, Ct], also the output layer
-  Parameter text_positions;    // [Tv + max_text_len, Ct]: the prefix's positions, then the text's
+  Parameter token_embedding;  // [V, Ct], also the output layer
+  Parameter text_positions;   // [Tv + max_text_len, Ct]: the prefix's positions, then the text's
 
  private:
   // pixels -> the prefix [B*Tv, Ct] F32 (contexts kept with ctx).
@@ -134,8 +109,8 @@ class ImageCaptioner : public TransformerStack {
                      float* loss, bool count);
 
   CaptionerConfig config_;
-  std::optional<Linear> patch_embed_, project_in_, project_out_;
-  std::optional<Norm> pre_norm_, post_norm_, final_norm_;
+  std::optional<Linear> project_in_, project_out_;
+  std::optional<Norm> post_norm_, final_norm_;
   TiedOutputCache output_cache_;
 };
 

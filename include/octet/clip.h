@@ -21,46 +21,21 @@
 #include "octet/modules.h"
 #include "octet/pipeline_stage.h"
 #include "octet/trainable_model.h"
+#include "octet/vision_text.h"
 
 namespace octet {
 
-struct CLIPConfig {
+struct CLIPConfig : VisionTextConfig {
   std::string name = "clip";
-  // The vision tower (square images).
-  int64_t image_size = 28;
-  int64_t channels = 1;
-  int64_t patch_size = 4;  // image_size must be a multiple
-  int64_t vision_layers = 4;
-  int64_t vision_hidden = 128;
-  int64_t vision_heads = 4;
-  int64_t vision_ffn = 0;  // 0 = 4 x vision_hidden
-  // The text tower.
-  int64_t vocab_size = 128;
-  int64_t max_text_len = 16;
-  int64_t text_layers = 2;
-  int64_t text_hidden = 128;
-  int64_t text_heads = 4;
-  int64_t text_ffn = 0;  // 0 = 4 x text_hidden
   // The shared embedding space and the loss.
   int64_t embed_dim = 64;
   int64_t num_classes = 10;             // zero-shot classification: K classes of M prompts each
   float logit_scale_init = 2.6592600f;  // ln(1 / 0.07), CLIP's initial temperature
-  std::string activation = "gelu";
-  float layernorm_eps = 1e-5f;
-  float dropout = 0.0f;
-  float init_std = 0.02f;
 
   // A JSON object with "model": "clip"; unknown keys and out-of-range values are errors.
   static CLIPConfig from_json(const nlohmann::json& json);
   static CLIPConfig load(const std::string& path);
   nlohmann::json to_json() const;
-  int64_t vision_ffn_hidden() const { return vision_ffn ? vision_ffn : 4 * vision_hidden; }
-  int64_t text_ffn_hidden() const { return text_ffn ? text_ffn : 4 * text_hidden; }
-  int64_t num_patches() const { return (image_size / patch_size) * (image_size / patch_size); }
-  int64_t patch_dim() const { return patch_size * patch_size * channels; }
-  int64_t vision_seq_len() const { return num_patches() + 1; }  // patches and the class token
-  int64_t pixels() const { return image_size * image_size * channels; }
-  int64_t num_layers() const { return vision_layers + text_layers; }
   int64_t num_parameters() const;
   // Training FLOPs per image-caption pair: 6 x the GEMMs' parameters per token of each tower
   // plus attention's 12 x layers x T x hidden per token, the projections and the similarity
@@ -81,7 +56,7 @@ pipeline::MicroBatch clip_micro_batch(const Tensor& pixels, const Tensor& labels
 // the vision tower's, L_v .. L_v+L_t-1 the text tower's. The patch embedding and the two
 // projections run in the step's dtype outside FP8 / FP4 (the first and last GEMMs in high
 // precision); FP8 recipes quantize the towers' layers.
-class CLIP : public TransformerStack {
+class CLIP : public VisionTextStack {
  public:
   CLIP(const CLIPConfig& config, uint64_t seed, ModelLayout layout = {},
        bool recompute_activations = false);
@@ -101,8 +76,9 @@ class CLIP : public TransformerStack {
 
   struct Context : StagedModel::Context {
     std::vector<TransformerLayer::Context> layers;  // vision layers, then text layers
-    Linear::Context patch, visual_projection, text_projection;
-    Norm::Context pre_norm, post_norm, final_norm;
+    VisionContext vision;
+    Linear::Context visual_projection, text_projection;
+    Norm::Context post_norm, final_norm;
     Tensor text_ids, text_lengths;
     int64_t batch = 0;
     // The loss's gradients at the projections' outputs [B, embed_dim] F32.
@@ -126,11 +102,9 @@ class CLIP : public TransformerStack {
 
   const CLIPConfig& config() const { return config_; }
 
-  Parameter class_embedding;   // [1, Cv]
-  Parameter vision_positions;  // [Tv, Cv]
-  Parameter token_embedding;   // [V, Ct]
-  Parameter text_positions;    // [max_text_len, Ct]
-  Parameter logit_scale;       // [1]: ln of the similarities' scale
+  Parameter token_embedding;  // [V, Ct]
+  Parameter text_positions;   // [max_text_len, Ct]
+  Parameter logit_scale;      // [1]: ln of the similarities' scale
 
  private:
   // pixels -> the class token's normed features [B, Cv] in dtype (contexts kept with ctx).
@@ -143,8 +117,8 @@ class CLIP : public TransformerStack {
                      float* loss, bool count);
 
   CLIPConfig config_;
-  std::optional<Linear> patch_embed_, visual_projection_, text_projection_;
-  std::optional<Norm> pre_norm_, post_norm_, final_norm_;
+  std::optional<Linear> visual_projection_, text_projection_;
+  std::optional<Norm> post_norm_, final_norm_;
 };
 
 }  // namespace octet

@@ -8,7 +8,8 @@
 #include <cstring>
 
 #include "models/gpt_parts.h"
-#include "models/image_embedding.h"
+#include "models/image_rows.h"
+#include "models/precision_scope.h"
 #include "modules/common.h"
 #include "octet/ops/activation.h"
 #include "octet/ops/embedding.h"
@@ -24,52 +25,6 @@ namespace {
 
 // The projector's activation: LLaVA-1.5's nn.GELU(), the exact (erf) form.
 constexpr ops::ActivationKind kProjectorActivation = ops::ActivationKind::GeluErf;
-
-TransformerLayerOptions layer_options(const CaptionerConfig& c, int64_t index, uint64_t seed,
-                                      bool recompute) {
-  const bool text = index >= c.vision_layers;
-  TransformerLayerOptions o;
-  o.checkpoint = recompute;
-  o.hidden_size = text ? c.text_hidden : c.vision_hidden;
-  o.ffn_hidden_size = text ? c.text_ffn_hidden() : c.vision_ffn_hidden();
-  o.num_attention_heads = text ? c.text_heads : c.vision_heads;
-  o.layernorm_epsilon = c.layernorm_eps;
-  o.hidden_dropout = c.dropout;
-  o.attention_dropout = c.dropout;
-  o.normalization = NormKind::LayerNorm;
-  o.activation = ops::parse_activation(c.activation);
-  o.layer_type = LayerType::Encoder;
-  // Every patch sees every patch; the decoder's tokens (prefix and caption) see those before
-  // them, as LLaVA's language model does.
-  o.self_attn_mask_type = text ? AttnMaskType::Causal : AttnMaskType::NoMask;
-  o.init_std = c.init_std;
-  o.output_init_std = c.init_std;
-  o.seed = seed * 1000 + static_cast<uint64_t>(index) + 1;
-  o.name = text ? "language_model.layers." + std::to_string(index - c.vision_layers)
-                : "vision_model.encoder.layers." + std::to_string(index);
-  return o;
-}
-
-NormOptions norm_options(const CaptionerConfig& c, int64_t hidden, std::string name) {
-  NormOptions n;
-  n.hidden = hidden;
-  n.kind = NormKind::LayerNorm;
-  n.eps = c.layernorm_eps;
-  n.name = std::move(name);
-  return n;
-}
-
-LinearOptions linear(int64_t in, int64_t out, bool bias, float init_std, uint64_t seed,
-                     std::string name) {
-  LinearOptions o;
-  o.in_features = in;
-  o.out_features = out;
-  o.bias = bias;
-  o.init_std = init_std;
-  o.seed = seed;
-  o.name = std::move(name);
-  return o;
-}
 
 ImageCaptioner::Context& own_context(pipeline::StagedModel::Context& base) {
   auto* ctx = dynamic_cast<ImageCaptioner::Context*>(&base);
@@ -91,55 +46,34 @@ std::vector<int64_t> block_rows(int64_t B, int64_t period, int64_t first, int64_
 
 ImageCaptioner::ImageCaptioner(const CaptionerConfig& config, uint64_t seed, ModelLayout layout,
                                bool recompute_activations)
-    : TransformerStack(
-          "captioner", config.num_layers(), std::move(layout),
-          [&](int64_t i) { return layer_options(config, i, seed, recompute_activations); }),
+    : VisionTextStack("captioner", config, seed, std::move(layout), recompute_activations,
+                      "language_model.layers."),
       config_(config) {
-  OCTET_CHECK(layout_.stages == 1 && layout_.tensor == nullptr,
-              "captioner: tensor and pipeline parallelism are not supported yet (use data "
-              "parallelism)");
   const CaptionerConfig& c = config;
   const int64_t Cv = c.vision_hidden, Ct = c.text_hidden;
-  // The vision encoder's tensors as CLIP names (and seeds) them.
-  patch_embed_.emplace(linear(c.patch_dim(), Cv, false, c.init_std, seed * 7919 + 1,
-                              "vision_model.embeddings.patch_embedding"));
-  class_embedding = modules_detail::make_parameter("vision_model.embeddings.class_embedding",
-                                                   {1, Cv}, c.init_std, seed * 7919 + 2);
-  vision_positions =
-      modules_detail::make_parameter("vision_model.embeddings.position_embedding",
-                                     {c.vision_seq_len(), Cv}, c.init_std, seed * 7919 + 3);
-  pre_norm_.emplace(norm_options(c, Cv, "vision_model.pre_layrnorm"));
-  post_norm_.emplace(norm_options(c, Cv, "vision_model.post_layernorm"));
+  post_norm_.emplace(layer_norm_options(c, Cv, "vision_model.post_layernorm"));
   project_in_.emplace(
-      linear(Cv, Ct, true, c.init_std, seed * 7919 + 11, "multi_modal_projector.linear_1"));
+      linear_options(Cv, Ct, true, c.init_std, seed * 7919 + 11, "multi_modal_projector.linear_1"));
   project_out_.emplace(
-      linear(Ct, Ct, true, c.init_std, seed * 7919 + 12, "multi_modal_projector.linear_2"));
+      linear_options(Ct, Ct, true, c.init_std, seed * 7919 + 12, "multi_modal_projector.linear_2"));
   token_embedding = modules_detail::make_parameter(
       "language_model.embed_tokens", {c.vocab_size, Ct}, c.init_std, seed * 7919 + 13);
   text_positions = modules_detail::make_parameter(
       "language_model.embed_positions", {c.decoder_seq_len(), Ct}, c.init_std, seed * 7919 + 14);
-  final_norm_.emplace(norm_options(c, Ct, "language_model.norm"));
+  final_norm_.emplace(layer_norm_options(c, Ct, "language_model.norm"));
 }
 
 std::vector<Parameter*> ImageCaptioner::chunk_parameters(int chunk) {
   OCTET_CHECK(chunk == 0, "captioner: one chunk (the whole model)");
   std::vector<Parameter*> out;
-  patch_embed_->collect_parameters(out);
-  out.push_back(&class_embedding);
-  out.push_back(&vision_positions);
-  pre_norm_->collect_parameters(out);
-  std::vector<TransformerLayer>& stack = layers(0);
-  for (int64_t i = 0; i < config_.vision_layers; ++i) {
-    stack[static_cast<size_t>(i)].collect_parameters(out);
-  }
+  collect_vision_parameters(out);
   post_norm_->collect_parameters(out);
   project_in_->collect_parameters(out);
   project_out_->collect_parameters(out);
   out.push_back(&token_embedding);
   out.push_back(&text_positions);
-  for (size_t i = static_cast<size_t>(config_.vision_layers); i < stack.size(); ++i) {
-    stack[i].collect_parameters(out);
-  }
+  std::vector<TransformerLayer>& stack = layers(0);
+  for (size_t i = first_text_layer(); i < stack.size(); ++i) stack[i].collect_parameters(out);
   final_norm_->collect_parameters(out);
   return out;
 }
@@ -155,23 +89,19 @@ std::vector<Parameter*> ImageCaptioner::parameters_in_backward_order() {
     out.insert(out.end(), ps.begin(), ps.end());
   };
   std::vector<TransformerLayer>& stack = layers(0);
-  const auto Lv = static_cast<size_t>(config_.vision_layers);
   add(final_norm_->parameters());
-  for (size_t i = stack.size(); i-- > Lv;) add(stack[i].parameters());
+  for (size_t i = stack.size(); i-- > first_text_layer();) add(stack[i].parameters());
   add({&token_embedding, &text_positions});
   add(project_out_->parameters());
   add(project_in_->parameters());
   add(post_norm_->parameters());
-  for (size_t i = Lv; i-- > 0;) add(stack[i].parameters());
-  add(pre_norm_->parameters());
-  add(patch_embed_->parameters());
-  add({&class_embedding, &vision_positions});
+  add_vision_parameters_in_backward_order(out);
   return out;
 }
 
 void ImageCaptioner::on_parameters_updated() {
   TransformerStack::on_parameters_updated();
-  patch_embed_->on_parameters_updated();
+  vision_parameters_updated();
   project_in_->on_parameters_updated();
   project_out_->on_parameters_updated();
   output_cache_.invalidate();
@@ -187,25 +117,11 @@ Shape ImageCaptioner::activation_shape(const pipeline::MicroBatch& batch) const 
 }
 
 Tensor ImageCaptioner::prefix_forward(const Tensor& pixels, DType dtype, Context* ctx) {
-  const CaptionerConfig& c = config_;
-  check_dtype(pixels, DType::F32, "captioner: pixels");
-  OCTET_CHECK(pixels.ndim() == 2 && pixels.dim(1) == c.pixels() && pixels.dim(0) > 0,
-              "captioner: pixels expected [B, ", c.pixels(), "] (", c.channels, "x", c.image_size,
-              "x", c.image_size, " images), got ", shape_str(pixels.shape()));
-  const int64_t B = pixels.dim(0), T = c.vision_seq_len(), C = c.vision_hidden;
+  const int64_t B = pixels.dim(0), T = config_.vision_seq_len(), C = config_.vision_hidden;
   Context scratch;
   Context& x_ctx = ctx ? *ctx : scratch;
-  const Tensor x =
-      models_detail::embed_images(pixels, c.channels, c.image_size, c.patch_size, *patch_embed_,
-                                  class_embedding, vision_positions, dtype, x_ctx.patch);
-  Tensor h = pre_norm_->forward(to_dtype(x, dtype).reshape({B, T, C}), x_ctx.pre_norm);
-  std::vector<TransformerLayer>& stack = layers(0);
-  for (int64_t i = 0; i < c.vision_layers; ++i) {
-    TransformerLayer::Context layer_scratch;
-    HighPrecisionScope precision(is_high_precision_layer(i));
-    h = stack[static_cast<size_t>(i)].forward(
-        h, ctx ? ctx->layers[static_cast<size_t>(i)] : layer_scratch);
-  }
+  const Tensor h =
+      vision_encode(pixels, dtype, ctx ? &ctx->vision : nullptr, ctx ? &ctx->layers : nullptr);
   const Tensor features = post_norm_->forward(h.reshape({B * T, C}), x_ctx.post_norm);
   HighPrecisionScope scope;
   Tensor hidden = project_in_->forward(features, x_ctx.project_in);
@@ -237,7 +153,7 @@ Tensor ImageCaptioner::decoder_forward(const Tensor& prefix, const Tensor& ids, 
   ops::position_embedding_forward(x, text_positions.value, Td);
   Tensor h = to_dtype(x, dtype).reshape({B, Td, C});
   std::vector<TransformerLayer>& stack = layers(0);
-  for (size_t i = static_cast<size_t>(c.vision_layers); i < stack.size(); ++i) {
+  for (size_t i = first_text_layer(); i < stack.size(); ++i) {
     TransformerLayer::Context layer_scratch;
     HighPrecisionScope precision(is_high_precision_layer(static_cast<int64_t>(i)));
     h = stack[i].forward(h, ctx ? ctx->layers[i] : layer_scratch);
@@ -342,21 +258,9 @@ void ImageCaptioner::prefix_backward(const Tensor& dprefix, Context& ctx) {
     dfeatures = project_in_->backward(dhidden, ctx.project_in);
     grads_ready(project_in_->parameters());
   }
-  Tensor dh = post_norm_->backward(dfeatures, ctx.post_norm).reshape({B, T, C});
+  const Tensor dh = post_norm_->backward(dfeatures, ctx.post_norm).reshape({B, T, C});
   grads_ready(post_norm_->parameters());
-  std::vector<TransformerLayer>& stack = layers(0);
-  for (size_t i = static_cast<size_t>(config_.vision_layers); i-- > 0;) {
-    HighPrecisionScope precision(is_high_precision_layer(static_cast<int64_t>(i)));
-    dh = stack[i].backward(dh, ctx.layers[i]);
-    ctx.layers[i] = TransformerLayer::Context{};
-    grads_ready(stack[i].parameters());
-  }
-  const Tensor dx = pre_norm_->backward(dh, ctx.pre_norm);
-  grads_ready(pre_norm_->parameters());
-  models_detail::embed_images_backward(to_dtype(dx, DType::F32).reshape({B * T, C}), B,
-                                       *patch_embed_, class_embedding, vision_positions, ctx.patch);
-  grads_ready(patch_embed_->parameters());
-  grads_ready({&class_embedding, &vision_positions});
+  vision_encode_backward(dh, ctx.vision, ctx.layers);
 }
 
 Tensor ImageCaptioner::backward(int chunk, const Tensor&, StagedModel::Context& base) {
@@ -369,7 +273,7 @@ Tensor ImageCaptioner::backward(int chunk, const Tensor&, StagedModel::Context& 
   ctx.dhidden = Tensor();
   grads_ready(final_norm_->parameters());
   std::vector<TransformerLayer>& stack = layers(0);
-  for (size_t i = stack.size(); i-- > static_cast<size_t>(config_.vision_layers);) {
+  for (size_t i = stack.size(); i-- > first_text_layer();) {
     HighPrecisionScope precision(is_high_precision_layer(static_cast<int64_t>(i)));
     dh = stack[i].backward(dh, ctx.layers[i]);
     ctx.layers[i] = TransformerLayer::Context{};

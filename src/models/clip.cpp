@@ -7,7 +7,7 @@
 #include <algorithm>
 #include <cmath>
 
-#include "models/image_embedding.h"
+#include "models/image_rows.h"
 #include "models/precision_scope.h"
 #include "modules/common.h"
 #include "octet/ops/activation.h"
@@ -32,51 +32,6 @@ namespace {
 
 // The largest similarity scale (CLIP clamps exp(logit_scale) at 100).
 const float kMaxLogitScale = std::log(100.0f);
-
-TransformerLayerOptions layer_options(const CLIPConfig& c, int64_t index, uint64_t seed,
-                                      bool recompute) {
-  const bool text = index >= c.vision_layers;
-  TransformerLayerOptions o;
-  o.checkpoint = recompute;
-  o.hidden_size = text ? c.text_hidden : c.vision_hidden;
-  o.ffn_hidden_size = text ? c.text_ffn_hidden() : c.vision_ffn_hidden();
-  o.num_attention_heads = text ? c.text_heads : c.vision_heads;
-  o.layernorm_epsilon = c.layernorm_eps;
-  o.hidden_dropout = c.dropout;
-  o.attention_dropout = c.dropout;
-  o.normalization = NormKind::LayerNorm;
-  o.activation = ops::parse_activation(c.activation);
-  o.layer_type = LayerType::Encoder;
-  // Every patch sees every patch; a caption's token sees the tokens before it (so the [EOS]
-  // row, the one pooled, sees the whole caption and never its padding).
-  o.self_attn_mask_type = text ? AttnMaskType::Causal : AttnMaskType::NoMask;
-  o.init_std = c.init_std;
-  o.output_init_std = c.init_std;
-  o.seed = seed * 1000 + static_cast<uint64_t>(index) + 1;
-  o.name = text ? "text_model.encoder.layers." + std::to_string(index - c.vision_layers)
-                : "vision_model.encoder.layers." + std::to_string(index);
-  return o;
-}
-
-NormOptions norm_options(const CLIPConfig& c, int64_t hidden, std::string name) {
-  NormOptions n;
-  n.hidden = hidden;
-  n.kind = NormKind::LayerNorm;
-  n.eps = c.layernorm_eps;
-  n.name = std::move(name);
-  return n;
-}
-
-LinearOptions projection(int64_t in, int64_t out, float init_std, uint64_t seed, std::string name) {
-  LinearOptions o;
-  o.in_features = in;
-  o.out_features = out;
-  o.bias = false;
-  o.init_std = init_std;
-  o.seed = seed;
-  o.name = std::move(name);
-  return o;
-}
 
 CLIP::Context& own_context(pipeline::StagedModel::Context& base) {
   auto* ctx = dynamic_cast<CLIP::Context*>(&base);
@@ -130,34 +85,22 @@ std::vector<int64_t> eos_rows(const Tensor& lengths, int64_t T) {
 }  // namespace
 
 CLIP::CLIP(const CLIPConfig& config, uint64_t seed, ModelLayout layout, bool recompute_activations)
-    : TransformerStack(
-          "clip", config.num_layers(), std::move(layout),
-          [&](int64_t i) { return layer_options(config, i, seed, recompute_activations); }),
+    : VisionTextStack("clip", config, seed, std::move(layout), recompute_activations,
+                      "text_model.encoder.layers."),
       config_(config) {
-  OCTET_CHECK(layout_.stages == 1 && layout_.tensor == nullptr,
-              "clip: tensor and pipeline parallelism for the two towers are not supported yet "
-              "(use data parallelism)");
   const CLIPConfig& c = config;
   const int64_t Cv = c.vision_hidden, Ct = c.text_hidden;
-  patch_embed_.emplace(projection(c.patch_dim(), Cv, c.init_std, seed * 7919 + 1,
-                                  "vision_model.embeddings.patch_embedding"));
-  class_embedding = modules_detail::make_parameter("vision_model.embeddings.class_embedding",
-                                                   {1, Cv}, c.init_std, seed * 7919 + 2);
-  vision_positions =
-      modules_detail::make_parameter("vision_model.embeddings.position_embedding",
-                                     {c.vision_seq_len(), Cv}, c.init_std, seed * 7919 + 3);
-  pre_norm_.emplace(norm_options(c, Cv, "vision_model.pre_layrnorm"));
-  post_norm_.emplace(norm_options(c, Cv, "vision_model.post_layernorm"));
+  post_norm_.emplace(layer_norm_options(c, Cv, "vision_model.post_layernorm"));
   visual_projection_.emplace(
-      projection(Cv, c.embed_dim, c.init_std, seed * 7919 + 4, "visual_projection"));
+      linear_options(Cv, c.embed_dim, false, c.init_std, seed * 7919 + 4, "visual_projection"));
   token_embedding = modules_detail::make_parameter("text_model.embeddings.token_embedding",
                                                    {c.vocab_size, Ct}, c.init_std, seed * 7919 + 5);
   text_positions =
       modules_detail::make_parameter("text_model.embeddings.position_embedding",
                                      {c.max_text_len, Ct}, c.init_std, seed * 7919 + 6);
-  final_norm_.emplace(norm_options(c, Ct, "text_model.final_layer_norm"));
+  final_norm_.emplace(layer_norm_options(c, Ct, "text_model.final_layer_norm"));
   text_projection_.emplace(
-      projection(Ct, c.embed_dim, c.init_std, seed * 7919 + 7, "text_projection"));
+      linear_options(Ct, c.embed_dim, false, c.init_std, seed * 7919 + 7, "text_projection"));
   logit_scale = modules_detail::make_parameter("logit_scale", {1}, 0.0f, 0);
   logit_scale.value.data<float>()[0] = c.logit_scale_init;
 }
@@ -165,21 +108,13 @@ CLIP::CLIP(const CLIPConfig& config, uint64_t seed, ModelLayout layout, bool rec
 std::vector<Parameter*> CLIP::chunk_parameters(int chunk) {
   OCTET_CHECK(chunk == 0, "clip: one chunk (the whole model)");
   std::vector<Parameter*> out;
-  patch_embed_->collect_parameters(out);
-  out.push_back(&class_embedding);
-  out.push_back(&vision_positions);
-  pre_norm_->collect_parameters(out);
-  std::vector<TransformerLayer>& stack = layers(0);
-  for (int64_t i = 0; i < config_.vision_layers; ++i) {
-    stack[static_cast<size_t>(i)].collect_parameters(out);
-  }
+  collect_vision_parameters(out);
   post_norm_->collect_parameters(out);
   visual_projection_->collect_parameters(out);
   out.push_back(&token_embedding);
   out.push_back(&text_positions);
-  for (size_t i = static_cast<size_t>(config_.vision_layers); i < stack.size(); ++i) {
-    stack[i].collect_parameters(out);
-  }
+  std::vector<TransformerLayer>& stack = layers(0);
+  for (size_t i = first_text_layer(); i < stack.size(); ++i) stack[i].collect_parameters(out);
   final_norm_->collect_parameters(out);
   text_projection_->collect_parameters(out);
   out.push_back(&logit_scale);
@@ -197,23 +132,19 @@ std::vector<Parameter*> CLIP::parameters_in_backward_order() {
     out.insert(out.end(), ps.begin(), ps.end());
   };
   std::vector<TransformerLayer>& stack = layers(0);
-  const auto Lv = static_cast<size_t>(config_.vision_layers);
   add(text_projection_->parameters());
   add(final_norm_->parameters());
-  for (size_t i = stack.size(); i-- > Lv;) add(stack[i].parameters());
+  for (size_t i = stack.size(); i-- > first_text_layer();) add(stack[i].parameters());
   add({&token_embedding, &text_positions});
   add(visual_projection_->parameters());
   add(post_norm_->parameters());
-  for (size_t i = Lv; i-- > 0;) add(stack[i].parameters());
-  add(pre_norm_->parameters());
-  add(patch_embed_->parameters());
-  add({&class_embedding, &vision_positions});
+  add_vision_parameters_in_backward_order(out);
   return out;
 }
 
 void CLIP::on_parameters_updated() {
   TransformerStack::on_parameters_updated();
-  patch_embed_->on_parameters_updated();
+  vision_parameters_updated();
   visual_projection_->on_parameters_updated();
   text_projection_->on_parameters_updated();
 }
@@ -228,27 +159,12 @@ Shape CLIP::activation_shape(const pipeline::MicroBatch& batch) const {
 }
 
 Tensor CLIP::vision_forward(const Tensor& pixels, DType dtype, Context* ctx) {
-  const CLIPConfig& c = config_;
-  check_dtype(pixels, DType::F32, "clip: pixels");
-  OCTET_CHECK(pixels.ndim() == 2 && pixels.dim(1) == c.pixels() && pixels.dim(0) > 0,
-              "clip: pixels expected [B, ", c.pixels(), "] (", c.channels, "x", c.image_size, "x",
-              c.image_size, " images), got ", shape_str(pixels.shape()));
-  const int64_t B = pixels.dim(0), T = c.vision_seq_len(), C = c.vision_hidden;
-  Context scratch;
-  Context& x_ctx = ctx ? *ctx : scratch;
-  const Tensor x =
-      models_detail::embed_images(pixels, c.channels, c.image_size, c.patch_size, *patch_embed_,
-                                  class_embedding, vision_positions, dtype, x_ctx.patch);
-  Tensor h = pre_norm_->forward(to_dtype(x, dtype).reshape({B, T, C}), x_ctx.pre_norm);
-  std::vector<TransformerLayer>& stack = layers(0);
-  for (int64_t i = 0; i < c.vision_layers; ++i) {
-    TransformerLayer::Context layer_scratch;
-    HighPrecisionScope precision(is_high_precision_layer(i));
-    h = stack[static_cast<size_t>(i)].forward(
-        h, ctx ? ctx->layers[static_cast<size_t>(i)] : layer_scratch);
-  }
+  const int64_t B = pixels.dim(0), T = config_.vision_seq_len(), C = config_.vision_hidden;
+  const Tensor h =
+      vision_encode(pixels, dtype, ctx ? &ctx->vision : nullptr, ctx ? &ctx->layers : nullptr);
   const Tensor cls = take_rows(h.reshape({B * T, C}), models_detail::strided_rows(0, T, B));
-  return post_norm_->forward(cls, x_ctx.post_norm);
+  Norm::Context scratch;
+  return post_norm_->forward(cls, ctx ? ctx->post_norm : scratch);
 }
 
 Tensor CLIP::text_forward(const Tensor& ids, const Tensor& lengths, DType dtype, Context* ctx) {
@@ -277,7 +193,7 @@ Tensor CLIP::text_forward(const Tensor& ids, const Tensor& lengths, DType dtype,
   ops::position_embedding_forward(x, text_positions.value, T);
   Tensor h = to_dtype(x, dtype).reshape({N, T, C});
   std::vector<TransformerLayer>& stack = layers(0);
-  for (size_t i = static_cast<size_t>(c.vision_layers); i < stack.size(); ++i) {
+  for (size_t i = first_text_layer(); i < stack.size(); ++i) {
     TransformerLayer::Context layer_scratch;
     HighPrecisionScope precision(is_high_precision_layer(static_cast<int64_t>(i)));
     h = stack[i].forward(h, ctx ? ctx->layers[i] : layer_scratch);
@@ -466,7 +382,7 @@ void CLIP::text_backward(const Tensor& dpooled, Context& ctx) {
   grads_ready(final_norm_->parameters());
   Tensor dh = put_rows(deos, N * T, eos_rows(ctx.text_lengths, T)).reshape({N, T, C});
   std::vector<TransformerLayer>& stack = layers(0);
-  for (size_t i = stack.size(); i-- > static_cast<size_t>(config_.vision_layers);) {
+  for (size_t i = stack.size(); i-- > first_text_layer();) {
     HighPrecisionScope precision(is_high_precision_layer(static_cast<int64_t>(i)));
     dh = stack[i].backward(dh, ctx.layers[i]);
     ctx.layers[i] = TransformerLayer::Context{};
@@ -482,20 +398,9 @@ void CLIP::vision_backward(const Tensor& dpooled, Context& ctx) {
   const int64_t B = ctx.batch, T = config_.vision_seq_len(), C = config_.vision_hidden;
   const Tensor dcls = post_norm_->backward(dpooled, ctx.post_norm);
   grads_ready(post_norm_->parameters());
-  Tensor dh = put_rows(dcls, B * T, models_detail::strided_rows(0, T, B)).reshape({B, T, C});
-  std::vector<TransformerLayer>& stack = layers(0);
-  for (size_t i = static_cast<size_t>(config_.vision_layers); i-- > 0;) {
-    HighPrecisionScope precision(is_high_precision_layer(static_cast<int64_t>(i)));
-    dh = stack[i].backward(dh, ctx.layers[i]);
-    ctx.layers[i] = TransformerLayer::Context{};
-    grads_ready(stack[i].parameters());
-  }
-  const Tensor dx = pre_norm_->backward(dh, ctx.pre_norm);
-  grads_ready(pre_norm_->parameters());
-  models_detail::embed_images_backward(to_dtype(dx, DType::F32).reshape({B * T, C}), B,
-                                       *patch_embed_, class_embedding, vision_positions, ctx.patch);
-  grads_ready(patch_embed_->parameters());
-  grads_ready({&class_embedding, &vision_positions});
+  vision_encode_backward(
+      put_rows(dcls, B * T, models_detail::strided_rows(0, T, B)).reshape({B, T, C}), ctx.vision,
+      ctx.layers);
 }
 
 Tensor CLIP::backward(int chunk, const Tensor&, StagedModel::Context& base) {

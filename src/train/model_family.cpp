@@ -289,18 +289,19 @@ class T5Family : public ModelFamily {
 
 // CLIP's contrastive training on labelled images, each paired with a caption made from its
 // class (train/clip_captions.h); validation reports the loss and zero-shot accuracy.
-class ClipFamily : public ModelFamily {
+// The image-text models on Fashion-MNIST images with their class captions (ClipBatcher): the
+// config's checks against the captions' vocabulary, sizes, data and FLOPs.
+template <class Config>
+class CaptionedImagesFamily : public ModelFamily {
  public:
-  explicit ClipFamily(const TrainOptions& o) : config_(CLIPConfig::load(o.config_path)) {
+  CaptionedImagesFamily(const TrainOptions& o, const char* kind)
+      : config_(Config::load(o.config_path)), kind_(kind) {
     OCTET_CHECK(o.vocab_dir.empty() && o.vocab_size == 0,
                 "--vocab-dir and --vocab-size are a language model's: the config '", o.config_path,
-                "' is a CLIP (its captions' words are its vocabulary)");
+                "' is a ", kind, " (its captions' words are its vocabulary)");
     const auto words = static_cast<int64_t>(clip_vocabulary().size());
     OCTET_CHECK(config_.vocab_size >= words, "config '", o.config_path, "': vocab_size ",
                 config_.vocab_size, " expected at least the captions' ", words, " words");
-    OCTET_CHECK(config_.num_classes == static_cast<int64_t>(fashion_mnist_classes().size()),
-                "config '", o.config_path, "': num_classes ", config_.num_classes, " expected ",
-                fashion_mnist_classes().size(), " (the captioned classes)");
     OCTET_CHECK(!o.image_augment || !o.mock_data,
                 "--image-augment transforms real images: give --train-data DIR, not --mock-data");
   }
@@ -309,43 +310,58 @@ class ClipFamily : public ModelFamily {
   int64_t num_parameters() const override { return config_.num_parameters(); }
   int64_t num_layers() const override { return config_.num_layers(); }
   int64_t seq_len(const TrainOptions& o) const override {
-    OCTET_CHECK(o.seq_length == 0, "--seq-length: a CLIP's sequences are its image's ",
+    OCTET_CHECK(o.seq_length == 0, "--seq-length: a ", kind_, "'s sequences are its image's ",
                 config_.vision_seq_len(), " patch tokens and its caption's ", config_.max_text_len,
                 " tokens; leave it out");
     return config_.vision_seq_len();
   }
-  // Tokens/s count image tokens (patches and the class token); the captions' work is in the
+  // Tokens/s count image tokens (patches and the class token); the text's work is in the
   // FLOPs of each.
   double train_flops_per_token(int64_t) const override {
     return config_.train_flops_per_pair() / static_cast<double>(config_.vision_seq_len());
   }
   bool classifies() const override { return true; }
-  std::string accuracy_name() const override { return "zero-shot accuracy"; }
-  std::string baseline_name() const override { return "uniform guess (ln micro-batch)"; }
   std::string data_hint() const override { return image_data_hint(); }
-  std::unique_ptr<TrainableModel> make_model(ModelLayout layout,
-                                             const TrainOptions& o) const override {
+  std::unique_ptr<DataSource> open_data(const TrainOptions& o, bool train, int64_t) const override {
+    std::unique_ptr<DataSource> images =
+        open_images(o, train, config_.channels, config_.image_size, kClipClasses);
+    if (!images) return nullptr;
+    return std::make_unique<ClipBatcher>(std::move(images), config_.max_text_len, o.seed,
+                                         train ? 3 : 4);
+  }
+
+ protected:
+  // The model with --first-last-layers-bf16 applied.
+  template <class Model>
+  std::unique_ptr<TrainableModel> build(ModelLayout layout, const TrainOptions& o) const {
     auto model =
-        std::make_unique<CLIP>(config_, o.seed, std::move(layout), o.recompute_activations);
+        std::make_unique<Model>(config_, o.seed, std::move(layout), o.recompute_activations);
     if (o.first_last_layers_bf16) {
       model->set_high_precision_layers(o.num_layers_at_start_in_bf16, o.num_layers_at_end_in_bf16);
     }
     return model;
   }
-  std::unique_ptr<DataSource> open_data(const TrainOptions& o, bool train, int64_t) const override {
-    std::unique_ptr<DataSource> images =
-        open_images(o, train, config_.channels, config_.image_size, config_.num_classes);
-    if (!images) return nullptr;
-    return std::make_unique<ClipBatcher>(std::move(images), config_.max_text_len, o.seed,
-                                         train ? 3 : 4);
+
+  Config config_;
+  const char* kind_;
+};
+
+class ClipFamily : public CaptionedImagesFamily<CLIPConfig> {
+ public:
+  explicit ClipFamily(const TrainOptions& o) : CaptionedImagesFamily(o, "CLIP") {
+    OCTET_CHECK(config_.num_classes == kClipClasses, "config '", o.config_path, "': num_classes ",
+                config_.num_classes, " expected ", kClipClasses, " (the captioned classes)");
+  }
+  std::string accuracy_name() const override { return "zero-shot accuracy"; }
+  std::string baseline_name() const override { return "uniform guess (ln micro-batch)"; }
+  std::unique_ptr<TrainableModel> make_model(ModelLayout layout,
+                                             const TrainOptions& o) const override {
+    return build<CLIP>(std::move(layout), o);
   }
   // Each caption's image guessed among the micro-batch's.
   double baseline_loss(const TrainOptions& o) const override {
     return std::log(static_cast<double>(o.micro_batch_size));
   }
-
- private:
-  CLIPConfig config_;
 };
 
 // The words of generated ids ("?" for an id outside the captions' vocabulary).
@@ -399,55 +415,18 @@ void write_captions_svg(const std::string& path, const Tensor& pixels, int64_t c
   std::filesystem::rename(temp, path);
 }
 
-class CaptionerFamily : public ModelFamily {
+class CaptionerFamily : public CaptionedImagesFamily<CaptionerConfig> {
  public:
-  explicit CaptionerFamily(const TrainOptions& o) : config_(CaptionerConfig::load(o.config_path)) {
-    OCTET_CHECK(o.vocab_dir.empty() && o.vocab_size == 0,
-                "--vocab-dir and --vocab-size are a language model's: the config '", o.config_path,
-                "' is a captioner (its captions' words are its vocabulary)");
-    const auto words = static_cast<int64_t>(clip_vocabulary().size());
-    OCTET_CHECK(config_.vocab_size >= words, "config '", o.config_path, "': vocab_size ",
-                config_.vocab_size, " expected at least the captions' ", words, " words");
+  explicit CaptionerFamily(const TrainOptions& o) : CaptionedImagesFamily(o, "captioner") {
     OCTET_CHECK(config_.sos_id == kClipSos && config_.eos_id == kClipEos, "config '", o.config_path,
                 "': sos_id and eos_id expected ", kClipSos, " and ", kClipEos,
                 " (the captions' [SOS] and [EOS]), got ", config_.sos_id, " and ", config_.eos_id);
-    OCTET_CHECK(!o.image_augment || !o.mock_data,
-                "--image-augment transforms real images: give --train-data DIR, not --mock-data");
   }
-  std::string name() const override { return config_.name; }
-  nlohmann::json config_json() const override { return config_.to_json(); }
-  int64_t num_parameters() const override { return config_.num_parameters(); }
-  int64_t num_layers() const override { return config_.num_layers(); }
-  int64_t seq_len(const TrainOptions& o) const override {
-    OCTET_CHECK(o.seq_length == 0, "--seq-length: a captioner's sequences are its image's ",
-                config_.vision_seq_len(), " patch tokens and its caption's ", config_.max_text_len,
-                " tokens; leave it out");
-    return config_.vision_seq_len();
-  }
-  // Tokens/s count image tokens (patches and the class token); the decoder's work is in the
-  // FLOPs of each.
-  double train_flops_per_token(int64_t) const override {
-    return config_.train_flops_per_pair() / static_cast<double>(config_.vision_seq_len());
-  }
-  bool classifies() const override { return true; }
   std::string accuracy_name() const override { return "caption token accuracy"; }
   std::string baseline_name() const override { return "uniform guess (ln words)"; }
-  std::string data_hint() const override { return image_data_hint(); }
   std::unique_ptr<TrainableModel> make_model(ModelLayout layout,
                                              const TrainOptions& o) const override {
-    auto model = std::make_unique<ImageCaptioner>(config_, o.seed, std::move(layout),
-                                                  o.recompute_activations);
-    if (o.first_last_layers_bf16) {
-      model->set_high_precision_layers(o.num_layers_at_start_in_bf16, o.num_layers_at_end_in_bf16);
-    }
-    return model;
-  }
-  std::unique_ptr<DataSource> open_data(const TrainOptions& o, bool train, int64_t) const override {
-    std::unique_ptr<DataSource> images =
-        open_images(o, train, config_.channels, config_.image_size, kClipClasses);
-    if (!images) return nullptr;
-    return std::make_unique<ClipBatcher>(std::move(images), config_.max_text_len, o.seed,
-                                         train ? 3 : 4);
+    return build<ImageCaptioner>(std::move(layout), o);
   }
   double baseline_loss(const TrainOptions&) const override {
     return std::log(static_cast<double>(clip_vocabulary().size()));
@@ -485,9 +464,6 @@ class CaptionerFamily : public ModelFamily {
       std::printf("captions drawn: %s\n", path.c_str());
     }
   }
-
- private:
-  CaptionerConfig config_;
 };
 
 }  // namespace

@@ -181,6 +181,39 @@ inline void expect_near_fp32(const std::string& name, const TensorMap& grads, fl
               loss, f32_loss, worst);
 }
 
+// BF16 (loss within 1%, gradients within `bf16_tolerance` relative RMS) and every FP8 recipe
+// (delayed scaling after one step of amax history; loss within `fp8_loss_tolerance`, gradients
+// within `fp8_tolerance`) near the same step in FP32.
+template <class Model>
+void expect_bf16_and_fp8_near_fp32(Model& model, const pipeline::MicroBatch& batch,
+                                   double bf16_tolerance, double fp8_loss_tolerance,
+                                   double fp8_tolerance) {
+  float f32_loss = 0, bf16_loss = 0;
+  const TensorMap f32 = step_gradients(model, batch, DType::F32, &f32_loss);
+  const TensorMap bf16 = step_gradients(model, batch, DType::BF16, &bf16_loss);
+  expect_near_fp32("bf16", bf16, bf16_loss, f32, f32_loss, 0.01, bf16_tolerance);
+  for (const auto& [name, r] : fp8_recipes()) {
+    float loss = 0;
+    if (name == "delayed") fp8_step_gradients(model, batch, r, &loss);
+    const TensorMap fp8 = fp8_step_gradients(model, batch, r, &loss);
+    expect_near_fp32("fp8 " + name, fp8, loss, f32, f32_loss, fp8_loss_tolerance, fp8_tolerance);
+  }
+  EXPECT_FALSE(model.fp8_states().empty());
+}
+
+// Two batches that must train alike (e.g. differing only in padding): the same loss and every
+// gradient, bit for bit.
+template <class Model>
+void expect_same_step(Model& model, const pipeline::MicroBatch& a, const pipeline::MicroBatch& b) {
+  float a_loss = 0, b_loss = 0;
+  const TensorMap a_grads = step_gradients(model, a, DType::F32, &a_loss);
+  const TensorMap b_grads = step_gradients(model, b, DType::F32, &b_loss);
+  EXPECT_EQ(a_loss, b_loss);
+  for (const auto& [name, grad] : a_grads) {
+    EXPECT_EQ(grad.to_floats(), b_grads.at(name).to_floats()) << name;
+  }
+}
+
 // One batch's losses and gradients in FP32, BF16 and FP8 (current scaling, BF16 around it).
 struct PrecisionSteps {
   float f32_loss = 0, bf16_loss = 0, fp8_loss = 0;

@@ -101,18 +101,7 @@ TEST(Captioner, Bf16AndFp8StepsStayNearFp32) {
   ImageCaptioner model(config, 7);
   testing::perturb_vectors(model);
   const pipeline::MicroBatch batch = random_batch(8, config, 3);
-  float f32_loss = 0, bf16_loss = 0;
-  const TensorMap f32 = testing::step_gradients(model, batch, DType::F32, &f32_loss);
-  const TensorMap bf16 = testing::step_gradients(model, batch, DType::BF16, &bf16_loss);
-  testing::expect_near_fp32("bf16", bf16, bf16_loss, f32, f32_loss, 0.01, 0.05);
-  for (const auto& [name, r] : testing::fp8_recipes()) {
-    float loss = 0;
-    // Delayed scaling quantizes with the amax history of earlier steps: one step first.
-    if (name == "delayed") testing::fp8_step_gradients(model, batch, r, &loss);
-    const TensorMap fp8 = testing::fp8_step_gradients(model, batch, r, &loss);
-    testing::expect_near_fp32("fp8 " + name, fp8, loss, f32, f32_loss, 0.05, 0.45);
-  }
-  EXPECT_FALSE(model.fp8_states().empty());
+  testing::expect_bf16_and_fp8_near_fp32(model, batch, 0.05, 0.05, 0.45);
 }
 
 // Rows after a caption's [EOS] are neither attended to by the caption (causal) nor targets:
@@ -127,13 +116,7 @@ TEST(Captioner, PaddingChangesNothing) {
   a["text_ids"] = zero.ids;
   b["text_ids"] = seven.ids;
   a["text_lengths"] = b["text_lengths"] = zero.lengths;
-  float a_loss = 0, b_loss = 0;
-  const TensorMap a_grads = testing::step_gradients(model, a, DType::F32, &a_loss);
-  const TensorMap b_grads = testing::step_gradients(model, b, DType::F32, &b_loss);
-  EXPECT_EQ(a_loss, b_loss);
-  for (const auto& [name, grad] : a_grads) {
-    EXPECT_EQ(grad.to_floats(), b_grads.at(name).to_floats()) << name;
-  }
+  testing::expect_same_step(model, a, b);
 }
 
 // Three images, three captions of different lengths: after training on them alone, greedy
