@@ -76,10 +76,14 @@ pipeline::MicroBatch t5_micro_batch(const Tensor& enc_ids, const Tensor& enc_len
 int64_t t5_relative_position_bucket(int64_t relative_position, bool bidirectional,
                                     int64_t num_buckets, int64_t max_distance);
 
-// A T5, whole (one process or data parallelism). The layer stack holds the encoder's layers
-// then the decoder's (TransformerStack's layers 0 .. L_enc-1 and L_enc .. L_enc+L_dec-1);
-// tensor and pipeline parallelism for the encoder-decoder are not supported yet (a clear
-// error at construction).
+// A T5 on one stage (one process, data parallelism, tensor parallelism with or without
+// sequence parallelism, and their products). The layer stack holds the encoder's layers then
+// the decoder's (TransformerStack's layers 0 .. L_enc-1 and L_enc .. L_enc+L_dec-1). Under TP
+// the heads of every attention (self and cross) and the FFN columns are split as Megatron
+// splits them, the shared embedding and the output layer by vocabulary rows (vocab-parallel
+// cross-entropy), and the relative position biases are whole on every rank (each rank's heads
+// give part of their gradients, summed over the group). Pipeline parallelism is not supported
+// yet (a clear error at construction).
 class T5 : public TransformerStack {
  public:
   T5(const T5Config& config, uint64_t seed, ModelLayout layout = {},
@@ -95,8 +99,8 @@ class T5 : public TransformerStack {
     Norm::Context encoder_norm, decoder_norm;
     Tensor enc_ids, dec_ids, enc_lengths, dec_lengths;
     Tensor enc_buckets, dec_buckets;  // [S,S], [T,T] I32: each score's bucket
-    Tensor enc_out;                   // [B,S,C]: the encoder's normed output
-    Tensor dhidden;                   // the loss's gradient at the decoder's final norm output
+    Tensor enc_out;  // the encoder's normed output: [B,S,C], or this rank's rows under SP
+    Tensor dhidden;  // the loss's gradient at the decoder's final norm output
   };
   std::unique_ptr<StagedModel::Context> make_context() const override;
   Tensor forward(int chunk, const Tensor& input, const pipeline::MicroBatch& batch, DType dtype,
@@ -118,16 +122,22 @@ class T5 : public TransformerStack {
 
   const T5Config& config() const { return config_; }
 
-  Parameter shared;                 // [V, C]: the encoder's and the decoder's token embedding
+  Parameter shared;                 // [V, C] (this rank's rows under TP): both token embeddings
   Parameter encoder_relative_bias;  // [buckets, H]
   Parameter decoder_relative_bias;  // [buckets, H]
-  Parameter lm_head;                // [V, C]
+  Parameter lm_head;                // [V, C] (this rank's rows under TP)
 
  private:
   Tensor run_forward(const pipeline::MicroBatch& batch, DType dtype, float grad_scale, Context* ctx,
                      float* loss, bool count);
 
+  // ids [B,L] -> their embeddings in dtype: [B,L,C], or this rank's token rows under SP.
+  Tensor embed(const Tensor& ids, DType dtype);
+  // The gradient at those embeddings -> shared.grad.
+  void embed_backward(const Tensor& ids, const Tensor& dx);
+
   T5Config config_;
+  VocabRange vocab_;
   std::optional<Norm> encoder_norm_, decoder_norm_;
   TiedOutputCache output_cache_;
 };

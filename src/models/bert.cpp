@@ -355,37 +355,12 @@ float Bert::heads_loss(const Tensor& h_in, const pipeline::MicroBatch& batch, DT
   ops::activation_forward(act, pre, nullptr, activated);
   const Tensor transformed = mlm_norm_->forward(activated, ctx ? ctx->mlm_norm : norm_scratch);
   if (count) {
-    // Predictions: each row's argmax over the whole vocabulary (under TP: each rank's best of
-    // its rows, then the best over the group).
-    const Tensor& weight = gpt_parts::tied_weight_as(word_embeddings, dtype, output_cache_);
-    Tensor logits = Tensor::empty({M, weight.dim(0)}, DType::F32);
-    gemm(transformed, weight, logits, /*trans_a=*/false, /*trans_b=*/true);
-    const int64_t Vl = logits.dim(1);
-    Tensor best = Tensor::empty({2 * M}, DType::F32);
-    const float* l = logits.data<float>();
-    const float* bias = mlm_bias.value.data<float>();
-    float* b = best.data<float>();
-    for (int64_t i = 0; i < M; ++i) {
-      int64_t arg = 0;
-      float top = -INFINITY;
-      for (int64_t j = 0; j < Vl; ++j) {
-        const float v = l[i * Vl + j] + bias[j];
-        if (v > top) top = v, arg = j;
-      }
-      b[i] = top;
-      b[M + i] = static_cast<float>(vocab_.begin + arg);  // exact below 2^24
-    }
-    std::vector<float> all = best.to_floats();
-    if (tp) all = tp->all_gather(best).to_floats();
+    // Predictions: each row's argmax over the whole vocabulary (under TP: over the group).
+    const std::vector<int64_t> predicted = gpt_parts::vocab_argmax(
+        transformed, word_embeddings, dtype, output_cache_, vocab_, tp, &mlm_bias);
     if (tp == nullptr || tp->rank() == 0) {
-      const int64_t ranks = tp ? tp->size() : 1;
       for (int64_t i = 0; i < M; ++i) {
-        float top = -INFINITY, arg = -1;
-        for (int64_t q = 0; q < ranks; ++q) {
-          const float v = all[static_cast<size_t>(q * 2 * M + i)];
-          if (v > top) top = v, arg = all[static_cast<size_t>(q * 2 * M + M + i)];
-        }
-        eval_correct_ += static_cast<int64_t>(arg) == mlm_targets[static_cast<size_t>(i)];
+        eval_correct_ += predicted[static_cast<size_t>(i)] == mlm_targets[static_cast<size_t>(i)];
       }
       eval_seen_ += M;
     }

@@ -177,5 +177,40 @@ float tied_output_loss(const Tensor& hidden, const Tensor& targets, Parameter& w
   return static_cast<float>(loss_sum / static_cast<double>(valid));
 }
 
+std::vector<int64_t> vocab_argmax(const Tensor& hidden, Parameter& weight, DType dtype,
+                                  TiedOutputCache& cache, VocabRange vocab, Communicator* tp,
+                                  const Parameter* bias) {
+  const Tensor& w = tied_weight_as(weight, dtype, cache);
+  const int64_t M = hidden.rows(), Vl = w.dim(0);
+  Tensor logits = Tensor::empty({M, Vl}, DType::F32);
+  gemm(hidden, w, logits, /*trans_a=*/false, /*trans_b=*/true);
+  // This rank's best value and id of each row: [value_0 .. value_M-1, id_0 .. id_M-1].
+  Tensor best = Tensor::empty({2 * M}, DType::F32);
+  const float* l = logits.data<float>();
+  const float* b = bias ? bias->value.data<float>() : nullptr;
+  float* out = best.data<float>();
+  for (int64_t i = 0; i < M; ++i) {
+    int64_t arg = 0;
+    float top = -INFINITY;
+    for (int64_t j = 0; j < Vl; ++j) {
+      const float v = l[i * Vl + j] + (b ? b[j] : 0.0f);
+      if (v > top) top = v, arg = j;
+    }
+    out[i] = top;
+    out[M + i] = static_cast<float>(vocab.begin + arg);  // exact below 2^24
+  }
+  const std::vector<float> all = tp ? tp->all_gather(best).to_floats() : best.to_floats();
+  const int64_t ranks = tp ? tp->size() : 1;
+  std::vector<int64_t> ids(static_cast<size_t>(M));
+  for (int64_t i = 0; i < M; ++i) {
+    float top = -INFINITY;
+    for (int64_t q = 0; q < ranks; ++q) {
+      const auto at = [&](int64_t k) { return all[static_cast<size_t>(q * 2 * M + k)]; };
+      if (at(i) > top) top = at(i), ids[static_cast<size_t>(i)] = static_cast<int64_t>(at(M + i));
+    }
+  }
+  return ids;
+}
+
 }  // namespace gpt_parts
 }  // namespace octet

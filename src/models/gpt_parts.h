@@ -39,4 +39,12 @@ float tied_output_loss(const Tensor& hidden, const Tensor& targets, Parameter& w
                        const ChunkLoss& loss = {}, int64_t chunk_vocab = 0,
                        Parameter* bias = nullptr);
 
+// The id each row of hidden [N,C] (in dtype) predicts: the argmax over the whole vocabulary of
+// hidden x weight^T (+ bias), where weight [V_local, C] (and bias [V_local]) hold this rank's
+// vocabulary rows `vocab`; under a tensor group each rank's best are compared over the group
+// (collective: every rank of tp calls it), so every rank returns the same ids.
+std::vector<int64_t> vocab_argmax(const Tensor& hidden, Parameter& weight, DType dtype,
+                                  TiedOutputCache& cache, VocabRange vocab, Communicator* tp,
+                                  const Parameter* bias = nullptr);
+
 }  // namespace octet::gpt_parts

@@ -13,8 +13,10 @@
 #include "models/precision_scope.h"
 #include "modules/common.h"
 #include "octet/fp4.h"
+#include "octet/mappings.h"
 #include "octet/ops/activation.h"
 #include "octet/ops/embedding.h"
+#include "octet/ops/loss.h"
 
 namespace octet {
 
@@ -94,11 +96,11 @@ Tensor relative_bias(const Parameter& table, const Tensor& buckets) {
   return bias;
 }
 
-void relative_bias_backward(const Tensor& dbias, const Tensor& buckets, Parameter& table) {
-  const int64_t H = table.value.dim(1), TS = buckets.numel();
+void relative_bias_backward(const Tensor& dbias, const Tensor& buckets, Tensor& dtable) {
+  const int64_t H = dtable.dim(1), TS = buckets.numel();
   const float* d = dbias.data<float>();
   const int32_t* b = buckets.data<int32_t>();
-  float* g = table.grad.data<float>();
+  float* g = dtable.data<float>();
 #pragma omp parallel for
   for (int64_t h = 0; h < H; ++h) {
     for (int64_t ij = 0; ij < TS; ++ij) g[b[ij] * H + h] += d[h * TS + ij];
@@ -133,12 +135,24 @@ T5::T5(const T5Config& config, uint64_t seed, ModelLayout layout, bool recompute
           "t5", config.num_layers + config.decoder_layers(), std::move(layout),
           [&](int64_t i) { return layer_options(config, i, seed, recompute_activations); }),
       config_(config) {
-  OCTET_CHECK(layout_.stages == 1 && layout_.tensor == nullptr,
-              "t5: tensor and pipeline parallelism for the encoder-decoder are not supported yet "
-              "(use data parallelism)");
+  OCTET_CHECK(layout_.stages == 1,
+              "t5: pipeline parallelism for the encoder-decoder is not "
+              "supported yet (use data and tensor parallelism)");
+  Communicator* tp = layout_.tensor;
   const int64_t V = config.vocab_size, C = config.hidden, H = config.num_heads;
+  OCTET_CHECK(tp == nullptr || V >= tp->size(), "t5: vocabulary ", V,
+              " smaller than TP=", tp ? tp->size() : 1);
+  vocab_ = tp ? vocab_range(V, tp->rank(), tp->size()) : VocabRange{0, V};
+  // This rank's rows of a same-seed whole table.
+  auto vocabulary_rows = [&](Parameter& p) {
+    if (tp == nullptr) return;
+    p.value = p.value.slice_rows(vocab_.begin, vocab_.end).clone();
+    p.grad = Tensor::zeros(p.value.shape(), DType::F32);
+    p.shard = TensorShard::vocabulary_rows({V, C});
+  };
   shared =
       modules_detail::make_parameter("shared.weight", {V, C}, config.init_std, seed * 7919 + 1);
+  vocabulary_rows(shared);
   const float bias_std = 1.0f / std::sqrt(static_cast<float>(C));
   encoder_relative_bias = modules_detail::make_parameter("encoder.relative_attention_bias.weight",
                                                          {config.relative_attention_num_buckets, H},
@@ -148,11 +162,16 @@ T5::T5(const T5Config& config, uint64_t seed, ModelLayout layout, bool recompute
                                                          bias_std, seed * 7919 + 3);
   encoder_norm_.emplace(norm_options(config, "encoder.final_layer_norm"));
   decoder_norm_.emplace(norm_options(config, "decoder.final_layer_norm"));
+  // Applied to token shards under sequence parallelism: partial gradients.
+  for (Parameter* p : encoder_norm_->parameters()) p->shard.sequence_parallel = sequence_parallel();
+  for (Parameter* p : decoder_norm_->parameters()) p->shard.sequence_parallel = sequence_parallel();
   lm_head = modules_detail::make_parameter("lm_head.weight", {V, C}, bias_std, seed * 7919 + 4);
+  vocabulary_rows(lm_head);
   // T5 folds attention's 1/sqrt(d_kv) into the query's initialization: the query rows of each
   // projection start 1/sqrt(d_kv) smaller than the keys' and values'.
   const float query_scale = 1.0f / std::sqrt(static_cast<float>(config.kv_channels));
-  const int64_t A = config.num_heads * config.kv_channels;
+  // Under TP each fused projection holds this rank's query rows first.
+  const int64_t A = config.num_heads * config.kv_channels / (tp ? tp->size() : 1);
   auto scale_rows = [&](Parameter& w, int64_t rows) {
     float* v = w.value.data<float>();
     for (int64_t i = 0; i < rows * w.value.dim(1); ++i) v[i] *= query_scale;
@@ -215,7 +234,39 @@ std::unique_ptr<pipeline::StagedModel::Context> T5::make_context() const {
 
 Shape T5::activation_shape(const pipeline::MicroBatch& batch) const {
   const Tensor& dec = pipeline::batch_tensor(batch, "dec_ids", "t5");
+  if (sequence_parallel()) return {dec.numel() / layout_.tensor->size(), config_.hidden};
   return {dec.dim(0), dec.dim(1), config_.hidden};
+}
+
+Tensor T5::embed(const Tensor& ids, DType dtype) {
+  Communicator* tp = layout_.tensor;
+  const int64_t N = ids.numel(), C = config_.hidden;
+  Tensor x = Tensor::empty({N, C}, DType::F32);
+  if (tp == nullptr) {
+    ops::embedding_forward(ids.reshape({N}), shared.value, x);
+    return to_dtype(x, dtype).reshape({ids.dim(0), ids.dim(1), C});
+  }
+  // Each rank looks up its vocabulary rows; the sum over the group is the embedding.
+  ops::embedding_part_forward(ids.reshape({N}), shared.value, vocab_.begin, config_.vocab_size, x);
+  if (sequence_parallel())
+    return to_dtype(reduce_scatter_to_sequence_parallel_region(x, *tp), dtype);
+  return to_dtype(reduce_from_tensor_parallel_region(x, *tp), dtype)
+      .reshape({ids.dim(0), ids.dim(1), C});
+}
+
+void T5::embed_backward(const Tensor& ids, const Tensor& dx_in) {
+  Communicator* tp = layout_.tensor;
+  const int64_t N = ids.numel(), C = config_.hidden;
+  const Tensor dx = to_dtype(dx_in, DType::F32).reshape({dx_in.numel() / C, C});
+  if (tp == nullptr) {
+    ops::embedding_backward(ids.reshape({N}), dx, shared.grad);
+    return;
+  }
+  const Tensor dwhole = sequence_parallel()
+                            ? reduce_scatter_to_sequence_parallel_region_backward(dx, *tp)
+                            : reduce_from_tensor_parallel_region_backward(dx, *tp);
+  ops::embedding_part_backward(ids.reshape({N}), dwhole, vocab_.begin, config_.vocab_size,
+                               shared.grad);
 }
 
 Tensor T5::run_forward(const pipeline::MicroBatch& batch, DType dtype, float grad_scale,
@@ -247,50 +298,65 @@ Tensor T5::run_forward(const pipeline::MicroBatch& batch, DType dtype, float gra
   c.enc_buckets = relative_buckets(config_, S, S, /*bidirectional=*/true);
   c.dec_buckets = relative_buckets(config_, T, T, /*bidirectional=*/false);
   c.layers.assign(stack.size(), TransformerLayer::Context{});
-  auto embed = [&](const Tensor& ids) {
-    Tensor x = Tensor::empty({ids.numel(), C}, DType::F32);
-    ops::embedding_forward(ids.reshape({ids.numel()}), shared.value, x);
-    return to_dtype(x, dtype).reshape({ids.dim(0), ids.dim(1), C});
-  };
+  // Under sequence parallelism the layers see this rank's token rows and their lengths S, T.
+  const int64_t enc_seq = sequence_parallel() ? S : 0, dec_seq = sequence_parallel() ? T : 0;
   // The encoder.
   const Tensor enc_bias = relative_bias(encoder_relative_bias, c.enc_buckets);
-  Tensor h = embed(enc_ids);
+  Tensor h = embed(enc_ids, dtype);
   for (int64_t i = 0; i < L; ++i) {
     TransformerLayer::Context layer_scratch;
     HighPrecisionScope precision(is_high_precision_layer(i));
     h = stack[static_cast<size_t>(i)].forward(
         h, ctx ? c.layers[static_cast<size_t>(i)] : layer_scratch, nullptr, &enc_lengths, nullptr,
-        0, &enc_bias);
+        enc_seq, &enc_bias);
   }
   c.enc_out = encoder_norm_->forward(h, c.encoder_norm);
   // The decoder: causal self-attention, cross-attention over the encoder's output.
   const Tensor dec_bias = relative_bias(decoder_relative_bias, c.dec_buckets);
-  Tensor y = embed(dec_ids);
+  Tensor y = embed(dec_ids, dtype);
   for (size_t i = static_cast<size_t>(L); i < stack.size(); ++i) {
     TransformerLayer::Context layer_scratch;
     HighPrecisionScope precision(is_high_precision_layer(static_cast<int64_t>(i)));
     y = stack[i].forward(y, ctx ? c.layers[i] : layer_scratch, &c.enc_out, &dec_lengths,
-                         &enc_lengths, 0, &dec_bias);
+                         &enc_lengths, dec_seq, &dec_bias);
   }
-  Tensor hidden = decoder_norm_->forward(y, c.decoder_norm).reshape({B * T, C});
+  Tensor hidden = decoder_norm_->forward(y, c.decoder_norm).reshape({-1, C});
+  // The output layer sees every token: gathered from the token shards under SP.
+  Communicator* tp = layout_.tensor;
+  if (sequence_parallel()) hidden = gather_from_sequence_parallel_region(hidden, *tp);
   const Tensor flat_targets = targets.reshape({B * T});
   HighPrecisionScope scope;
   if (count) {
-    const Tensor& weight = gpt_parts::tied_weight_as(lm_head, dtype, output_cache_);
-    Tensor logits = Tensor::empty({B * T, config_.vocab_size}, DType::F32);
-    gemm(hidden, weight, logits, /*trans_a=*/false, /*trans_b=*/true);
-    const float* l = logits.data<float>();
+    const std::vector<int64_t> predicted =
+        gpt_parts::vocab_argmax(hidden, lm_head, dtype, output_cache_, vocab_, tp);
     const int32_t* t = flat_targets.data<int32_t>();
-    const int64_t V = config_.vocab_size;
-    for (int64_t r = 0; r < B * T; ++r) {
-      if (t[r] == -100) continue;
-      const float* row = l + r * V;
-      eval_correct_ += (std::max_element(row, row + V) - row) == t[r];
-      ++eval_seen_;
+    if (tp == nullptr || tp->rank() == 0) {
+      for (int64_t r = 0; r < B * T; ++r) {
+        if (t[r] == -100) continue;
+        eval_correct_ += predicted[static_cast<size_t>(r)] == t[r];
+        ++eval_seen_;
+      }
     }
   }
-  *loss = gpt_parts::tied_output_loss(hidden, flat_targets, lm_head, dtype, grad_scale,
-                                      ctx ? &c.dhidden : nullptr, output_cache_);
+  if (tp == nullptr) {
+    *loss = gpt_parts::tied_output_loss(hidden, flat_targets, lm_head, dtype, grad_scale,
+                                        ctx ? &c.dhidden : nullptr, output_cache_);
+    return Tensor();
+  }
+  *loss = gpt_parts::tied_output_loss(
+      copy_to_tensor_parallel_region(hidden, *tp), flat_targets, lm_head, dtype, grad_scale,
+      ctx ? &c.dhidden : nullptr, output_cache_,
+      [&](Tensor& logits, const Tensor& target_chunk, Tensor& losses, bool backward, float scale) {
+        vocab_parallel_cross_entropy(logits, target_chunk, vocab_, losses, backward, scale, *tp);
+      },
+      // Rank 0's shard is the widest: every rank cuts the same chunks (collective per chunk).
+      vocab_range(config_.vocab_size, 0, tp->size()).size());
+  if (ctx) {
+    // Each rank's part of the gradient comes from its vocabulary rows: summed over the group,
+    // then this rank's token rows under SP.
+    c.dhidden = copy_to_tensor_parallel_region_backward(c.dhidden, *tp);
+    if (sequence_parallel()) c.dhidden = scatter_to_sequence_parallel_region(c.dhidden, *tp);
+  }
   return Tensor();
 }
 
@@ -315,10 +381,16 @@ Tensor T5::backward(int chunk, const Tensor&, StagedModel::Context& base) {
   const int64_t B = ctx.dec_ids.dim(0), S = ctx.enc_ids.dim(1), T = ctx.dec_ids.dim(1);
   std::vector<TransformerLayer>& stack = layers(0);
   grads_ready({&lm_head});
-  Tensor dy = decoder_norm_->backward(ctx.dhidden.reshape({B, T, C}), ctx.decoder_norm);
+  Communicator* tp = layout_.tensor;
+  const bool sp = sequence_parallel();
+  // Activations: [B,T,C], or this rank's token rows [B*T/TP, C] under SP.
+  auto shaped = [&](const Tensor& x, int64_t L_) {
+    return sp ? x.reshape({-1, C}) : x.reshape({B, L_, C});
+  };
+  Tensor dy = decoder_norm_->backward(shaped(ctx.dhidden, T), ctx.decoder_norm);
   ctx.dhidden = Tensor();
   grads_ready(decoder_norm_->parameters());
-  Tensor denc = Tensor::zeros({B, S, C}, DType::F32);
+  Tensor denc = Tensor::zeros(ctx.enc_out.shape(), DType::F32);
   Tensor ddec_bias = Tensor::zeros({H, T, T}, DType::F32);
   for (size_t i = stack.size(); i-- > static_cast<size_t>(L);) {
     Tensor d_encoder_output;
@@ -331,12 +403,19 @@ Tensor T5::backward(int chunk, const Tensor&, StagedModel::Context& base) {
     for (int64_t k = 0; k < denc.numel(); ++k) acc[k] += add[k];
     grads_ready(stack[i].parameters());
   }
-  relative_bias_backward(ddec_bias, ctx.dec_buckets, decoder_relative_bias);
+  // Under TP each rank's heads gave their part of the bias's gradient: summed over the group.
+  auto bias_backward = [&](Tensor& dbias, const Tensor& buckets, Parameter& table) {
+    if (tp == nullptr) return relative_bias_backward(dbias, buckets, table.grad);
+    Tensor part = Tensor::zeros(table.grad.shape(), DType::F32);
+    relative_bias_backward(dbias, buckets, part);
+    tp->all_reduce(part);
+    float* g = table.grad.data<float>();
+    const float* add = part.data<float>();
+    for (int64_t k = 0; k < part.numel(); ++k) g[k] += add[k];
+  };
+  bias_backward(ddec_bias, ctx.dec_buckets, decoder_relative_bias);
   grads_ready({&decoder_relative_bias});
-  {
-    const Tensor dy32 = to_dtype(dy, DType::F32);
-    ops::embedding_backward(ctx.dec_ids.reshape({B * T}), dy32.reshape({B * T, C}), shared.grad);
-  }
+  embed_backward(ctx.dec_ids, dy);
   Tensor dh = encoder_norm_->backward(to_dtype(denc, ctx.enc_out.dtype()), ctx.encoder_norm);
   grads_ready(encoder_norm_->parameters());
   Tensor denc_bias = Tensor::zeros({H, S, S}, DType::F32);
@@ -346,9 +425,8 @@ Tensor T5::backward(int chunk, const Tensor&, StagedModel::Context& base) {
     ctx.layers[i] = TransformerLayer::Context{};
     grads_ready(stack[i].parameters());
   }
-  relative_bias_backward(denc_bias, ctx.enc_buckets, encoder_relative_bias);
-  const Tensor dh32 = to_dtype(dh, DType::F32);
-  ops::embedding_backward(ctx.enc_ids.reshape({B * S}), dh32.reshape({B * S, C}), shared.grad);
+  bias_backward(denc_bias, ctx.enc_buckets, encoder_relative_bias);
+  embed_backward(ctx.enc_ids, dh);
   grads_ready({&encoder_relative_bias, &shared});
   ctx = Context{};
   return Tensor();

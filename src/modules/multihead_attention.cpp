@@ -291,8 +291,6 @@ DotProductAttentionOptions local_core_options(const MultiheadAttentionOptions& o
                                               Communicator* tp) {
   DotProductAttentionOptions c = MultiheadAttention::core_options(o);
   if (tp == nullptr) return c;
-  OCTET_CHECK(o.attention_type == AttentionType::Self, o.name,
-              ": tensor-parallel attention supports self-attention only (cross-attention not yet)");
   OCTET_CHECK(!o.qk_norm && o.attention_dropout == 0.0f, o.name,
               ": tensor-parallel attention does not support QK-norm or attention dropout yet");
   const int64_t size = tp->size(),
@@ -326,14 +324,25 @@ MultiheadAttention::MultiheadAttention(const MultiheadAttentionOptions& options,
       qkv.emplace(l.linear, tp);
     }
   } else {
+    // Under a tensor-parallel group: rank r holds the r-th 1/TP of the query heads, and of the
+    // key and value heads (the encoder's output is whole on every rank, or its token rows
+    // gathered under sequence parallelism).
+    const int64_t whole_kv =
+        options.num_gqa_groups > 0 ? options.num_gqa_groups : options.num_attention_heads;
     LinearOptions l = linear_options(options, options.input_layernorm ? "layernorm_query" : "query",
-                                     c, heads_ * head_dim_, std, 2);
+                                     c, options.num_attention_heads * head_dim_, std, 2);
+    l.parallel_mode = ParallelMode::Column;
+    l.sequence_parallel = options.sequence_parallel;
     if (options.input_layernorm) {
-      layernorm_query.emplace(layernorm_linear_options(options, l));
+      layernorm_query.emplace(layernorm_linear_options(options, l), tp);
     } else {
-      query.emplace(l);
+      query.emplace(l, tp);
     }
-    key_value.emplace(linear_options(options, "key_value", c, 2 * kv_heads_ * head_dim_, std, 3));
+    LinearOptions kv = linear_options(options, "key_value", c, 2 * whole_kv * head_dim_, std, 3);
+    kv.parallel_mode = ParallelMode::Column;
+    kv.sequence_parallel = options.sequence_parallel;
+    kv.output_blocks = {whole_kv * head_dim_, whole_kv * head_dim_};
+    key_value.emplace(kv, tp);
   }
   if (options.qk_norm) {
     q_norm.emplace(qk_norm_options(options, "q_norm"));
@@ -465,18 +474,26 @@ Tensor MultiheadAttention::forward(const Tensor& x, Context& ctx, const Tensor* 
   } else {
     OCTET_CHECK(encoder_output != nullptr, o.name, ": cross-attention needs encoder_output");
     const Tensor& e = *encoder_output;
-    OCTET_CHECK(
-        e.ndim() == 3 && e.dim(0) == batch && e.dim(2) == o.hidden_size && e.dtype() == x.dtype(),
-        o.name, ": encoder_output expected [B,S,C]=[", batch, ",S,", o.hidden_size, "] ",
-        dtype_name(x.dtype()), ", got ", shape_str(e.shape()), " ", dtype_name(e.dtype()));
-    ctx.encoder_shape = e.shape();
+    // Its sequences' length S: whole [B,S,C], or this rank's token rows [B*S/TP, C] under
+    // sequence parallelism.
+    const bool sp = proj.parallel() && proj.whole_options().sequence_parallel;
+    const int64_t rows = e.ndim() == 2 ? e.rows() * tp_size_ : 0;
+    OCTET_CHECK(e.dtype() == x.dtype() &&
+                    (sp ? e.ndim() == 2 && e.cols() == o.hidden_size && rows % batch == 0
+                        : e.ndim() == 3 && e.dim(0) == batch && e.dim(2) == o.hidden_size),
+                o.name, ": encoder_output expected ",
+                sp ? "this rank's token rows [B*S/TP, C]" : "[B,S,C]", " with B=", batch,
+                ", C=", o.hidden_size, " in ", dtype_name(x.dtype()), ", got ",
+                shape_str(e.shape()), " ", dtype_name(e.dtype()));
+    const int64_t S = sp ? rows / batch : e.dim(1);
+    ctx.encoder_shape = {batch, S, o.hidden_size};
     q = (layernorm_query ? layernorm_query->forward(x, ctx.layernorm_input)
                          : query->forward(x, ctx.input))
             .reshape({batch, seq, heads_, head_dim_});
     Tensor fused = key_value->forward(e, ctx.key_value);
-    k = Tensor::empty({batch, e.dim(1), kv_heads_, head_dim_}, x.dtype());
-    v = Tensor::empty({batch, e.dim(1), kv_heads_, head_dim_}, x.dtype());
-    split_columns(fused, {&k, &v});
+    k = Tensor::empty({batch, S, kv_heads_, head_dim_}, x.dtype());
+    v = Tensor::empty({batch, S, kv_heads_, head_dim_}, x.dtype());
+    split_columns(fused.reshape({batch * S, 2 * kv_heads_ * head_dim_}), {&k, &v});
     position_qk(ctx, q, k);
   }
   // Under tensor parallelism this rank's heads are rows [rank * heads_, ...) of the bias.
@@ -820,8 +837,9 @@ Tensor MultiheadAttention::backward(const Tensor& dy, Context& ctx, Tensor* d_en
     dx = layernorm_query ? layernorm_query->backward(dquery, ctx.layernorm_input)
                          : query->backward(dquery, ctx.input);
     const Shape& e = ctx.encoder_shape;
-    Tensor dfused =
-        join_columns({&dk, &dv}, e[0] * e[1]).reshape({e[0], e[1], 2 * kv_heads_ * head_dim_});
+    const bool sp = proj.parallel() && proj.whole_options().sequence_parallel;
+    Tensor dfused = join_columns({&dk, &dv}, e[0] * e[1]);
+    if (!sp) dfused = dfused.reshape({e[0], e[1], 2 * kv_heads_ * head_dim_});
     *d_encoder_output = key_value->backward(dfused, ctx.key_value);
   }
   ctx = Context{};

@@ -173,7 +173,7 @@ void TransformerLayer::run_forward(const Tensor& x, const Tensor* encoder_output
   } else {
     if (inter_attention) {
       Tensor cross = inter_attention->forward(h, ctx.inter_attention, encoder_output, lengths,
-                                              encoder_lengths);
+                                              encoder_lengths, ctx.seq_len);
       residual =
           post ? inter_attention->layernorm_query->norm.forward(h, ctx.inter_residual_norm) : h;
       h = bias_dropout_add(cross, inter_attention->output_bias(), residual,

@@ -452,6 +452,83 @@ TEST_F(TensorParallel, SelfAttentionEqualsTheUnshardedBlock) {
   }
 }
 
+// Cross-attention (T5's decoder): the query heads and the key / value heads split across the
+// group, the encoder's output whole on every rank (or its token rows under SP): the output, the
+// input's and the encoder output's gradients, and every parameter's gradient.
+TEST_F(TensorParallel, CrossAttentionEqualsTheUnshardedBlock) {
+  const int64_t batch = 2, seq = 2 * n, enc_seq = 3 * n, heads = 2 * n, head_dim = 4;
+  const int64_t hidden = heads * head_dim;
+  for (int64_t kv_heads : {heads, static_cast<int64_t>(n)}) {
+    for (bool sp : {false, true}) {
+      const std::string what =
+          "cross-attention kv_heads=" + std::to_string(kv_heads) + " sp=" + (sp ? "1" : "0");
+      MultiheadAttentionOptions o;
+      o.attention_type = AttentionType::Cross;
+      o.attn_mask_type = AttnMaskType::NoMask;
+      o.hidden_size = hidden;
+      o.num_attention_heads = heads;
+      o.num_gqa_groups = kv_heads;
+      o.attention_dropout = 0.0f;
+      o.input_layernorm = true;
+      o.init_std = 0.3f;
+      o.output_init_std = 0.3f;
+      o.seed = 5;
+      MultiheadAttention full(o);
+      randomize(full.layernorm_query->norm.weight, 51, 1.0f);
+      randomize(full.layernorm_query->linear.bias, 52, 0.5f);
+      randomize(full.key_value->bias, 53, 0.5f);
+      o.sequence_parallel = sp;
+      MultiheadAttention attention(o, tp);
+      load_shards(attention, full, *tp);
+
+      const int64_t tokens = batch * seq, enc_tokens = batch * enc_seq;
+      const Tensor x = random_tensor({tokens, hidden}, 54),
+                   dy = random_tensor({tokens, hidden}, 55);
+      const Tensor e = random_tensor({enc_tokens, hidden}, 56);
+      const Tensor e3 = e.reshape({batch, enc_seq, hidden});
+      MultiheadAttention::Context full_ctx;
+      const Tensor y =
+          full.forward(x.reshape({batch, seq, hidden}), full_ctx, &e3).reshape({tokens, hidden});
+      Tensor de;
+      const Tensor dx =
+          full.backward(dy.reshape({batch, seq, hidden}), full_ctx, &de).reshape({tokens, hidden});
+
+      MultiheadAttention::Context ctx;
+      const Tensor e_tp = sp ? row_block(e, r, n).clone() : e3;
+      const Tensor y_tp =
+          attention.forward(sp ? row_block(x, r, n) : x.reshape({batch, seq, hidden}), ctx, &e_tp,
+                            nullptr, nullptr, sp ? seq : 0);
+      expect_close(y_tp.reshape({y_tp.numel() / hidden, hidden}), sp ? row_block(y, r, n) : y,
+                   what + " y");
+      Tensor de_tp;
+      const Tensor dx_tp = attention.backward(
+          sp ? row_block(dy, r, n).clone() : dy.reshape({batch, seq, hidden}), ctx, &de_tp);
+      expect_close(dx_tp.reshape({dx_tp.numel() / hidden, hidden}), sp ? row_block(dx, r, n) : dx,
+                   what + " dx");
+      const Tensor de_whole = de.reshape({enc_tokens, hidden});
+      expect_close(de_tp.reshape({de_tp.numel() / hidden, hidden}),
+                   sp ? row_block(de_whole, r, n) : de_whole, what + " d encoder output");
+      all_reduce_sequence_parallel_gradients(sequence_parallel_parameters(attention.parameters()),
+                                             *tp);
+
+      const Linear& query = full.layernorm_query->linear;
+      const Linear& query_tp = attention.layernorm_query->linear;
+      expect_close(query_tp.weight.grad, block_rows(query.weight.grad, {heads * head_dim}, r, n),
+                   what + " query dW");
+      const std::vector<int64_t> kv_blocks = {kv_heads * head_dim, kv_heads * head_dim};
+      expect_close(attention.key_value->weight.grad,
+                   block_rows(full.key_value->weight.grad, kv_blocks, r, n), what + " kv dW");
+      expect_close(attention.key_value->bias.grad,
+                   block_rows(full.key_value->bias.grad, kv_blocks, r, n), what + " kv db");
+      const int64_t local = hidden / n;
+      expect_close(attention.proj.weight.grad, columns(full.proj.weight.grad, r * local, local),
+                   what + " proj dW");
+      expect_close(attention.layernorm_query->norm.weight.grad,
+                   full.layernorm_query->norm.weight.grad, what + " norm dgamma");
+    }
+  }
+}
+
 // GroupedLinear split across the group, column- and row-parallel, against the whole module:
 // every group's output, input gradient and weight / bias gradients (the empty group too).
 TEST_F(TensorParallel, GroupedLinearEqualsTheUnshardedModule) {

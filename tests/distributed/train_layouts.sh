@@ -9,11 +9,13 @@
 #   AdamW's sign-like first update hides from the losses) fails the run;
 # - the printed per-step losses (4 decimals) and gradient norms (3 decimals) must be equal.
 # Usage:
-#   train_layouts.sh OCTET_BINARY CONFIG [all|core|dp]
+#   train_layouts.sh OCTET_BINARY CONFIG [all|core|tp|dp]
 # `core` (for another model family on the same trainer, e.g. a ViT config) runs one layout of
 # each kind - ZeRO-1, TP, PP, TP x DP with SP, TP x PP with SP and recomputation, PP x DP -
 # in FP32 instead of every schedule, option, FP8 layout and resume.
-# `dp` (a model with data parallelism only so far: T5, CLIP) runs DP=2, ZeRO-1 and DP=4.
+# `tp` (a model without pipeline stages so far: T5) runs ZeRO-1, TP, TP with SP and TP x DP.
+# `dp` (a model with data parallelism only so far: CLIP, the captioner) runs DP=2, ZeRO-1 and
+# DP=4.
 set -euo pipefail
 octet="$1"
 config="$2"
@@ -90,10 +92,19 @@ run() {
     --update-rtol "$update_rtol" --param-rtol "$param_rtol"
 }
 if [ "$layouts" = dp ]; then
-  # A model with data parallelism only so far (T5): plain, ZeRO-1 and recomputation.
+  # A model with data parallelism only so far: plain, ZeRO-1 and recomputation.
   run 2 "DP=2" --no-overlap-grad-reduce
   run 2 "DP=2 ZeRO-1, recompute" --use-distributed-optimizer --recompute-activations
   run 4 "DP=4 (each layer reduced after its backward)"
+  exit $status
+fi
+if [ "$layouts" = tp ]; then
+  # Data and tensor parallelism, with and without sequence parallelism (T5: no stages yet).
+  run 2 "DP=2 ZeRO-1, recompute" --use-distributed-optimizer --recompute-activations
+  run 2 "TP=2" --tensor-model-parallel-size 2
+  run 2 "TP=2 sequence-parallel" --tensor-model-parallel-size 2 --sequence-parallel
+  run 4 "TP=2 x DP=2 sequence-parallel ZeRO-1, recompute" --tensor-model-parallel-size 2 \
+    --sequence-parallel --use-distributed-optimizer --recompute-activations
   exit $status
 fi
 if [ "$layouts" = core ]; then
