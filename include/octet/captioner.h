@@ -6,7 +6,7 @@
 // the output layer tied to the token embedding) trained to write the image's caption after its
 // prefix. Greedy decoding writes captions. Its vision tensors carry CLIP's names, so a CLIP
 // checkpoint's vision tower can be loaded (--pretrained-checkpoint) and frozen (--freeze
-// vision_model). Whole model and data parallelism.
+// vision_model). Whole model, data and tensor parallelism (VisionTextStack).
 #pragma once
 
 #include <memory>
@@ -50,7 +50,7 @@ struct CaptionerConfig : VisionTextConfig {
 // The loss: the mean cross-entropy of each caption token after the [SOS] (words and [EOS]),
 // predicted from the prefix and the tokens before it.
 
-// The captioner, whole (one process or data parallelism): TransformerStack's layers
+// The captioner on one stage (one process, data and tensor parallelism): TransformerStack's layers
 // 0 .. L_v-1 are the encoder's, L_v .. L_v+L_t-1 the decoder's. The patch embedding, the
 // projector and the output layer run in the step's dtype outside FP8 / FP4; FP8 recipes
 // quantize the encoder's and decoder's layers.

@@ -7,7 +7,8 @@
 // cross-entropy towards each image's own caption and each caption's own image, averaged.
 // Evaluation also classifies each image zero-shot: the class whose prompts' mean text feature
 // is the most similar. Written on the TransformerEngine-style modules; whole model and data
-// parallelism (each micro-batch its own contrastive batch, so DP equals one process).
+// parallelism (each micro-batch its own contrastive batch, so DP equals one process) and tensor
+// parallelism (VisionTextStack).
 #pragma once
 
 #include <memory>
@@ -52,8 +53,8 @@ pipeline::MicroBatch clip_micro_batch(const Tensor& pixels, const Tensor& labels
                                       const Tensor& text_ids, const Tensor& text_lengths,
                                       const Tensor& class_ids, const Tensor& class_lengths);
 
-// A CLIP, whole (one process or data parallelism): TransformerStack's layers 0 .. L_v-1 are
-// the vision tower's, L_v .. L_v+L_t-1 the text tower's. The patch embedding and the two
+// A CLIP on one stage (one process, data and tensor parallelism): TransformerStack's layers 0 ..
+// L_v-1 are the vision tower's, L_v .. L_v+L_t-1 the text tower's. The patch embedding and the two
 // projections run in the step's dtype outside FP8 / FP4 (the first and last GEMMs in high
 // precision); FP8 recipes quantize the towers' layers.
 class CLIP : public VisionTextStack {

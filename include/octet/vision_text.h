@@ -60,7 +60,10 @@ struct VisionTextConfig {
 };
 
 // TransformerStack's layers 0 .. L_v-1 are the vision tower's (no mask), L_v .. L_v+L_t-1 the
-// text layers (causal), named `text_prefix` + index.
+// text layers (causal), named `text_prefix` + index. Under tensor parallelism the layers split
+// their heads and FFN columns and everything else is replicated: activations enter and leave
+// the layers whole on every rank (this rank's token rows inside them under sequence
+// parallelism). Pipeline parallelism is refused.
 class VisionTextStack : public TransformerStack {
  public:
   Parameter class_embedding;   // [1, Cv]
@@ -81,6 +84,14 @@ class VisionTextStack : public TransformerStack {
   // The gradient at those tokens -> every vision parameter's (reported ready as they are).
   void vision_encode_backward(Tensor dtokens, VisionContext& ctx,
                               std::vector<TransformerLayer::Context>& layers);
+  // Layers [first, last) over x [N*T, C] or [N, T, C] (whole, the same on every rank) of N
+  // sequences of T tokens -> [N, T, C] whole; with contexts, kept for the backward. And the
+  // backward: the whole gradient at the output (the same on every rank) -> the whole gradient
+  // at the input [N, T, C], each layer's parameters reported ready.
+  Tensor layers_forward(const Tensor& x, int64_t T, size_t first, size_t last,
+                        std::vector<TransformerLayer::Context>* contexts);
+  Tensor layers_backward(const Tensor& dy, int64_t T, size_t first, size_t last,
+                         std::vector<TransformerLayer::Context>& contexts);
   // The vision tower's parameters up to its last layer, in forward order; and in backward order.
   void collect_vision_parameters(std::vector<Parameter*>& out);
   void add_vision_parameters_in_backward_order(std::vector<Parameter*>& out);

@@ -151,13 +151,8 @@ Tensor ImageCaptioner::decoder_forward(const Tensor& prefix, const Tensor& ids, 
                 t + static_cast<size_t>(b * T) * row_bytes, static_cast<size_t>(T) * row_bytes);
   }
   ops::position_embedding_forward(x, text_positions.value, Td);
-  Tensor h = to_dtype(x, dtype).reshape({B, Td, C});
-  std::vector<TransformerLayer>& stack = layers(0);
-  for (size_t i = first_text_layer(); i < stack.size(); ++i) {
-    TransformerLayer::Context layer_scratch;
-    HighPrecisionScope precision(is_high_precision_layer(static_cast<int64_t>(i)));
-    h = stack[i].forward(h, ctx ? ctx->layers[i] : layer_scratch);
-  }
+  const Tensor h = layers_forward(to_dtype(x, dtype), Td, first_text_layer(), layers(0).size(),
+                                  ctx ? &ctx->layers : nullptr);
   Context scratch;
   return final_norm_->forward(h, ctx ? ctx->final_norm : scratch.final_norm);
 }
@@ -272,13 +267,7 @@ Tensor ImageCaptioner::backward(int chunk, const Tensor&, StagedModel::Context& 
   Tensor dh = final_norm_->backward(ctx.dhidden, ctx.final_norm);
   ctx.dhidden = Tensor();
   grads_ready(final_norm_->parameters());
-  std::vector<TransformerLayer>& stack = layers(0);
-  for (size_t i = stack.size(); i-- > first_text_layer();) {
-    HighPrecisionScope precision(is_high_precision_layer(static_cast<int64_t>(i)));
-    dh = stack[i].backward(dh, ctx.layers[i]);
-    ctx.layers[i] = TransformerLayer::Context{};
-    grads_ready(stack[i].parameters());
-  }
+  dh = layers_backward(dh, Td, first_text_layer(), layers(0).size(), ctx.layers);
   const Tensor dx = to_dtype(dh, DType::F32).reshape({B * Td, C});
   ops::position_embedding_backward(dx, Td, text_positions.grad);
   ops::embedding_backward(ctx.text_ids.reshape({B * T}), take_rows(dx, block_rows(B, Td, Tv, T)),

@@ -191,13 +191,8 @@ Tensor CLIP::text_forward(const Tensor& ids, const Tensor& lengths, DType dtype,
   Tensor x = Tensor::empty({N * T, C}, DType::F32);
   ops::embedding_forward(ids.reshape({N * T}), token_embedding.value, x);
   ops::position_embedding_forward(x, text_positions.value, T);
-  Tensor h = to_dtype(x, dtype).reshape({N, T, C});
-  std::vector<TransformerLayer>& stack = layers(0);
-  for (size_t i = first_text_layer(); i < stack.size(); ++i) {
-    TransformerLayer::Context layer_scratch;
-    HighPrecisionScope precision(is_high_precision_layer(static_cast<int64_t>(i)));
-    h = stack[i].forward(h, ctx ? ctx->layers[i] : layer_scratch);
-  }
+  const Tensor h = layers_forward(to_dtype(x, dtype), T, first_text_layer(), layers(0).size(),
+                                  ctx ? &ctx->layers : nullptr);
   // The final LayerNorm acts on each row alone: normalizing the pooled rows only is the same.
   const Tensor eos = take_rows(h.reshape({N * T, C}), eos_rows(lengths, T));
   return final_norm_->forward(eos, x_ctx.final_norm);
@@ -380,14 +375,8 @@ void CLIP::text_backward(const Tensor& dpooled, Context& ctx) {
   const int64_t N = ctx.text_ids.dim(0), T = ctx.text_ids.dim(1), C = config_.text_hidden;
   const Tensor deos = final_norm_->backward(dpooled, ctx.final_norm);
   grads_ready(final_norm_->parameters());
-  Tensor dh = put_rows(deos, N * T, eos_rows(ctx.text_lengths, T)).reshape({N, T, C});
-  std::vector<TransformerLayer>& stack = layers(0);
-  for (size_t i = stack.size(); i-- > first_text_layer();) {
-    HighPrecisionScope precision(is_high_precision_layer(static_cast<int64_t>(i)));
-    dh = stack[i].backward(dh, ctx.layers[i]);
-    ctx.layers[i] = TransformerLayer::Context{};
-    grads_ready(stack[i].parameters());
-  }
+  const Tensor dh = layers_backward(put_rows(deos, N * T, eos_rows(ctx.text_lengths, T)), T,
+                                    first_text_layer(), layers(0).size(), ctx.layers);
   const Tensor dx = to_dtype(dh, DType::F32).reshape({N * T, C});
   ops::embedding_backward(ctx.text_ids.reshape({N * T}), dx, token_embedding.grad);
   ops::position_embedding_backward(dx, T, text_positions.grad);

@@ -6,6 +6,7 @@
 #include "models/config_json.h"
 #include "models/image_embedding.h"
 #include "modules/common.h"
+#include "octet/mappings.h"
 #include "octet/ops/activation.h"
 
 namespace octet {
@@ -167,8 +168,8 @@ VisionTextStack::VisionTextStack(const std::string& who, const VisionTextConfig&
                        }),
       vision_text_(config),
       who_(who) {
-  OCTET_CHECK(layout_.stages == 1 && layout_.tensor == nullptr, who,
-              ": tensor and pipeline parallelism are not supported yet (use data parallelism)");
+  OCTET_CHECK(layout_.stages == 1, who,
+              ": pipeline parallelism is not supported yet (use data and tensor parallelism)");
   const VisionTextConfig& c = config;
   const int64_t Cv = c.vision_hidden;
   patch_embed_.emplace(linear_options(c.patch_dim(), Cv, false, c.init_std, seed * 7919 + 1,
@@ -236,26 +237,50 @@ Tensor VisionTextStack::vision_encode(const Tensor& pixels, DType dtype, VisionC
   const Tensor x =
       models_detail::embed_images(pixels, c.channels, c.image_size, c.patch_size, *patch_embed_,
                                   class_embedding, vision_positions, dtype, x_ctx.patch);
-  Tensor h = pre_norm_->forward(to_dtype(x, dtype).reshape({B, T, C}), x_ctx.pre_norm);
-  std::vector<TransformerLayer>& stack = layers(0);
-  for (size_t i = 0; i < first_text_layer(); ++i) {
-    TransformerLayer::Context layer_scratch;
-    HighPrecisionScope precision(is_high_precision_layer(static_cast<int64_t>(i)));
-    h = stack[i].forward(h, contexts ? (*contexts)[i] : layer_scratch);
-  }
-  return h;
+  const Tensor h = pre_norm_->forward(to_dtype(x, dtype), x_ctx.pre_norm);
+  return layers_forward(h, T, 0, first_text_layer(), contexts).reshape({B, T, C});
 }
 
-void VisionTextStack::vision_encode_backward(Tensor dh, VisionContext& ctx,
-                                             std::vector<TransformerLayer::Context>& contexts) {
-  const int64_t B = dh.dim(0), T = vision_text_.vision_seq_len(), C = vision_text_.vision_hidden;
+Tensor VisionTextStack::layers_forward(const Tensor& x, int64_t T, size_t first, size_t last,
+                                       std::vector<TransformerLayer::Context>* contexts) {
+  const int64_t C = x.dim(-1), N = x.numel() / (T * C);
+  Communicator* tp = layout_.tensor;
+  const bool sp = sequence_parallel();
+  Tensor h =
+      sp ? scatter_to_sequence_parallel_region(x.reshape({N * T, C}), *tp) : x.reshape({N, T, C});
   std::vector<TransformerLayer>& stack = layers(0);
-  for (size_t i = first_text_layer(); i-- > 0;) {
+  for (size_t i = first; i < last; ++i) {
+    TransformerLayer::Context scratch;
+    HighPrecisionScope precision(is_high_precision_layer(static_cast<int64_t>(i)));
+    h = stack[i].forward(h, contexts ? (*contexts)[i] : scratch, nullptr, nullptr, nullptr,
+                         sp ? T : 0);
+  }
+  return (sp ? gather_from_sequence_parallel_region(h, *tp) : h).reshape({N, T, C});
+}
+
+Tensor VisionTextStack::layers_backward(const Tensor& dy, int64_t T, size_t first, size_t last,
+                                        std::vector<TransformerLayer::Context>& contexts) {
+  const int64_t C = dy.dim(-1), N = dy.numel() / (T * C);
+  Communicator* tp = layout_.tensor;
+  const bool sp = sequence_parallel();
+  // The output was gathered for consumers that run alike on every rank: this rank's rows of
+  // their (equal) gradient are its part.
+  Tensor dh =
+      sp ? scatter_to_sequence_parallel_region(dy.reshape({N * T, C}), *tp) : dy.reshape({N, T, C});
+  std::vector<TransformerLayer>& stack = layers(0);
+  for (size_t i = last; i-- > first;) {
     HighPrecisionScope precision(is_high_precision_layer(static_cast<int64_t>(i)));
     dh = stack[i].backward(dh, contexts[i]);
     contexts[i] = TransformerLayer::Context{};
     grads_ready(stack[i].parameters());
   }
+  return (sp ? scatter_to_sequence_parallel_region_backward(dh, *tp) : dh).reshape({N, T, C});
+}
+
+void VisionTextStack::vision_encode_backward(Tensor dh, VisionContext& ctx,
+                                             std::vector<TransformerLayer::Context>& contexts) {
+  const int64_t B = dh.dim(0), T = vision_text_.vision_seq_len(), C = vision_text_.vision_hidden;
+  dh = layers_backward(dh, T, 0, first_text_layer(), contexts).reshape({B * T, C});
   const Tensor dx = pre_norm_->backward(dh, ctx.pre_norm);
   grads_ready(pre_norm_->parameters());
   models_detail::embed_images_backward(to_dtype(dx, DType::F32).reshape({B * T, C}), B,

@@ -433,8 +433,8 @@ class CaptionerFamily : public CaptionedImagesFamily<CaptionerConfig> {
   }
   // Greedy captions of the first validation images: how many name the image's class, a few
   // printed, and (with --plot) the images beside their captions.
-  void report(TrainableModel& model, const DataSource& valid, DType dtype,
-              const TrainOptions& o) const override {
+  void report(TrainableModel& model, const DataSource& valid, DType dtype, const TrainOptions& o,
+              bool print) const override {
     auto* captioner = dynamic_cast<ImageCaptioner*>(&model);
     if (captioner == nullptr) return;
     const int64_t count = 256, shown = 8;
@@ -452,6 +452,7 @@ class CaptionerFamily : public CaptionedImagesFamily<CaptionerConfig> {
                         ")");
       }
     }
+    if (!print) return;
     std::printf("greedy captions naming the image's class: %.1f%% of %lld validation images\n",
                 100.0 * static_cast<double>(named) / static_cast<double>(pixels.dim(0)),
                 static_cast<long long>(pixels.dim(0)));

@@ -46,10 +46,11 @@ class ModelFamily {
                                                 int64_t seq_len) const = 0;
   // Nats a model that ignores its input would reach on the training data (NaN: not known).
   virtual double baseline_loss(const TrainOptions& o) const = 0;
-  // After the run (the chief; the whole model held): what the family shows of the trained model
-  // beyond its loss and accuracy, e.g. the captioner's greedy captions. Nothing by default.
+  // After the run (every rank of a model without pipeline stages: its forwards may be
+  // collective; `print` on the chief): what the family shows of the trained model beyond its loss
+  // and accuracy, e.g. the captioner's greedy captions. Nothing by default.
   virtual void report(TrainableModel& /*model*/, const DataSource& /*valid*/, DType /*dtype*/,
-                      const TrainOptions& /*o*/) const {}
+                      const TrainOptions& /*o*/, bool /*print*/) const {}
 };
 
 }  // namespace octet::train_detail

@@ -477,38 +477,42 @@ void TrainingRun::finish(double run_seconds) {
                      {{"validation " + family_->accuracy_name(), accuracy_curve_}});
     }
   }
-  if (quiet_) return;
-  const int64_t trained = result_.iterations - start_iteration_;
-  std::printf("done: %lld iterations in %s, %.0f tok/s, MFU %.1f%%, final loss %.4f",
-              (long long)trained, format_duration(run_seconds).c_str(), result_.tokens_per_second,
-              100 * result_.mfu, result_.last_loss);
-  if (std::isfinite(result_.last_val_loss)) std::printf(", val loss %.4f", result_.last_val_loss);
-  if (std::isfinite(result_.last_val_accuracy)) {
-    std::printf(", val %s %.2f%%", family_->accuracy_name().c_str(),
-                100 * result_.last_val_accuracy);
-  } else if (std::isfinite(result_.last_val_loss) && std::isfinite(entropy_)) {
-    const double gap = entropy_ - result_.last_val_loss;
-    std::printf(" (%.3f nats %s the unigram entropy %.3f)", std::fabs(gap),
-                gap >= 0 ? "below" : "above", entropy_);
+  if (!quiet_) {
+    const int64_t trained = result_.iterations - start_iteration_;
+    std::printf("done: %lld iterations in %s, %.0f tok/s, MFU %.1f%%, final loss %.4f",
+                (long long)trained, format_duration(run_seconds).c_str(), result_.tokens_per_second,
+                100 * result_.mfu, result_.last_loss);
+    if (std::isfinite(result_.last_val_loss)) std::printf(", val loss %.4f", result_.last_val_loss);
+    if (std::isfinite(result_.last_val_accuracy)) {
+      std::printf(", val %s %.2f%%", family_->accuracy_name().c_str(),
+                  100 * result_.last_val_accuracy);
+    } else if (std::isfinite(result_.last_val_loss) && std::isfinite(entropy_)) {
+      const double gap = entropy_ - result_.last_val_loss;
+      std::printf(" (%.3f nats %s the unigram entropy %.3f)", std::fabs(gap),
+                  gap >= 0 ? "below" : "above", entropy_);
+    }
+    std::printf("\n");
+    if (ddp_) {
+      std::printf(
+          "data-parallel gradient reduction: %.2f s in flight, %.2f s exposed (%.0f%% hidden "
+          "behind backward)%s\n",
+          result_.grad_comm_seconds, result_.grad_exposed_seconds,
+          100.0 * (result_.grad_comm_seconds > 0
+                       ? 1.0 - result_.grad_exposed_seconds / result_.grad_comm_seconds
+                       : 1.0),
+          zero_ ? detail::concat("; parameter all-gathers ", result_.param_gather_seconds, " s")
+                      .c_str()
+                : "");
+    }
+    if (!fp8_summary_.empty()) {
+      std::printf("%s tensors over %lld steps (underflow: mean, saturated: max):\n%s",
+                  fp4_ ? "FP4" : "FP8", (long long)trained, fp8_summary_.table().c_str());
+    }
   }
-  std::printf("\n");
-  if (ddp_) {
-    std::printf(
-        "data-parallel gradient reduction: %.2f s in flight, %.2f s exposed (%.0f%% hidden "
-        "behind backward)%s\n",
-        result_.grad_comm_seconds, result_.grad_exposed_seconds,
-        100.0 * (result_.grad_comm_seconds > 0
-                     ? 1.0 - result_.grad_exposed_seconds / result_.grad_comm_seconds
-                     : 1.0),
-        zero_
-            ? detail::concat("; parameter all-gathers ", result_.param_gather_seconds, " s").c_str()
-            : "");
+  // Every rank of the model takes part (its forwards are collective under TP); the chief prints.
+  if (!o_.quiet && !executor_ && valid_batches_) {
+    family_->report(*model_, *valid_batches_, dtype_, o_, chief_);
   }
-  if (!fp8_summary_.empty()) {
-    std::printf("%s tensors over %lld steps (underflow: mean, saturated: max):\n%s",
-                fp4_ ? "FP4" : "FP8", (long long)trained, fp8_summary_.table().c_str());
-  }
-  if (!executor_ && valid_batches_) family_->report(*model_, *valid_batches_, dtype_, o_);
 }
 
 }  // namespace train_detail

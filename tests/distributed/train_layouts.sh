@@ -13,9 +13,9 @@
 # `core` (for another model family on the same trainer, e.g. a ViT config) runs one layout of
 # each kind - ZeRO-1, TP, PP, TP x DP with SP, TP x PP with SP and recomputation, PP x DP -
 # in FP32 instead of every schedule, option, FP8 layout and resume.
-# `tp` (a model without pipeline stages so far: T5) runs ZeRO-1, TP, TP with SP and TP x DP.
-# `dp` (a model with data parallelism only so far: CLIP, the captioner) runs DP=2, ZeRO-1 and
-# DP=4.
+# `tp` (a model without pipeline stages so far: T5, CLIP, the captioner) runs ZeRO-1, TP, TP
+# with SP and TP x DP.
+# `dp` (a model with data parallelism only) runs DP=2, ZeRO-1 and DP=4.
 set -euo pipefail
 octet="$1"
 config="$2"

@@ -199,7 +199,9 @@ TEST(Captioner, BadConfigsAndInputsAreClearErrors) {
             std::string::npos);
   ModelLayout two_stages;
   two_stages.stages = 2;
-  EXPECT_NE(error_of([&] { ImageCaptioner(config, 7, two_stages); }).find("use data parallelism"),
+  EXPECT_NE(error_of([&] {
+              ImageCaptioner(config, 7, two_stages);
+            }).find("pipeline parallelism is not supported yet"),
             std::string::npos);
 }
 

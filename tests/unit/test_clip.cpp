@@ -223,7 +223,9 @@ TEST(Clip, BadConfigsAndInputsAreClearErrors) {
   // Tensor and pipeline parallelism are refused before any work.
   ModelLayout two_stages;
   two_stages.stages = 2;
-  EXPECT_NE(error_of([&] { CLIP(config, 7, two_stages); }).find("use data parallelism"),
+  EXPECT_NE(error_of([&] {
+              CLIP(config, 7, two_stages);
+            }).find("pipeline parallelism is not supported yet"),
             std::string::npos);
 }
 
