@@ -509,8 +509,9 @@ void TrainingRun::finish(double run_seconds) {
                   fp4_ ? "FP4" : "FP8", (long long)trained, fp8_summary_.table().c_str());
     }
   }
-  // Every rank of the model takes part (its forwards are collective under TP); the chief prints.
-  if (!o_.quiet && !executor_ && valid_batches_) {
+  // With validation asked for (--eval-iters): every rank of the model takes part (its forwards are
+  // collective under TP); the chief prints.
+  if (!o_.quiet && !executor_ && valid_batches_ && o_.eval_iters > 0) {
     family_->report(*model_, *valid_batches_, dtype_, o_, chief_);
   }
 }
