@@ -207,14 +207,11 @@ Tensor ImageCaptioner::run_forward(const pipeline::MicroBatch& batch, DType dtyp
   const Tensor predicting = take_rows(hidden, rows);
   HighPrecisionScope scope;
   if (count) {
-    const Tensor& weight = gpt_parts::tied_weight_as(token_embedding, dtype, output_cache_);
-    Tensor logits = Tensor::empty({predicting.dim(0), c.vocab_size}, DType::F32);
-    gemm(predicting, weight, logits, /*trans_a=*/false, /*trans_b=*/true);
-    const float* l = logits.data<float>();
+    const std::vector<int64_t> predicted = gpt_parts::vocab_argmax(
+        predicting, token_embedding, dtype, output_cache_, {0, c.vocab_size}, nullptr);
     for (size_t r = 0; r < target.size(); ++r) {
       if (target[r] == -100) continue;
-      const float* row = l + static_cast<int64_t>(r) * c.vocab_size;
-      eval_correct_ += (std::max_element(row, row + c.vocab_size) - row) == target[r];
+      eval_correct_ += predicted[r] == target[r];
       ++eval_seen_;
     }
   }
@@ -302,14 +299,11 @@ std::vector<std::vector<int32_t>> ImageCaptioner::generate(const Tensor& pixels,
     const Tensor hidden = decoder_forward(prefix, ids, dtype, nullptr).reshape({N * (Tv + T), C});
     const Tensor last = take_rows(hidden, block_rows(N, Tv + T, Tv + T - 1, 1));
     HighPrecisionScope scope;
-    const Tensor& weight = gpt_parts::tied_weight_as(token_embedding, dtype, output_cache_);
-    Tensor logits = Tensor::empty({N, c.vocab_size}, DType::F32);
-    gemm(last, weight, logits, /*trans_a=*/false, /*trans_b=*/true);
-    const float* l = logits.data<float>();
+    const std::vector<int64_t> predicted = gpt_parts::vocab_argmax(
+        last, token_embedding, dtype, output_cache_, {0, c.vocab_size}, nullptr);
     for (int64_t n = 0; n < N; ++n) {
       if (done[static_cast<size_t>(n)]) continue;
-      const float* row = l + n * c.vocab_size;
-      const auto next = static_cast<int32_t>(std::max_element(row, row + c.vocab_size) - row);
+      const auto next = static_cast<int32_t>(predicted[static_cast<size_t>(n)]);
       out[static_cast<size_t>(n)].push_back(next);
       done[static_cast<size_t>(n)] = next == c.eos_id;
     }
