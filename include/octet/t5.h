@@ -76,14 +76,24 @@ pipeline::MicroBatch t5_micro_batch(const Tensor& enc_ids, const Tensor& enc_len
 int64_t t5_relative_position_bucket(int64_t relative_position, bool bidirectional,
                                     int64_t num_buckets, int64_t max_distance);
 
-// A T5 on one stage (one process, data parallelism, tensor parallelism with or without
-// sequence parallelism, and their products). The layer stack holds the encoder's layers then
-// the decoder's (TransformerStack's layers 0 .. L_enc-1 and L_enc .. L_enc+L_dec-1). Under TP
-// the heads of every attention (self and cross) and the FFN columns are split as Megatron
-// splits them, the shared embedding and the output layer by vocabulary rows (vocab-parallel
-// cross-entropy), and the relative position biases are whole on every rank (each rank's heads
-// give part of their gradients, summed over the group). Pipeline parallelism is not supported
-// yet (a clear error at construction).
+// A T5 in every layout: one process, data parallelism, tensor parallelism with or without
+// sequence parallelism, pipeline stages, and their products. The layer stack holds the
+// encoder's layers then the decoder's (TransformerStack's layers 0 .. L_enc-1 and
+// L_enc .. L_enc+L_dec-1), cut into equal pipeline stages across that border as any other
+// stack. Under TP the heads of every attention (self and cross) and the FFN columns are split
+// as Megatron splits them, the shared embedding and the output layer by vocabulary rows
+// (vocab-parallel cross-entropy), and the relative position biases are whole on every rank
+// (each rank's heads give part of their gradients, summed over the group).
+//
+// Under PP (Megatron's encoder-decoder pipeline, which sends the encoder's output along with
+// the decoder's hidden states): the first stage embeds both the encoder's and the decoder's
+// tokens, so the shared embedding lives there alone; every stage boundary carries both streams
+// as one activation, the encoder's rows then the decoder's (activation_shape()). The encoder's
+// stream is its hidden state up to the stage holding the first decoder layer, which applies the
+// encoder's final norm; from there on it is the normed encoder output that every decoder layer
+// attends to, and its gradient sums the decoder layers' on the way back. Each stack's relative
+// bias table is held by every stage with layers of that stack: tied copies, summed after each
+// step (tied_parameters()).
 class T5 : public TransformerStack {
  public:
   T5(const T5Config& config, uint64_t seed, ModelLayout layout = {},
@@ -95,11 +105,13 @@ class T5 : public TransformerStack {
   // evaluation.
 
   struct Context : StagedModel::Context {
-    std::vector<TransformerLayer::Context> layers;  // encoder layers, then decoder layers
+    std::vector<TransformerLayer::Context> layers;  // the chunk's encoder, then decoder layers
     Norm::Context encoder_norm, decoder_norm;
     Tensor enc_ids, dec_ids, enc_lengths, dec_lengths;
     Tensor enc_buckets, dec_buckets;  // [S,S], [T,T] I32: each score's bucket
-    Tensor enc_out;  // the encoder's normed output: [B,S,C], or this rank's rows under SP
+    // The encoder's normed output (chunks with decoder layers): [B,S,C], or this rank's rows
+    // under SP.
+    Tensor enc_out;
     Tensor dhidden;  // the loss's gradient at the decoder's final norm output
   };
   std::unique_ptr<StagedModel::Context> make_context() const override;
@@ -109,8 +121,11 @@ class T5 : public TransformerStack {
   Tensor evaluate(int chunk, const Tensor& input, const pipeline::MicroBatch& batch, DType dtype,
                   float* loss) override;
   Shape activation_shape(const pipeline::MicroBatch& batch) const override;
-  std::vector<pipeline::TiedParameters> tied_parameters() override { return {}; }
+  // The relative bias tables' copies: each stack's on the stages holding its layers.
+  std::vector<pipeline::TiedParameters> tied_parameters() override;
   std::vector<Parameter*> chunk_parameters(int chunk) override;
+  // Encoder and decoder layers hold different numbers of FP8 states (cross-attention's).
+  std::vector<int64_t> fp8_state_indices() override;
 
   void collect_parameters(std::vector<Parameter*>& out) override;
   void on_parameters_updated() override;
@@ -122,14 +137,26 @@ class T5 : public TransformerStack {
 
   const T5Config& config() const { return config_; }
 
+  // Each defined where this rank holds a stage that uses it: shared on the first stage,
+  // a bias table with its stack's layers, lm_head on the last.
   Parameter shared;                 // [V, C] (this rank's rows under TP): both token embeddings
   Parameter encoder_relative_bias;  // [buckets, H]
   Parameter decoder_relative_bias;  // [buckets, H]
   Parameter lm_head;                // [V, C] (this rank's rows under TP)
 
  private:
-  Tensor run_forward(const pipeline::MicroBatch& batch, DType dtype, float grad_scale, Context* ctx,
-                     float* loss, bool count);
+  // A chunk's layers: `encoder` of them encoder layers, then decoder layers; `norm` when it
+  // holds the first decoder layer (the encoder's final norm runs there).
+  struct ChunkLayers {
+    size_t encoder = 0;
+    bool decoder = false, norm = false;
+  };
+  ChunkLayers chunk_layers(int chunk) const;
+  Tensor run_forward(int chunk, const Tensor& input, const pipeline::MicroBatch& batch, DType dtype,
+                     float grad_scale, Context* ctx, float* loss, bool count);
+  // Both streams as one boundary activation [rows, C] (the encoder's rows first), and back.
+  Tensor pack(const Tensor& encoder, const Tensor& decoder) const;
+  std::pair<Tensor, Tensor> unpack(const Tensor& packed, int64_t B, int64_t S, int64_t T) const;
 
   // ids [B,L] -> their embeddings in dtype: [B,L,C], or this rank's token rows under SP.
   Tensor embed(const Tensor& ids, DType dtype);
@@ -138,7 +165,7 @@ class T5 : public TransformerStack {
 
   T5Config config_;
   VocabRange vocab_;
-  std::optional<Norm> encoder_norm_, decoder_norm_;
+  std::optional<Norm> encoder_norm_, decoder_norm_;  // where a held stage runs them
   TiedOutputCache output_cache_;
 };
 

@@ -8,6 +8,9 @@
 #include <cmath>
 #include <cstring>
 #include <optional>
+#include <string>
+#include <tuple>
+#include <utility>
 
 #include "models/gpt_parts.h"
 #include "models/precision_scope.h"
@@ -135,14 +138,18 @@ T5::T5(const T5Config& config, uint64_t seed, ModelLayout layout, bool recompute
           "t5", config.num_layers + config.decoder_layers(), std::move(layout),
           [&](int64_t i) { return layer_options(config, i, seed, recompute_activations); }),
       config_(config) {
-  OCTET_CHECK(layout_.stages == 1,
-              "t5: pipeline parallelism for the encoder-decoder is not "
-              "supported yet (use data and tensor parallelism)");
   Communicator* tp = layout_.tensor;
   const int64_t V = config.vocab_size, C = config.hidden, H = config.num_heads;
   OCTET_CHECK(tp == nullptr || V >= tp->size(), "t5: vocabulary ", V,
               " smaller than TP=", tp ? tp->size() : 1);
   vocab_ = tp ? vocab_range(V, tp->rank(), tp->size()) : VocabRange{0, V};
+  bool encoder = false, decoder = false, norm = false;
+  for (int chunk = 0; chunk < chunks(); ++chunk) {
+    const ChunkLayers held = chunk_layers(chunk);
+    encoder = encoder || held.encoder > 0;
+    decoder = decoder || held.decoder;
+    norm = norm || held.norm;
+  }
   // This rank's rows of a same-seed whole table.
   auto vocabulary_rows = [&](Parameter& p) {
     if (tp == nullptr) return;
@@ -150,23 +157,36 @@ T5::T5(const T5Config& config, uint64_t seed, ModelLayout layout, bool recompute
     p.grad = Tensor::zeros(p.value.shape(), DType::F32);
     p.shard = TensorShard::vocabulary_rows({V, C});
   };
-  shared =
-      modules_detail::make_parameter("shared.weight", {V, C}, config.init_std, seed * 7919 + 1);
-  vocabulary_rows(shared);
+  // Every parameter from its own seed: each layout holds the same values.
+  if (has_first_) {
+    shared =
+        modules_detail::make_parameter("shared.weight", {V, C}, config.init_std, seed * 7919 + 1);
+    vocabulary_rows(shared);
+  }
   const float bias_std = 1.0f / std::sqrt(static_cast<float>(C));
-  encoder_relative_bias = modules_detail::make_parameter("encoder.relative_attention_bias.weight",
-                                                         {config.relative_attention_num_buckets, H},
-                                                         bias_std, seed * 7919 + 2);
-  decoder_relative_bias = modules_detail::make_parameter("decoder.relative_attention_bias.weight",
-                                                         {config.relative_attention_num_buckets, H},
-                                                         bias_std, seed * 7919 + 3);
-  encoder_norm_.emplace(norm_options(config, "encoder.final_layer_norm"));
-  decoder_norm_.emplace(norm_options(config, "decoder.final_layer_norm"));
+  if (encoder) {
+    encoder_relative_bias = modules_detail::make_parameter(
+        "encoder.relative_attention_bias.weight", {config.relative_attention_num_buckets, H},
+        bias_std, seed * 7919 + 2);
+  }
+  if (decoder) {
+    decoder_relative_bias = modules_detail::make_parameter(
+        "decoder.relative_attention_bias.weight", {config.relative_attention_num_buckets, H},
+        bias_std, seed * 7919 + 3);
+  }
   // Applied to token shards under sequence parallelism: partial gradients.
-  for (Parameter* p : encoder_norm_->parameters()) p->shard.sequence_parallel = sequence_parallel();
-  for (Parameter* p : decoder_norm_->parameters()) p->shard.sequence_parallel = sequence_parallel();
-  lm_head = modules_detail::make_parameter("lm_head.weight", {V, C}, bias_std, seed * 7919 + 4);
-  vocabulary_rows(lm_head);
+  if (norm) {
+    encoder_norm_.emplace(norm_options(config, "encoder.final_layer_norm"));
+    for (Parameter* p : encoder_norm_->parameters())
+      p->shard.sequence_parallel = sequence_parallel();
+  }
+  if (has_last_) {
+    decoder_norm_.emplace(norm_options(config, "decoder.final_layer_norm"));
+    for (Parameter* p : decoder_norm_->parameters())
+      p->shard.sequence_parallel = sequence_parallel();
+    lm_head = modules_detail::make_parameter("lm_head.weight", {V, C}, bias_std, seed * 7919 + 4);
+    vocabulary_rows(lm_head);
+  }
   // T5 folds attention's 1/sqrt(d_kv) into the query's initialization: the query rows of each
   // projection start 1/sqrt(d_kv) smaller than the keys' and values'.
   const float query_scale = 1.0f / std::sqrt(static_cast<float>(config.kv_channels));
@@ -176,50 +196,142 @@ T5::T5(const T5Config& config, uint64_t seed, ModelLayout layout, bool recompute
     float* v = w.value.data<float>();
     for (int64_t i = 0; i < rows * w.value.dim(1); ++i) v[i] *= query_scale;
   };
-  for (TransformerLayer& layer : layers(0)) {
-    scale_rows(layer.self_attention.layernorm_qkv->linear.weight, A);
-    if (layer.inter_attention) {
-      Parameter& query = layer.inter_attention->layernorm_query->linear.weight;
-      scale_rows(query, query.value.dim(0));
+  for (int chunk = 0; chunk < chunks(); ++chunk) {
+    for (TransformerLayer& layer : layers(chunk)) {
+      scale_rows(layer.self_attention.layernorm_qkv->linear.weight, A);
+      if (layer.inter_attention) {
+        Parameter& query = layer.inter_attention->layernorm_query->linear.weight;
+        scale_rows(query, query.value.dim(0));
+      }
+      layer.on_parameters_updated();
     }
-    layer.on_parameters_updated();
   }
 }
 
+T5::ChunkLayers T5::chunk_layers(int chunk) const {
+  const int64_t per_stage = num_layers_ / layout_.stages;
+  const int64_t first = stage_of_chunk(chunk) * per_stage, L = config_.num_layers;
+  ChunkLayers held;
+  held.encoder = static_cast<size_t>(std::clamp<int64_t>(L - first, 0, per_stage));
+  held.decoder = first + per_stage > L;
+  held.norm = first <= L && L < first + per_stage;
+  return held;
+}
+
 std::vector<Parameter*> T5::chunk_parameters(int chunk) {
-  std::vector<Parameter*> out = {&shared, &encoder_relative_bias};
+  const ChunkLayers held = chunk_layers(chunk);
   std::vector<TransformerLayer>& stack = layers(chunk);
-  for (int64_t i = 0; i < config_.num_layers; ++i) {
-    stack[static_cast<size_t>(i)].collect_parameters(out);
+  std::vector<Parameter*> out;
+  if (is_first(chunk)) out.push_back(&shared);
+  if (held.encoder > 0) out.push_back(&encoder_relative_bias);
+  for (size_t i = 0; i < held.encoder; ++i) stack[i].collect_parameters(out);
+  if (held.norm) encoder_norm_->collect_parameters(out);
+  if (held.decoder) out.push_back(&decoder_relative_bias);
+  for (size_t i = held.encoder; i < stack.size(); ++i) stack[i].collect_parameters(out);
+  if (is_last(chunk)) {
+    decoder_norm_->collect_parameters(out);
+    out.push_back(&lm_head);
   }
-  encoder_norm_->collect_parameters(out);
-  out.push_back(&decoder_relative_bias);
-  for (size_t i = static_cast<size_t>(config_.num_layers); i < stack.size(); ++i) {
-    stack[i].collect_parameters(out);
-  }
-  decoder_norm_->collect_parameters(out);
-  out.push_back(&lm_head);
   return out;
 }
 
 void T5::collect_parameters(std::vector<Parameter*>& out) {
-  for (Parameter* p : chunk_parameters(0)) out.push_back(p);
+  // The whole model's order, each parameter once (a bias table serves several chunks).
+  const std::vector<int> chunks = chunks_in_stage_order();
+  if (shared.value.defined()) out.push_back(&shared);
+  if (encoder_relative_bias.value.defined()) out.push_back(&encoder_relative_bias);
+  for (int chunk : chunks) {
+    std::vector<TransformerLayer>& stack = layers(chunk);
+    for (size_t i = 0; i < chunk_layers(chunk).encoder; ++i) stack[i].collect_parameters(out);
+  }
+  if (encoder_norm_) encoder_norm_->collect_parameters(out);
+  if (decoder_relative_bias.value.defined()) out.push_back(&decoder_relative_bias);
+  for (int chunk : chunks) {
+    std::vector<TransformerLayer>& stack = layers(chunk);
+    for (size_t i = chunk_layers(chunk).encoder; i < stack.size(); ++i) {
+      stack[i].collect_parameters(out);
+    }
+  }
+  if (decoder_norm_) decoder_norm_->collect_parameters(out);
+  if (lm_head.value.defined()) out.push_back(&lm_head);
 }
 
 std::vector<Parameter*> T5::parameters_in_backward_order() {
-  std::vector<Parameter*> out = {&lm_head};
-  for (Parameter* p : decoder_norm_->parameters()) out.push_back(p);
-  std::vector<TransformerLayer>& stack = layers(0);
-  for (size_t i = stack.size(); i-- > static_cast<size_t>(config_.num_layers);) {
-    for (Parameter* p : stack[i].parameters()) out.push_back(p);
+  std::vector<Parameter*> out;
+  if (lm_head.value.defined()) out.push_back(&lm_head);
+  if (decoder_norm_) {
+    for (Parameter* p : decoder_norm_->parameters()) out.push_back(p);
   }
-  out.push_back(&decoder_relative_bias);
-  for (Parameter* p : encoder_norm_->parameters()) out.push_back(p);
-  for (size_t i = static_cast<size_t>(config_.num_layers); i-- > 0;) {
-    for (Parameter* p : stack[i].parameters()) out.push_back(p);
+  const std::vector<int> chunks = chunks_in_stage_order();
+  for (auto chunk = chunks.rbegin(); chunk != chunks.rend(); ++chunk) {
+    std::vector<TransformerLayer>& stack = layers(*chunk);
+    for (size_t i = stack.size(); i-- > chunk_layers(*chunk).encoder;) {
+      for (Parameter* p : stack[i].parameters()) out.push_back(p);
+    }
   }
-  out.push_back(&encoder_relative_bias);
-  out.push_back(&shared);
+  if (decoder_relative_bias.value.defined()) out.push_back(&decoder_relative_bias);
+  if (encoder_norm_) {
+    for (Parameter* p : encoder_norm_->parameters()) out.push_back(p);
+  }
+  for (auto chunk = chunks.rbegin(); chunk != chunks.rend(); ++chunk) {
+    std::vector<TransformerLayer>& stack = layers(*chunk);
+    for (size_t i = chunk_layers(*chunk).encoder; i-- > 0;) {
+      for (Parameter* p : stack[i].parameters()) out.push_back(p);
+    }
+  }
+  if (encoder_relative_bias.value.defined()) out.push_back(&encoder_relative_bias);
+  if (shared.value.defined()) out.push_back(&shared);
+  return out;
+}
+
+std::vector<pipeline::TiedParameters> T5::tied_parameters() {
+  // Every group, also where this rank holds no copy: each stack's stages, when more than one.
+  const int64_t per_stage = num_layers_ / layout_.stages, L = config_.num_layers;
+  pipeline::TiedParameters encoder, decoder;
+  for (int stage = 0; stage < layout_.stages; ++stage) {
+    if (stage * per_stage < L) encoder.stages.push_back(stage);
+    if ((stage + 1) * per_stage > L) decoder.stages.push_back(stage);
+  }
+  if (encoder_relative_bias.value.defined()) encoder.parameters = {&encoder_relative_bias};
+  if (decoder_relative_bias.value.defined()) decoder.parameters = {&decoder_relative_bias};
+  std::vector<pipeline::TiedParameters> out;
+  for (pipeline::TiedParameters* group : {&encoder, &decoder}) {
+    if (group->stages.size() > 1) out.push_back(std::move(*group));
+  }
+  return out;
+}
+
+std::vector<int64_t> T5::fp8_state_indices() {
+  const std::vector<Fp8State*> states = fp8_states();
+  if (layout_.stages == 1) return octet::fp8_state_indices(states.size());
+  // An encoder layer's count, and a decoder layer's (cross-attention's more), from the layers
+  // held: the whole model's index of layer g's first state follows from them.
+  int64_t encoder = -1, decoder = -1, cross = 0;
+  for (int chunk = 0; chunk < chunks(); ++chunk) {
+    for (TransformerLayer& layer : layers(chunk)) {
+      const auto count = static_cast<int64_t>(layer.fp8_states().size());
+      if (!layer.inter_attention) {
+        encoder = count;
+        continue;
+      }
+      decoder = count;
+      cross = static_cast<int64_t>(layer.inter_attention->fp8_states().size());
+    }
+  }
+  if (encoder < 0) encoder = decoder - cross;
+  const int64_t L = config_.num_layers;
+  std::vector<int64_t> out;
+  for (int chunk : chunks_in_stage_order()) {
+    const std::vector<TransformerLayer>& stack = layers(chunk);
+    for (size_t i = 0; i < stack.size(); ++i) {
+      const int64_t g = global_layer(chunk, i);
+      const int64_t first = g < L ? g * encoder : L * encoder + (g - L) * decoder;
+      const int64_t count = g < L ? encoder : decoder;
+      for (int64_t k = 0; k < count; ++k) out.push_back(first + k);
+    }
+  }
+  OCTET_CHECK(out.size() == states.size(), "t5: ", states.size(), " FP8 states held, ", out.size(),
+              " indexed");
   return out;
 }
 
@@ -233,9 +345,28 @@ std::unique_ptr<pipeline::StagedModel::Context> T5::make_context() const {
 }
 
 Shape T5::activation_shape(const pipeline::MicroBatch& batch) const {
+  const Tensor& enc = pipeline::batch_tensor(batch, "enc_ids", "t5");
   const Tensor& dec = pipeline::batch_tensor(batch, "dec_ids", "t5");
-  if (sequence_parallel()) return {dec.numel() / layout_.tensor->size(), config_.hidden};
-  return {dec.dim(0), dec.dim(1), config_.hidden};
+  const int64_t ranks = sequence_parallel() ? layout_.tensor->size() : 1;
+  return {(enc.numel() + dec.numel()) / ranks, config_.hidden};
+}
+
+Tensor T5::pack(const Tensor& encoder, const Tensor& decoder) const {
+  const int64_t C = config_.hidden, E = encoder.numel() / C, D = decoder.numel() / C;
+  Tensor packed = Tensor::empty({E + D, C}, encoder.dtype());
+  packed.slice_rows(0, E).copy_from(encoder.reshape({E, C}));
+  packed.slice_rows(E, E + D).copy_from(decoder.reshape({D, C}));
+  return packed;
+}
+
+std::pair<Tensor, Tensor> T5::unpack(const Tensor& packed, int64_t B, int64_t S, int64_t T) const {
+  const int64_t C = config_.hidden;
+  if (sequence_parallel()) {
+    const int64_t E = B * S / layout_.tensor->size();
+    return {packed.slice_rows(0, E).clone(), packed.slice_rows(E, packed.dim(0)).clone()};
+  }
+  return {packed.slice_rows(0, B * S).clone().reshape({B, S, C}),
+          packed.slice_rows(B * S, B * (S + T)).clone().reshape({B, T, C})};
 }
 
 Tensor T5::embed(const Tensor& ids, DType dtype) {
@@ -269,8 +400,8 @@ void T5::embed_backward(const Tensor& ids, const Tensor& dx_in) {
                                shared.grad);
 }
 
-Tensor T5::run_forward(const pipeline::MicroBatch& batch, DType dtype, float grad_scale,
-                       Context* ctx, float* loss, bool count) {
+Tensor T5::run_forward(int chunk, const Tensor& input, const pipeline::MicroBatch& batch,
+                       DType dtype, float grad_scale, Context* ctx, float* loss, bool count) {
   OCTET_CHECK(dtype == DType::F32 || dtype == DType::BF16,
               "t5: compute dtype expected f32 or bf16, got ", dtype_name(dtype));
   const Tensor& enc_ids = pipeline::batch_tensor(batch, "enc_ids", "t5");
@@ -287,39 +418,56 @@ Tensor T5::run_forward(const pipeline::MicroBatch& batch, DType dtype, float gra
   check_dtype(targets, DType::I32, "t5: targets");
   check_shape(targets, dec_ids.shape(), "t5: targets", "B,T");
   const int64_t B = enc_ids.dim(0), S = enc_ids.dim(1), T = dec_ids.dim(1), C = config_.hidden;
-  const int64_t L = config_.num_layers;
-  std::vector<TransformerLayer>& stack = layers(0);
+  const ChunkLayers held = chunk_layers(chunk);
+  std::vector<TransformerLayer>& stack = layers(chunk);
   Context scratch;
   Context& c = ctx ? *ctx : scratch;
   c.enc_ids = enc_ids;
   c.dec_ids = dec_ids;
   c.enc_lengths = enc_lengths;
   c.dec_lengths = dec_lengths;
-  c.enc_buckets = relative_buckets(config_, S, S, /*bidirectional=*/true);
-  c.dec_buckets = relative_buckets(config_, T, T, /*bidirectional=*/false);
   c.layers.assign(stack.size(), TransformerLayer::Context{});
   // Under sequence parallelism the layers see this rank's token rows and their lengths S, T.
   const int64_t enc_seq = sequence_parallel() ? S : 0, dec_seq = sequence_parallel() ? T : 0;
-  // The encoder.
-  const Tensor enc_bias = relative_bias(encoder_relative_bias, c.enc_buckets);
-  Tensor h = embed(enc_ids, dtype);
-  for (int64_t i = 0; i < L; ++i) {
-    TransformerLayer::Context layer_scratch;
-    HighPrecisionScope precision(is_high_precision_layer(i));
-    h = stack[static_cast<size_t>(i)].forward(
-        h, ctx ? c.layers[static_cast<size_t>(i)] : layer_scratch, nullptr, &enc_lengths, nullptr,
-        enc_seq, &enc_bias);
+  // h: the encoder's stream (its hidden state, or the normed output past the final norm); y:
+  // the decoder's. The first stage embeds both; later ones receive them packed.
+  Tensor h, y;
+  if (is_first(chunk)) {
+    h = embed(enc_ids, dtype);
+    y = embed(dec_ids, dtype);
+  } else {
+    const Shape boundary = activation_shape(batch);
+    check_shape(input, boundary, "t5: input of chunk " + std::to_string(chunk),
+                "B*S+B*T (/TP under SP),C");
+    check_dtype(input, dtype, "t5: input of chunk " + std::to_string(chunk));
+    std::tie(h, y) = unpack(input, B, S, T);
   }
-  c.enc_out = encoder_norm_->forward(h, c.encoder_norm);
-  // The decoder: causal self-attention, cross-attention over the encoder's output.
-  const Tensor dec_bias = relative_bias(decoder_relative_bias, c.dec_buckets);
-  Tensor y = embed(dec_ids, dtype);
-  for (size_t i = static_cast<size_t>(L); i < stack.size(); ++i) {
-    TransformerLayer::Context layer_scratch;
-    HighPrecisionScope precision(is_high_precision_layer(static_cast<int64_t>(i)));
-    y = stack[i].forward(y, ctx ? c.layers[i] : layer_scratch, &c.enc_out, &dec_lengths,
-                         &enc_lengths, dec_seq, &dec_bias);
+  if (held.encoder > 0) {
+    c.enc_buckets = relative_buckets(config_, S, S, /*bidirectional=*/true);
+    const Tensor enc_bias = relative_bias(encoder_relative_bias, c.enc_buckets);
+    for (size_t i = 0; i < held.encoder; ++i) {
+      TransformerLayer::Context layer_scratch;
+      HighPrecisionScope precision(is_high_precision_layer(global_layer(chunk, i)));
+      h = stack[i].forward(h, ctx ? c.layers[i] : layer_scratch, nullptr, &enc_lengths, nullptr,
+                           enc_seq, &enc_bias);
+    }
   }
+  if (held.norm) {
+    h = encoder_norm_->forward(h, c.encoder_norm);
+  }
+  if (held.decoder) {
+    // Causal self-attention, cross-attention over the encoder's output.
+    c.enc_out = h;
+    c.dec_buckets = relative_buckets(config_, T, T, /*bidirectional=*/false);
+    const Tensor dec_bias = relative_bias(decoder_relative_bias, c.dec_buckets);
+    for (size_t i = held.encoder; i < stack.size(); ++i) {
+      TransformerLayer::Context layer_scratch;
+      HighPrecisionScope precision(is_high_precision_layer(global_layer(chunk, i)));
+      y = stack[i].forward(y, ctx ? c.layers[i] : layer_scratch, &c.enc_out, &dec_lengths,
+                           &enc_lengths, dec_seq, &dec_bias);
+    }
+  }
+  if (!is_last(chunk)) return pack(h, y);
   Tensor hidden = decoder_norm_->forward(y, c.decoder_norm).reshape({-1, C});
   // The output layer sees every token: gathered from the token shards under SP.
   Communicator* tp = layout_.tensor;
@@ -360,50 +508,32 @@ Tensor T5::run_forward(const pipeline::MicroBatch& batch, DType dtype, float gra
   return Tensor();
 }
 
-Tensor T5::forward(int chunk, const Tensor&, const pipeline::MicroBatch& batch, DType dtype,
+Tensor T5::forward(int chunk, const Tensor& input, const pipeline::MicroBatch& batch, DType dtype,
                    float grad_scale, StagedModel::Context& base) {
-  OCTET_CHECK(chunk == 0, "t5: one chunk (the whole model)");
   Context& ctx = own_context(base);
-  return run_forward(batch, dtype, grad_scale, &ctx, &ctx.loss, false);
+  return run_forward(chunk, input, batch, dtype, grad_scale, &ctx, &ctx.loss, false);
 }
 
-Tensor T5::evaluate(int chunk, const Tensor&, const pipeline::MicroBatch& batch, DType dtype,
+Tensor T5::evaluate(int chunk, const Tensor& input, const pipeline::MicroBatch& batch, DType dtype,
                     float* loss) {
-  OCTET_CHECK(chunk == 0, "t5: one chunk (the whole model)");
-  return run_forward(batch, dtype, 1.0f, nullptr, loss, true);
+  return run_forward(chunk, input, batch, dtype, 1.0f, nullptr, loss, true);
 }
 
-Tensor T5::backward(int chunk, const Tensor&, StagedModel::Context& base) {
-  OCTET_CHECK(chunk == 0, "t5: one chunk (the whole model)");
+Tensor T5::backward(int chunk, const Tensor& doutput, StagedModel::Context& base) {
   Context& ctx = own_context(base);
-  OCTET_CHECK(ctx.dhidden.defined(), "t5: backward before its forward");
-  const int64_t C = config_.hidden, L = config_.num_layers, H = config_.num_heads;
+  OCTET_CHECK(ctx.enc_ids.defined() && (!is_last(chunk) || ctx.dhidden.defined()),
+              "t5: backward of chunk ", chunk, " before its forward");
+  const int64_t C = config_.hidden, H = config_.num_heads;
   const int64_t B = ctx.dec_ids.dim(0), S = ctx.enc_ids.dim(1), T = ctx.dec_ids.dim(1);
-  std::vector<TransformerLayer>& stack = layers(0);
-  grads_ready({&lm_head});
+  const ChunkLayers held = chunk_layers(chunk);
+  std::vector<TransformerLayer>& stack = layers(chunk);
   Communicator* tp = layout_.tensor;
   const bool sp = sequence_parallel();
   // Activations: [B,T,C], or this rank's token rows [B*T/TP, C] under SP.
   auto shaped = [&](const Tensor& x, int64_t L_) {
     return sp ? x.reshape({-1, C}) : x.reshape({B, L_, C});
   };
-  Tensor dy = decoder_norm_->backward(shaped(ctx.dhidden, T), ctx.decoder_norm);
-  ctx.dhidden = Tensor();
-  grads_ready(decoder_norm_->parameters());
-  Tensor denc = Tensor::zeros(ctx.enc_out.shape(), DType::F32);
-  Tensor ddec_bias = Tensor::zeros({H, T, T}, DType::F32);
-  for (size_t i = stack.size(); i-- > static_cast<size_t>(L);) {
-    Tensor d_encoder_output;
-    HighPrecisionScope precision(is_high_precision_layer(static_cast<int64_t>(i)));
-    dy = stack[i].backward(dy, ctx.layers[i], &d_encoder_output, &ddec_bias);
-    ctx.layers[i] = TransformerLayer::Context{};
-    const Tensor d32 = to_dtype(d_encoder_output, DType::F32);
-    float* acc = denc.data<float>();
-    const float* add = d32.data<float>();
-    for (int64_t k = 0; k < denc.numel(); ++k) acc[k] += add[k];
-    grads_ready(stack[i].parameters());
-  }
-  // Under TP each rank's heads gave their part of the bias's gradient: summed over the group.
+  // Under TP each rank's heads gave their part of a bias's gradient: summed over the group.
   auto bias_backward = [&](Tensor& dbias, const Tensor& buckets, Parameter& table) {
     if (tp == nullptr) return relative_bias_backward(dbias, buckets, table.grad);
     Tensor part = Tensor::zeros(table.grad.shape(), DType::F32);
@@ -413,21 +543,64 @@ Tensor T5::backward(int chunk, const Tensor&, StagedModel::Context& base) {
     const float* add = part.data<float>();
     for (int64_t k = 0; k < part.numel(); ++k) g[k] += add[k];
   };
-  bias_backward(ddec_bias, ctx.dec_buckets, decoder_relative_bias);
-  grads_ready({&decoder_relative_bias});
-  embed_backward(ctx.dec_ids, dy);
-  Tensor dh = encoder_norm_->backward(to_dtype(denc, ctx.enc_out.dtype()), ctx.encoder_norm);
-  grads_ready(encoder_norm_->parameters());
-  Tensor denc_bias = Tensor::zeros({H, S, S}, DType::F32);
-  for (size_t i = static_cast<size_t>(L); i-- > 0;) {
-    HighPrecisionScope precision(is_high_precision_layer(static_cast<int64_t>(i)));
-    dh = stack[i].backward(dh, ctx.layers[i], nullptr, &denc_bias);
-    ctx.layers[i] = TransformerLayer::Context{};
-    grads_ready(stack[i].parameters());
+  // dh, dy: the gradients of the two streams at this chunk's output (see run_forward).
+  Tensor dh, dy;
+  if (is_last(chunk)) {
+    dy = decoder_norm_->backward(shaped(ctx.dhidden, T), ctx.decoder_norm);
+    ctx.dhidden = Tensor();
+    grads_ready({&lm_head});
+    grads_ready(decoder_norm_->parameters());
+  } else {
+    std::tie(dh, dy) = unpack(doutput, B, S, T);
   }
-  bias_backward(denc_bias, ctx.enc_buckets, encoder_relative_bias);
+  if (held.decoder) {
+    // The encoder output's gradient: what later stages sent, plus each decoder layer's, in F32.
+    Tensor denc = Tensor::zeros(ctx.enc_out.shape(), DType::F32);
+    float* acc = denc.data<float>();
+    auto accumulate = [&](const Tensor& d) {
+      const Tensor d32 = to_dtype(d, DType::F32);
+      const float* add = d32.data<float>();
+      for (int64_t k = 0; k < denc.numel(); ++k) acc[k] += add[k];
+    };
+    if (dh.defined()) accumulate(dh);
+    Tensor ddec_bias = Tensor::zeros({H, T, T}, DType::F32);
+    for (size_t i = stack.size(); i-- > held.encoder;) {
+      Tensor d_encoder_output;
+      HighPrecisionScope precision(is_high_precision_layer(global_layer(chunk, i)));
+      dy = stack[i].backward(dy, ctx.layers[i], &d_encoder_output, &ddec_bias);
+      ctx.layers[i] = TransformerLayer::Context{};
+      accumulate(d_encoder_output);
+      grads_ready(stack[i].parameters());
+    }
+    bias_backward(ddec_bias, ctx.dec_buckets, decoder_relative_bias);
+    grads_ready({&decoder_relative_bias});
+    dh = to_dtype(denc, ctx.enc_out.dtype());
+  }
+  if (held.norm) {
+    dh = encoder_norm_->backward(shaped(dh, S), ctx.encoder_norm);
+    grads_ready(encoder_norm_->parameters());
+  }
+  if (held.encoder > 0) {
+    Tensor denc_bias = Tensor::zeros({H, S, S}, DType::F32);
+    dh = shaped(dh, S);
+    for (size_t i = held.encoder; i-- > 0;) {
+      HighPrecisionScope precision(is_high_precision_layer(global_layer(chunk, i)));
+      dh = stack[i].backward(dh, ctx.layers[i], nullptr, &denc_bias);
+      ctx.layers[i] = TransformerLayer::Context{};
+      grads_ready(stack[i].parameters());
+    }
+    bias_backward(denc_bias, ctx.enc_buckets, encoder_relative_bias);
+    grads_ready({&encoder_relative_bias});
+  }
+  if (!is_first(chunk)) {
+    ctx = Context{};
+    return pack(dh, dy);
+  }
+  // Both embeddings into the shared table: the decoder's first, as the whole model always
+  // accumulated them.
+  embed_backward(ctx.dec_ids, dy);
   embed_backward(ctx.enc_ids, dh);
-  grads_ready({&encoder_relative_bias, &shared});
+  grads_ready({&shared});
   ctx = Context{};
   return Tensor();
 }

@@ -4,10 +4,15 @@
 // accuracy; Hugging Face names; clear errors.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <functional>
+#include <memory>
 #include <random>
+#include <set>
+#include <string>
+#include <vector>
 
 #include "model_test_util.h"
 #include "octet/fp8.h"
@@ -110,6 +115,118 @@ TEST(T5, DeeperDecoderMatchesTorch) {
 }
 
 // Padding changes nothing: other ids past each input's and each target's length.
+// Pipeline stages in one process, every chunk held by one model: the stages' forwards in order
+// with each boundary handed on (both streams packed), their backwards in reverse: the whole
+// model's loss and every gradient. Bit for bit but for the relative bias tables, whose gradient
+// each stage adds in its own sum (the executor sums the copies across ranks). Cuts: the border
+// between two stages (2 + 2 layers over 2 stages), one layer per stage with both tables tied
+// over two stages each (2 + 2 over 4), and the border inside a stage (3 + 3 over 3: stage 1
+// holds encoder layer 2, the encoder's final norm and decoder layer 0).
+TEST(T5, PipelineStagesInOneProcessEqualTheWholeModel) {
+  struct Cut {
+    int64_t layers;
+    int stages;
+  };
+  for (const Cut cut : {Cut{2, 2}, Cut{2, 4}, Cut{3, 3}}) {
+    SCOPED_TRACE(std::to_string(cut.layers) + " + " + std::to_string(cut.layers) + " layers over " +
+                 std::to_string(cut.stages) + " stages");
+    nlohmann::json json = tiny_config();
+    json["num_layers"] = cut.layers;
+    json["num_decoder_layers"] = cut.layers;
+    const T5Config config = T5Config::from_json(json);
+    T5 whole(config, 7);
+    perturb(whole);
+    const pipeline::MicroBatch batch = random_batch(config, 3, 10, 6, 5);
+    float loss = 0;
+    const TensorMap expected = step_gradients(whole, batch, DType::F32, &loss);
+    ModelLayout layout;
+    layout.stages = cut.stages;
+    layout.stage_of_chunk.clear();
+    for (int s = 0; s < cut.stages; ++s) layout.stage_of_chunk.push_back(s);
+    T5 staged(config, 7, layout);
+    staged.load_state_dict(whole.state_dict());
+    staged.zero_grad();
+    std::vector<std::unique_ptr<pipeline::StagedModel::Context>> contexts;
+    Tensor boundary;
+    for (int s = 0; s < cut.stages; ++s) {
+      contexts.push_back(staged.make_context());
+      boundary = staged.forward(s, boundary, batch, DType::F32, 1.0f, *contexts.back());
+      if (s + 1 < cut.stages) {
+        EXPECT_EQ(boundary.shape(), staged.activation_shape(batch));
+      }
+    }
+    EXPECT_EQ(contexts.back()->loss, loss);
+    Tensor dboundary;
+    for (int s = cut.stages; s-- > 0;) {
+      dboundary = staged.backward(s, dboundary, *contexts[static_cast<size_t>(s)]);
+    }
+    EXPECT_FALSE(dboundary.defined());
+    EXPECT_EQ(staged.parameters().size(), whole.parameters().size());
+    for (Parameter* p : staged.parameters()) {
+      SCOPED_TRACE(p->name);
+      const std::vector<float> want = expected.at(p->name).to_floats(), got = p->grad.to_floats();
+      if (p->name.find("relative_attention_bias") == std::string::npos) {
+        EXPECT_EQ(got, want);
+        continue;
+      }
+      // Summed per stage, then across: within float32 rounding of the table's largest entry.
+      float largest = 0;
+      for (float w : want) largest = std::max(largest, std::abs(w));
+      for (size_t i = 0; i < want.size(); ++i) EXPECT_NEAR(got[i], want[i], 1e-5f * largest);
+    }
+    // Evaluation through the stages: the same loss.
+    boundary = Tensor();
+    float eval_loss = 0;
+    for (int s = 0; s < cut.stages; ++s) {
+      boundary = staged.evaluate(s, boundary, batch, DType::F32, &eval_loss);
+    }
+    EXPECT_EQ(eval_loss, whole.evaluate(batch, DType::F32));
+    EXPECT_THROW(staged.train_step(batch, DType::F32, 1.0f), Error);
+  }
+}
+
+// One stage per rank: what each holds, and the tied tables' stages (3 + 3 layers over 3 stages).
+TEST(T5, EachStageHoldsItsPartAndTiesTheBiasTables) {
+  nlohmann::json json = tiny_config();
+  json["num_layers"] = 3;
+  json["num_decoder_layers"] = 3;
+  const T5Config config = T5Config::from_json(json);
+  auto names = [&](int stage) {
+    ModelLayout layout;
+    layout.stages = 3;
+    layout.stage_of_chunk = {stage};
+    T5 part(config, 7, layout);
+    std::set<std::string> held;
+    for (Parameter* p : part.parameters()) {
+      if (p->name.find(".layer.") == std::string::npos) held.insert(p->name);
+    }
+    const std::vector<pipeline::TiedParameters> tied = part.tied_parameters();
+    EXPECT_EQ(tied.size(), 2u);
+    EXPECT_EQ(tied.at(0).stages, (std::vector<int>{0, 1}));  // the encoder's layers
+    EXPECT_EQ(tied.at(1).stages, (std::vector<int>{1, 2}));  // the decoder's
+    EXPECT_EQ(part.fp8_state_indices().size(), part.fp8_states().size());
+    return held;
+  };
+  EXPECT_EQ(names(0),
+            (std::set<std::string>{"shared.weight", "encoder.relative_attention_bias.weight"}));
+  EXPECT_EQ(names(1), (std::set<std::string>{"encoder.relative_attention_bias.weight",
+                                             "encoder.final_layer_norm.weight",
+                                             "decoder.relative_attention_bias.weight"}));
+  EXPECT_EQ(names(2), (std::set<std::string>{"decoder.relative_attention_bias.weight",
+                                             "decoder.final_layer_norm.weight", "lm_head.weight"}));
+  // Each FP8 state's whole-model index: the stages' lists together are the whole model's.
+  T5 whole(config, 7);
+  std::vector<int64_t> all;
+  for (int stage = 0; stage < 3; ++stage) {
+    ModelLayout layout;
+    layout.stages = 3;
+    layout.stage_of_chunk = {stage};
+    T5 part(config, 7, layout);
+    for (int64_t index : part.fp8_state_indices()) all.push_back(index);
+  }
+  EXPECT_EQ(all, whole.fp8_state_indices());
+}
+
 TEST(T5, PaddingChangesNothing) {
   const T5Config config = T5Config::from_json(tiny_config());
   T5 model(config, 7);
@@ -222,11 +339,13 @@ TEST(T5, BadConfigsAndInputsAreClearErrors) {
                       {"kv_channels", 300, "kv_channels"},
                       {"post_layernorm", true, "unknown key 'post_layernorm'"}});
   const T5Config config = T5Config::from_json(tiny_config());
-  ModelLayout two_stages;
-  two_stages.stages = 2;
-  two_stages.stage_of_chunk = {0};
-  EXPECT_NE(error_of([&] { T5 staged(config, 7, two_stages); }).find("not supported yet"),
-            std::string::npos);
+  // 2 + 2 layers do not cut into 3 equal stages.
+  ModelLayout three_stages;
+  three_stages.stages = 3;
+  three_stages.stage_of_chunk = {0};
+  EXPECT_NE(
+      error_of([&] { T5 staged(config, 7, three_stages); }).find("multiple of the pipeline stages"),
+      std::string::npos);
   T5 model(config, 7);
   const auto good = random_batch(config, 2, 16, 8, 3);
   auto step_error = [&](const std::string& key, int64_t index, int32_t value) {

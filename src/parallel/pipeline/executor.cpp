@@ -93,7 +93,15 @@ struct PipelineExecutor::State {
   ParallelState& parallel;
   ExecutorOptions options;
   int rank = 0;
-  bool reduce_embedding = false;         // wte on two ranks: sum its gradient after
+  // Each group of tied parameters whose stages sit on several pipeline ranks: the ranks'
+  // communicator (null where this rank holds no copy) and this rank's copies. Their gradients
+  // are summed after each step; the copy on the group's lowest rank counts as the parameter.
+  struct TiedGroup {
+    std::shared_ptr<Communicator> comm;
+    std::vector<Parameter*> copies;
+    int owner = 0;  // the lowest pipeline rank holding a copy
+  };
+  std::vector<TiedGroup> tied_groups;
   std::shared_ptr<Communicator> copies;  // DualPipe: ranks r and ranks-1-r
   std::vector<Tensor> abandoned;         // buffers of receives that timed out
   std::vector<int> backwards_per_chunk;  // micro-batches whose route passes each chunk
@@ -272,8 +280,10 @@ struct PipelineExecutor::State {
       // Both ranks of a pair hold the same stages (r and ranks-1-r), listed in stage order.
       for (Parameter* p : model.parameters()) copies->all_reduce(p->grad);
     }
-    if (!reduce_embedding) return;
-    for (Parameter* p : model.tied_copies()) parallel.embedding().all_reduce(p->grad);
+    for (const TiedGroup& group : tied_groups) {
+      if (!group.comm) continue;
+      for (Parameter* p : group.copies) group.comm->all_reduce(p->grad);
+    }
   }
 };
 
@@ -303,21 +313,43 @@ PipelineExecutor::PipelineExecutor(Schedule schedule, StagedModel& model, Parall
   if (sc.model_copies == 2) {
     const int pair = std::min(s.rank, sc.ranks - 1 - s.rank);
     s.copies = parallel.pipeline().split(pair, s.rank, "pipeline-copies");
-  } else {
-    const int first = sc.place(0, 0).rank, last = sc.place(0, sc.stages - 1).rank;
-    s.reduce_embedding = first != last;
-    std::vector<int> embedding_stages = {0};
-    if (sc.stages > 1) embedding_stages.push_back(sc.stages - 1);
+    // Each pair sums all of its gradients: ties must stay within the stages a pair holds, as the
+    // first and the last stage's do.
     for (const TiedParameters& group : model.tied_parameters()) {
-      // The one group of ranks the parallel state provides: the first and the last stage's.
-      OCTET_CHECK(group.stages == embedding_stages,
-                  "pipeline executor: tied parameters are summed between the first and the last "
-                  "stage (0 and ",
-                  sc.stages - 1, "), the model ties stages ", describe_stages(group.stages));
+      for (int stage : group.stages) {
+        OCTET_CHECK(stage == 0 || stage == sc.stages - 1,
+                    "pipeline executor: DualPipe sums tied parameters between the first and the "
+                    "last stage only; the model ties stages ",
+                    describe_stages(group.stages));
+      }
     }
-    OCTET_CHECK(!s.reduce_embedding || (first == 0 && last == sc.ranks - 1),
-                "pipeline executor: the embedding group is pipeline ranks 0 and ", sc.ranks - 1,
-                ", the schedule puts the first stage on ", first, " and the last on ", last);
+  } else {
+    // Every rank lists every group in the same order (pipeline_stage.h), so each group's split
+    // of the pipeline group is one collective call on all of its ranks.
+    for (const TiedParameters& group : model.tied_parameters()) {
+      std::vector<int> ranks;
+      for (int stage : group.stages) {
+        OCTET_CHECK(stage >= 0 && stage < sc.stages, "pipeline executor: tied parameters on stage ",
+                    stage, " of ", sc.stages, " (the model ties stages ",
+                    describe_stages(group.stages), ")");
+        ranks.push_back(sc.place(0, stage).rank);
+      }
+      std::sort(ranks.begin(), ranks.end());
+      ranks.erase(std::unique(ranks.begin(), ranks.end()), ranks.end());
+      if (ranks.size() < 2) continue;  // every copy on one rank: one parameter
+      const bool holds = std::find(ranks.begin(), ranks.end(), s.rank) != ranks.end();
+      OCTET_CHECK(holds == !group.parameters.empty(), "pipeline executor: rank ", s.rank,
+                  (holds ? " holds stages of" : " holds none of"), " the tied stages ",
+                  describe_stages(group.stages), " but ", group.parameters.size(),
+                  " copies of their parameters");
+      State::TiedGroup tied;
+      std::shared_ptr<Communicator> comm =
+          parallel.pipeline().split(holds ? 0 : 1, s.rank, "pipeline-tied");
+      if (holds) tied.comm = std::move(comm);
+      tied.copies = group.parameters;
+      tied.owner = ranks.front();
+      s.tied_groups.push_back(std::move(tied));
+    }
   }
 }
 
@@ -335,12 +367,14 @@ std::vector<Parameter*> PipelineExecutor::owned_parameters() {
   State& s = *state_;
   if (s.copies && 2 * s.rank >= s.schedule.ranks) return {};
   std::vector<Parameter*> owned;
-  // A tied copy counts on the first stage's rank only.
-  const std::vector<Parameter*> tied = s.model.tied_copies();
+  // A tied copy counts on its group's lowest rank only.
+  std::vector<Parameter*> others;
+  for (const State::TiedGroup& group : s.tied_groups) {
+    if (group.owner != s.rank)
+      others.insert(others.end(), group.copies.begin(), group.copies.end());
+  }
   for (Parameter* p : s.model.parameters()) {
-    const bool copy =
-        s.reduce_embedding && s.rank != 0 && std::find(tied.begin(), tied.end(), p) != tied.end();
-    if (!copy) owned.push_back(p);
+    if (std::find(others.begin(), others.end(), p) == others.end()) owned.push_back(p);
   }
   return owned;
 }
