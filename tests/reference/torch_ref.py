@@ -2,6 +2,12 @@
 
 Reads the inputs (safetensors), computes OP's forward (and backward where the op has one)
 in float64 unless the op says otherwise, and writes the results (safetensors, float32).
+
+`torch_ref.py --serve SOCKET` imports torch and the references once and answers requests on
+a Unix socket instead (scripts/test.sh: one import for the whole test pass, not one per test):
+each request is one line, the JSON list [OP, INPUTS, OUTPUTS, ARGS_JSON], computed in a
+forked child exactly as the command line computes it; the answer is one line, "ok" or
+"error" and the traceback on one line.
 """
 import glob
 import importlib
@@ -34,13 +40,39 @@ def load_families():
         importlib.import_module(os.path.basename(path)[:-3])
 
 
-def main():
-    load_families()
-    name, inputs_path, outputs_path, args_text = sys.argv[1:5]
+def compute(name, inputs_path, outputs_path, args_text):
     torch.manual_seed(0)
     inputs = safetensors_io.load(inputs_path)
     outputs = OPS[name](inputs, json.loads(args_text))
     safetensors_io.save(outputs_path, {k: v.detach().float().contiguous() for k, v in outputs.items()})
+
+
+def serve(path):
+    import socketserver
+    import traceback
+
+    class Request(socketserver.StreamRequestHandler):
+        def handle(self):
+            try:
+                compute(*json.loads(self.rfile.readline()))
+                answer = "ok"
+            except Exception:  # the test reports it: the server goes on
+                answer = "error " + traceback.format_exc().replace("\n", " | ")
+            self.wfile.write((answer + "\n").encode())
+
+    class Server(socketserver.ForkingMixIn, socketserver.UnixStreamServer):
+        pass
+
+    with Server(path, Request) as server:
+        server.serve_forever()
+
+
+def main():
+    load_families()
+    if sys.argv[1] == "--serve":
+        serve(sys.argv[2])
+        return
+    compute(*sys.argv[1:5])
 
 
 if __name__ == "__main__":

@@ -1,14 +1,19 @@
 // Runs the PyTorch 1.13 reference (tests/reference/torch_ref.py) live, on the same inputs.
 #pragma once
 
+#include <sys/socket.h>
+#include <sys/un.h>
 #include <unistd.h>
 
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <nlohmann/json.hpp>
+#include <optional>
 #include <string>
 
 #include "octet/safetensors.h"
@@ -31,7 +36,46 @@ inline uint64_t hash_file(const std::string& path, uint64_t hash) {
   return hash;
 }
 
-// Writes `inputs`, runs `torch_ref.py op`, returns its outputs. Fails loudly (no skip) when
+// Asks the reference server at OCTET_TORCH_SERVER (a Unix socket: `torch_ref.py --serve`, which
+// scripts/test.sh starts once for the whole pass) to compute `op`. Its answer: "ok", or "error"
+// and the traceback; nothing when no server is set or it cannot be reached (the caller then
+// starts Python itself).
+inline std::optional<std::string> ask_torch_server(const std::string& op, const std::string& in,
+                                                   const std::string& out,
+                                                   const std::string& args_json) {
+  const char* path = std::getenv("OCTET_TORCH_SERVER");
+  if (path == nullptr || *path == '\0') return std::nullopt;
+  sockaddr_un address{};
+  address.sun_family = AF_UNIX;
+  if (std::strlen(path) >= sizeof(address.sun_path)) return std::nullopt;
+  std::strcpy(address.sun_path, path);
+  const int fd = socket(AF_UNIX, SOCK_STREAM, 0);
+  if (fd < 0) return std::nullopt;
+  if (connect(fd, reinterpret_cast<const sockaddr*>(&address), sizeof(address)) != 0) {
+    close(fd);
+    return std::nullopt;
+  }
+  const std::string request = nlohmann::json::array({op, in, out, args_json}).dump() + "\n";
+  bool sent = true;
+  for (size_t done = 0; sent && done < request.size();) {
+    const ssize_t n = write(fd, request.data() + done, request.size() - done);
+    sent = n > 0;
+    done += sent ? static_cast<size_t>(n) : 0;
+  }
+  std::string answer;
+  char buffer[4096];
+  for (ssize_t n; sent && (n = read(fd, buffer, sizeof(buffer))) > 0;) {
+    answer.append(buffer, static_cast<size_t>(n));
+    if (answer.back() == '\n') break;
+  }
+  close(fd);
+  if (!sent || answer.empty()) return std::nullopt;  // the server went away: run it here
+  if (answer.back() == '\n') answer.pop_back();
+  return answer;
+}
+
+// Writes `inputs`, runs `torch_ref.py op` (through the reference server when one is set),
+// returns its outputs. Fails loudly (no skip) when
 // python or torch is missing: scripts/setup.sh installs them.
 //
 // With OCTET_TORCH_CACHE=DIR, the outputs are kept in DIR under a hash of the exact input
@@ -66,10 +110,15 @@ inline TensorMap run_torch(const std::string& op, const TensorMap& inputs,
       return load_safetensors(cached);
     }
   }
-  std::string command = "/usr/bin/python3 " OCTET_SOURCE_DIR "/tests/reference/torch_ref.py " + op +
-                        " " + in + " " + out + " '" + args_json + "'";
-  int status = std::system(command.c_str());
-  OCTET_CHECK(status == 0, "PyTorch reference failed (exit ", status, "): ", command);
+  if (const std::optional<std::string> answer = ask_torch_server(op, in, out, args_json)) {
+    OCTET_CHECK(*answer == "ok", "PyTorch reference '", op,
+                "' failed in the reference server: ", *answer);
+  } else {
+    std::string command = "/usr/bin/python3 " OCTET_SOURCE_DIR "/tests/reference/torch_ref.py " +
+                          op + " " + in + " " + out + " '" + args_json + "'";
+    int status = std::system(command.c_str());
+    OCTET_CHECK(status == 0, "PyTorch reference failed (exit ", status, "): ", command);
+  }
   TensorMap outputs = load_safetensors(out);
   if (!cached.empty()) {
     // Another test process may write the same entry: copy under a private name, then rename.
