@@ -343,8 +343,7 @@ PipelineExecutor::PipelineExecutor(Schedule schedule, StagedModel& model, Parall
                   describe_stages(group.stages), " but ", group.parameters.size(),
                   " copies of their parameters");
       State::TiedGroup tied;
-      std::shared_ptr<Communicator> comm =
-          parallel.pipeline().split(holds ? 0 : 1, s.rank, "pipeline-tied");
+      std::shared_ptr<Communicator> comm = parallel.pipeline().split(holds ? 0 : 1, s.rank, "tied");
       if (holds) tied.comm = std::move(comm);
       tied.copies = group.parameters;
       tied.owner = ranks.front();
