@@ -6,9 +6,9 @@
 // similarities of every image with every caption, scaled by exp(logit_scale) (at most 100),
 // cross-entropy towards each image's own caption and each caption's own image, averaged.
 // Evaluation also classifies each image zero-shot: the class whose prompts' mean text feature
-// is the most similar. Written on the TransformerEngine-style modules; whole model and data
-// parallelism (each micro-batch its own contrastive batch, so DP equals one process) and tensor
-// parallelism (VisionTextStack).
+// is the most similar. Written on the TransformerEngine-style modules, in every layout: whole,
+// data parallelism (each micro-batch its own contrastive batch, so DP equals one process),
+// tensor parallelism (VisionTextStack), pipeline stages and their products.
 #pragma once
 
 #include <memory>
@@ -53,10 +53,14 @@ pipeline::MicroBatch clip_micro_batch(const Tensor& pixels, const Tensor& labels
                                       const Tensor& text_ids, const Tensor& text_lengths,
                                       const Tensor& class_ids, const Tensor& class_lengths);
 
-// A CLIP on one stage (one process, data and tensor parallelism): TransformerStack's layers 0 ..
-// L_v-1 are the vision tower's, L_v .. L_v+L_t-1 the text tower's. The patch embedding and the two
-// projections run in the step's dtype outside FP8 / FP4 (the first and last GEMMs in high
-// precision); FP8 recipes quantize the towers' layers.
+// A CLIP: TransformerStack's layers 0 .. L_v-1 are the vision tower's, L_v .. L_v+L_t-1 the text
+// tower's. The patch embedding and the two projections run in the step's dtype outside FP8 / FP4
+// (the first and last GEMMs in high precision); FP8 recipes quantize the towers' layers.
+// Under pipeline parallelism the stages cut the vision layers then the text layers; the first
+// stage embeds the images and the captions (and, in evaluation, the class prompts), every
+// boundary carries the three token streams as one flat activation (vision tokens, caption
+// tokens, class-prompt tokens: zeros while training), and the last stage pools, projects and
+// takes the loss (and the zero-shot classes) - the towers never meet before it.
 class CLIP : public VisionTextStack {
  public:
   CLIP(const CLIPConfig& config, uint64_t seed, ModelLayout layout = {},
@@ -67,7 +71,7 @@ class CLIP : public VisionTextStack {
   // take_eval_counts(): images classified correctly zero-shot, and images seen by evaluation.
 
   // Unit-length features [N, embed_dim] F32: of images [N, C*H*W], and of token sequences
-  // [N, T] I32 with their lengths [N] I32 (the whole model, no contexts kept).
+  // [N, T] I32 with their lengths [N] I32 (the whole model held, no contexts kept).
   Tensor image_features(const Tensor& pixels, DType dtype);
   Tensor text_features(const Tensor& ids, const Tensor& lengths, DType dtype);
   // Zero-shot class of each image: argmax over classes of the cosine with each class's mean
@@ -76,12 +80,13 @@ class CLIP : public VisionTextStack {
                                  const Tensor& class_lengths, DType dtype);
 
   struct Context : StagedModel::Context {
-    std::vector<TransformerLayer::Context> layers;  // vision layers, then text layers
+    std::vector<TransformerLayer::Context> layers;  // the chunk's vision, then text layers
     VisionContext vision;
     Linear::Context visual_projection, text_projection;
     Norm::Context post_norm, final_norm;
     Tensor text_ids, text_lengths;
     int64_t batch = 0;
+    int64_t class_elements = 0;  // the class-prompt stream's share of a boundary
     // The loss's gradients at the projections' outputs [B, embed_dim] F32.
     Tensor dimage, dtext;
   };
@@ -92,7 +97,7 @@ class CLIP : public VisionTextStack {
   Tensor evaluate(int chunk, const Tensor& input, const pipeline::MicroBatch& batch, DType dtype,
                   float* loss) override;
   Shape activation_shape(const pipeline::MicroBatch& batch) const override;
-  std::vector<pipeline::TiedParameters> tied_parameters() override { return {}; }
+  std::vector<pipeline::TiedParameters> tied_parameters() override { return {}; }  // none
   std::vector<Parameter*> chunk_parameters(int chunk) override;
 
   void collect_parameters(std::vector<Parameter*>& out) override;
@@ -103,23 +108,30 @@ class CLIP : public VisionTextStack {
 
   const CLIPConfig& config() const { return config_; }
 
-  Parameter token_embedding;  // [V, Ct]
-  Parameter text_positions;   // [max_text_len, Ct]
-  Parameter logit_scale;      // [1]: ln of the similarities' scale
+  Parameter token_embedding;  // [V, Ct] (first stage)
+  Parameter text_positions;   // [max_text_len, Ct] (first stage)
+  Parameter logit_scale;      // [1]: ln of the similarities' scale (last stage)
 
  private:
-  // pixels -> the class token's normed features [B, Cv] in dtype (contexts kept with ctx).
-  Tensor vision_forward(const Tensor& pixels, DType dtype, Context* ctx);
-  void vision_backward(const Tensor& dpooled, Context& ctx);
-  // ids [N,T], lengths [N] -> the [EOS] rows' normed features [N, Ct] in dtype.
-  Tensor text_forward(const Tensor& ids, const Tensor& lengths, DType dtype, Context* ctx);
-  void text_backward(const Tensor& dpooled, Context& ctx);
-  Tensor run_forward(const pipeline::MicroBatch& batch, DType dtype, float grad_scale, Context* ctx,
-                     float* loss, bool count);
+  // ids [N,T] I32 with lengths [N] I32 (checked) -> token and position embeddings [N,T,Ct] in
+  // dtype (first stage).
+  void check_text(const Tensor& ids, const Tensor& lengths, const char* what) const;
+  Tensor text_embed(const Tensor& ids, DType dtype);
+  // Last stage: the class token's rows of the vision tokens [B,Tv,Cv] after the post-LayerNorm;
+  // the [EOS] rows of text tokens [N,T,Ct] after the final LayerNorm.
+  Tensor pool_image(const Tensor& tokens, Norm::Context& ctx);
+  Tensor pool_text(const Tensor& tokens, const Tensor& lengths, Norm::Context& ctx);
+  Tensor run_forward(int chunk, const Tensor& input, const pipeline::MicroBatch& batch, DType dtype,
+                     float grad_scale, Context* ctx, float* loss, bool count);
+  // The three streams as one boundary activation (an undefined class stream: zeros), and back.
+  Tensor pack(const Tensor& vision, const Tensor& text, const Tensor& classes,
+              int64_t class_elements) const;
+  void unpack(const Tensor& packed, int64_t B, int64_t T, const Tensor* class_ids, Tensor& vision,
+              Tensor& text, Tensor* classes) const;
 
   CLIPConfig config_;
-  std::optional<Linear> visual_projection_, text_projection_;
-  std::optional<Norm> post_norm_, final_norm_;
+  std::optional<Linear> visual_projection_, text_projection_;  // the last stage's
+  std::optional<Norm> post_norm_, final_norm_;                 // the last stage's
 };
 
 }  // namespace octet

@@ -58,6 +58,9 @@ struct Parameter {
   Tensor value;  // F32 master
   Tensor grad;   // F32, same shape
   TensorShard shard = {};
+  // False for a frozen parameter (--freeze): it keeps its value, and a backward whose only use
+  // would be its gradient may be skipped (grad then stays as it was).
+  bool requires_grad = true;
 };
 
 class Module {

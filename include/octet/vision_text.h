@@ -63,7 +63,9 @@ struct VisionTextConfig {
 // text layers (causal), named `text_prefix` + index. Under tensor parallelism the layers split
 // their heads and FFN columns and everything else is replicated: activations enter and leave
 // the layers whole on every rank (this rank's token rows inside them under sequence
-// parallelism). Pipeline parallelism is refused.
+// parallelism). Under pipeline parallelism the stages cut the vision layers then the text
+// layers into equal runs; the vision tower's embedding and pre-LayerNorm live on the first
+// stage (a model that cannot be staged refuses at construction).
 class VisionTextStack : public TransformerStack {
  public:
   Parameter class_embedding;   // [1, Cv]
@@ -77,27 +79,47 @@ class VisionTextStack : public TransformerStack {
     Linear::Context patch;
     Norm::Context pre_norm;
   };
-  // pixels [B, C*H*W] F32 (checked) -> the tokens after the last vision layer [B, Tv, Cv] in
-  // dtype; with ctx and layers, the contexts for the backward.
+  // pixels [B, C*H*W] F32 (checked) -> the vision layers' input [B, Tv, Cv] in dtype (the
+  // embedding and the pre-LayerNorm: first stage); with ctx, kept for the backward. And the
+  // gradient at it -> the embedding's and pre-LayerNorm's (reported ready).
+  Tensor vision_embed(const Tensor& pixels, DType dtype, VisionContext* ctx);
+  void vision_embed_backward(const Tensor& dx, VisionContext& ctx);
+  // The whole tower (one stage held): pixels -> the tokens after the last vision layer
+  // [B, Tv, Cv] in dtype; with ctx and layers, the contexts for the backward.
   Tensor vision_encode(const Tensor& pixels, DType dtype, VisionContext* ctx,
                        std::vector<TransformerLayer::Context>* layers);
   // The gradient at those tokens -> every vision parameter's (reported ready as they are).
+  // Nothing where the whole tower is frozen (vision_tower_frozen()).
   void vision_encode_backward(Tensor dtokens, VisionContext& ctx,
                               std::vector<TransformerLayer::Context>& layers);
+  // Whether no parameter of the vision tower up to its last layer trains (--freeze): its
+  // backward would compute nothing that is used. False under pipeline parallelism (a stage
+  // sees its own part of the tower only).
+  bool vision_tower_frozen();
+  // Whether none of `parameters` trains.
+  static bool frozen(const std::vector<Parameter*>& parameters);
   // Layers [first, last) over x [N*T, C] or [N, T, C] (whole, the same on every rank) of N
   // sequences of T tokens -> [N, T, C] whole; with contexts, kept for the backward. And the
   // backward: the whole gradient at the output (the same on every rank) -> the whole gradient
   // at the input [N, T, C], each layer's parameters reported ready.
-  Tensor layers_forward(const Tensor& x, int64_t T, size_t first, size_t last,
+  // The layers [first, last) of `chunk`.
+  Tensor layers_forward(int chunk, const Tensor& x, int64_t T, size_t first, size_t last,
                         std::vector<TransformerLayer::Context>* contexts);
-  Tensor layers_backward(const Tensor& dy, int64_t T, size_t first, size_t last,
+  Tensor layers_backward(int chunk, const Tensor& dy, int64_t T, size_t first, size_t last,
                          std::vector<TransformerLayer::Context>& contexts);
-  // The vision tower's parameters up to its last layer, in forward order; and in backward order.
+  // The vision tower's parameters this rank holds up to its last layer (the embedding on the
+  // first stage, each chunk's vision layers in stage order), in forward order; and in backward
+  // order.
   void collect_vision_parameters(std::vector<Parameter*>& out);
+  void collect_vision_embedding(std::vector<Parameter*>& out);  // the first stage's part
   void add_vision_parameters_in_backward_order(std::vector<Parameter*>& out);
-  // The first text layer's index in the stack.
+  // The first text layer's index in the whole model's stack; and how many of a chunk's first
+  // layers are vision layers (the rest are text layers).
   size_t first_text_layer() const { return static_cast<size_t>(vision_text_.vision_layers); }
-  void vision_parameters_updated() { patch_embed_->on_parameters_updated(); }
+  size_t vision_layers_in(int chunk) const;
+  void vision_parameters_updated() {
+    if (patch_embed_) patch_embed_->on_parameters_updated();
+  }
   static LinearOptions linear_options(int64_t in, int64_t out, bool bias, float init_std,
                                       uint64_t seed, std::string name);
   static NormOptions layer_norm_options(const VisionTextConfig& c, int64_t hidden,

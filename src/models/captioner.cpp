@@ -3,7 +3,6 @@
 // backward, and greedy decoding.
 #include "octet/captioner.h"
 
-#include <algorithm>
 #include <cmath>
 #include <cstring>
 
@@ -49,6 +48,9 @@ ImageCaptioner::ImageCaptioner(const CaptionerConfig& config, uint64_t seed, Mod
     : VisionTextStack("captioner", config, seed, std::move(layout), recompute_activations,
                       "language_model.layers."),
       config_(config) {
+  OCTET_CHECK(layout_.stages == 1,
+              "captioner: pipeline parallelism is not supported yet (use data and tensor "
+              "parallelism)");
   const CaptionerConfig& c = config;
   const int64_t Cv = c.vision_hidden, Ct = c.text_hidden;
   post_norm_.emplace(layer_norm_options(c, Cv, "vision_model.post_layernorm"));
@@ -151,7 +153,7 @@ Tensor ImageCaptioner::decoder_forward(const Tensor& prefix, const Tensor& ids, 
                 t + static_cast<size_t>(b * T) * row_bytes, static_cast<size_t>(T) * row_bytes);
   }
   ops::position_embedding_forward(x, text_positions.value, Td);
-  const Tensor h = layers_forward(to_dtype(x, dtype), Td, first_text_layer(), layers(0).size(),
+  const Tensor h = layers_forward(0, to_dtype(x, dtype), Td, first_text_layer(), layers(0).size(),
                                   ctx ? &ctx->layers : nullptr);
   Context scratch;
   return final_norm_->forward(h, ctx ? ctx->final_norm : scratch.final_norm);
@@ -250,8 +252,11 @@ void ImageCaptioner::prefix_backward(const Tensor& dprefix, Context& ctx) {
     dfeatures = project_in_->backward(dhidden, ctx.project_in);
     grads_ready(project_in_->parameters());
   }
+  // A frozen encoder (LLaVA's first stage: --freeze vision_model.) has no gradient to take.
+  const std::vector<Parameter*> norm = post_norm_->parameters();
+  if (vision_tower_frozen() && frozen(norm)) return;
   const Tensor dh = post_norm_->backward(dfeatures, ctx.post_norm).reshape({B, T, C});
-  grads_ready(post_norm_->parameters());
+  grads_ready(norm);
   vision_encode_backward(dh, ctx.vision, ctx.layers);
 }
 
@@ -264,7 +269,7 @@ Tensor ImageCaptioner::backward(int chunk, const Tensor&, StagedModel::Context& 
   Tensor dh = final_norm_->backward(ctx.dhidden, ctx.final_norm);
   ctx.dhidden = Tensor();
   grads_ready(final_norm_->parameters());
-  dh = layers_backward(dh, Td, first_text_layer(), layers(0).size(), ctx.layers);
+  dh = layers_backward(0, dh, Td, first_text_layer(), layers(0).size(), ctx.layers);
   const Tensor dx = to_dtype(dh, DType::F32).reshape({B * Td, C});
   ops::position_embedding_backward(dx, Td, text_positions.grad);
   ops::embedding_backward(ctx.text_ids.reshape({B * T}), take_rows(dx, block_rows(B, Td, Tv, T)),

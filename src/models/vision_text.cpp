@@ -3,6 +3,8 @@
 // backward).
 #include "octet/vision_text.h"
 
+#include <algorithm>
+
 #include "models/config_json.h"
 #include "models/image_embedding.h"
 #include "modules/common.h"
@@ -168,10 +170,9 @@ VisionTextStack::VisionTextStack(const std::string& who, const VisionTextConfig&
                        }),
       vision_text_(config),
       who_(who) {
-  OCTET_CHECK(layout_.stages == 1, who,
-              ": pipeline parallelism is not supported yet (use data and tensor parallelism)");
   const VisionTextConfig& c = config;
   const int64_t Cv = c.vision_hidden;
+  if (!has_first_) return;
   patch_embed_.emplace(linear_options(c.patch_dim(), Cv, false, c.init_std, seed * 7919 + 1,
                                       "vision_model.embeddings.patch_embedding"));
   class_embedding = modules_detail::make_parameter("vision_model.embeddings.class_embedding",
@@ -180,6 +181,12 @@ VisionTextStack::VisionTextStack(const std::string& who, const VisionTextConfig&
       modules_detail::make_parameter("vision_model.embeddings.position_embedding",
                                      {c.vision_seq_len(), Cv}, c.init_std, seed * 7919 + 3);
   pre_norm_.emplace(layer_norm_options(c, Cv, "vision_model.pre_layrnorm"));
+}
+
+size_t VisionTextStack::vision_layers_in(int chunk) const {
+  const int64_t per_stage = num_layers_ / layout_.stages;
+  const int64_t first = stage_of_chunk(chunk) * per_stage;
+  return static_cast<size_t>(std::clamp<int64_t>(vision_text_.vision_layers - first, 0, per_stage));
 }
 
 LinearOptions VisionTextStack::linear_options(int64_t in, int64_t out, bool bias, float init_std,
@@ -204,28 +211,38 @@ NormOptions VisionTextStack::layer_norm_options(const VisionTextConfig& c, int64
   return n;
 }
 
-void VisionTextStack::collect_vision_parameters(std::vector<Parameter*>& out) {
+void VisionTextStack::collect_vision_embedding(std::vector<Parameter*>& out) {
+  if (!has_first_) return;
   patch_embed_->collect_parameters(out);
   out.push_back(&class_embedding);
   out.push_back(&vision_positions);
   pre_norm_->collect_parameters(out);
-  std::vector<TransformerLayer>& stack = layers(0);
-  for (size_t i = 0; i < first_text_layer(); ++i) stack[i].collect_parameters(out);
+}
+
+void VisionTextStack::collect_vision_parameters(std::vector<Parameter*>& out) {
+  collect_vision_embedding(out);
+  for (int chunk : chunks_in_stage_order()) {
+    std::vector<TransformerLayer>& stack = layers(chunk);
+    for (size_t i = 0; i < vision_layers_in(chunk); ++i) stack[i].collect_parameters(out);
+  }
 }
 
 void VisionTextStack::add_vision_parameters_in_backward_order(std::vector<Parameter*>& out) {
   auto add = [&](const std::vector<Parameter*>& ps) {
     out.insert(out.end(), ps.begin(), ps.end());
   };
-  std::vector<TransformerLayer>& stack = layers(0);
-  for (size_t i = first_text_layer(); i-- > 0;) add(stack[i].parameters());
+  const std::vector<int> chunks = chunks_in_stage_order();
+  for (auto chunk = chunks.rbegin(); chunk != chunks.rend(); ++chunk) {
+    std::vector<TransformerLayer>& stack = layers(*chunk);
+    for (size_t i = vision_layers_in(*chunk); i-- > 0;) add(stack[i].parameters());
+  }
+  if (!has_first_) return;
   add(pre_norm_->parameters());
   add(patch_embed_->parameters());
   add({&class_embedding, &vision_positions});
 }
 
-Tensor VisionTextStack::vision_encode(const Tensor& pixels, DType dtype, VisionContext* ctx,
-                                      std::vector<TransformerLayer::Context>* contexts) {
+Tensor VisionTextStack::vision_embed(const Tensor& pixels, DType dtype, VisionContext* ctx) {
   const VisionTextConfig& c = vision_text_;
   check_dtype(pixels, DType::F32, who_ + ": pixels");
   OCTET_CHECK(pixels.ndim() == 2 && pixels.dim(1) == c.pixels() && pixels.dim(0) > 0, who_,
@@ -237,28 +254,47 @@ Tensor VisionTextStack::vision_encode(const Tensor& pixels, DType dtype, VisionC
   const Tensor x =
       models_detail::embed_images(pixels, c.channels, c.image_size, c.patch_size, *patch_embed_,
                                   class_embedding, vision_positions, dtype, x_ctx.patch);
-  const Tensor h = pre_norm_->forward(to_dtype(x, dtype), x_ctx.pre_norm);
-  return layers_forward(h, T, 0, first_text_layer(), contexts).reshape({B, T, C});
+  return pre_norm_->forward(to_dtype(x, dtype), x_ctx.pre_norm).reshape({B, T, C});
 }
 
-Tensor VisionTextStack::layers_forward(const Tensor& x, int64_t T, size_t first, size_t last,
+void VisionTextStack::vision_embed_backward(const Tensor& dx_in, VisionContext& ctx) {
+  const int64_t T = vision_text_.vision_seq_len(), C = vision_text_.vision_hidden;
+  const int64_t B = dx_in.numel() / (T * C);
+  const Tensor dx = pre_norm_->backward(dx_in.reshape({B * T, C}), ctx.pre_norm);
+  grads_ready(pre_norm_->parameters());
+  models_detail::embed_images_backward(to_dtype(dx, DType::F32).reshape({B * T, C}), B,
+                                       *patch_embed_, class_embedding, vision_positions, ctx.patch);
+  grads_ready(patch_embed_->parameters());
+  grads_ready({&class_embedding, &vision_positions});
+}
+
+Tensor VisionTextStack::vision_encode(const Tensor& pixels, DType dtype, VisionContext* ctx,
+                                      std::vector<TransformerLayer::Context>* contexts) {
+  check_whole("the vision tower's forward");
+  const Tensor h = vision_embed(pixels, dtype, ctx);
+  return layers_forward(0, h, vision_text_.vision_seq_len(), 0, first_text_layer(), contexts);
+}
+
+Tensor VisionTextStack::layers_forward(int chunk, const Tensor& x, int64_t T, size_t first,
+                                       size_t last,
                                        std::vector<TransformerLayer::Context>* contexts) {
   const int64_t C = x.dim(-1), N = x.numel() / (T * C);
   Communicator* tp = layout_.tensor;
   const bool sp = sequence_parallel();
   Tensor h =
       sp ? scatter_to_sequence_parallel_region(x.reshape({N * T, C}), *tp) : x.reshape({N, T, C});
-  std::vector<TransformerLayer>& stack = layers(0);
+  std::vector<TransformerLayer>& stack = layers(chunk);
   for (size_t i = first; i < last; ++i) {
     TransformerLayer::Context scratch;
-    HighPrecisionScope precision(is_high_precision_layer(static_cast<int64_t>(i)));
+    HighPrecisionScope precision(is_high_precision_layer(global_layer(chunk, i)));
     h = stack[i].forward(h, contexts ? (*contexts)[i] : scratch, nullptr, nullptr, nullptr,
                          sp ? T : 0);
   }
   return (sp ? gather_from_sequence_parallel_region(h, *tp) : h).reshape({N, T, C});
 }
 
-Tensor VisionTextStack::layers_backward(const Tensor& dy, int64_t T, size_t first, size_t last,
+Tensor VisionTextStack::layers_backward(int chunk, const Tensor& dy, int64_t T, size_t first,
+                                        size_t last,
                                         std::vector<TransformerLayer::Context>& contexts) {
   const int64_t C = dy.dim(-1), N = dy.numel() / (T * C);
   Communicator* tp = layout_.tensor;
@@ -267,9 +303,9 @@ Tensor VisionTextStack::layers_backward(const Tensor& dy, int64_t T, size_t firs
   // their (equal) gradient are its part.
   Tensor dh =
       sp ? scatter_to_sequence_parallel_region(dy.reshape({N * T, C}), *tp) : dy.reshape({N, T, C});
-  std::vector<TransformerLayer>& stack = layers(0);
+  std::vector<TransformerLayer>& stack = layers(chunk);
   for (size_t i = last; i-- > first;) {
-    HighPrecisionScope precision(is_high_precision_layer(static_cast<int64_t>(i)));
+    HighPrecisionScope precision(is_high_precision_layer(global_layer(chunk, i)));
     dh = stack[i].backward(dh, contexts[i]);
     contexts[i] = TransformerLayer::Context{};
     grads_ready(stack[i].parameters());
@@ -277,16 +313,26 @@ Tensor VisionTextStack::layers_backward(const Tensor& dy, int64_t T, size_t firs
   return (sp ? scatter_to_sequence_parallel_region_backward(dh, *tp) : dh).reshape({N, T, C});
 }
 
+bool VisionTextStack::frozen(const std::vector<Parameter*>& parameters) {
+  return std::none_of(parameters.begin(), parameters.end(),
+                      [](const Parameter* p) { return p->requires_grad; });
+}
+
+bool VisionTextStack::vision_tower_frozen() {
+  if (layout_.stages > 1) return false;
+  std::vector<Parameter*> tower;
+  collect_vision_parameters(tower);
+  return frozen(tower);
+}
+
 void VisionTextStack::vision_encode_backward(Tensor dh, VisionContext& ctx,
                                              std::vector<TransformerLayer::Context>& contexts) {
-  const int64_t B = dh.dim(0), T = vision_text_.vision_seq_len(), C = vision_text_.vision_hidden;
-  dh = layers_backward(dh, T, 0, first_text_layer(), contexts).reshape({B * T, C});
-  const Tensor dx = pre_norm_->backward(dh, ctx.pre_norm);
-  grads_ready(pre_norm_->parameters());
-  models_detail::embed_images_backward(to_dtype(dx, DType::F32).reshape({B * T, C}), B,
-                                       *patch_embed_, class_embedding, vision_positions, ctx.patch);
-  grads_ready(patch_embed_->parameters());
-  grads_ready({&class_embedding, &vision_positions});
+  if (vision_tower_frozen()) {
+    for (size_t i = 0; i < first_text_layer(); ++i) contexts[i] = TransformerLayer::Context{};
+    return;
+  }
+  const int64_t T = vision_text_.vision_seq_len();
+  vision_embed_backward(layers_backward(0, dh, T, 0, first_text_layer(), contexts), ctx);
 }
 
 }  // namespace octet

@@ -9,6 +9,7 @@
 
 #include "octet/data.h"
 #include "octet/files.h"
+#include "octet/ops/embedding.h"
 #include "octet/tensor_parallel.h"
 #include "train/training_run.h"
 
@@ -91,6 +92,11 @@ TrainingRun::TrainingRun(const TrainOptions& options) : o_(options) {
     model_ = make_model(ModelLayout{});
   }
   trained_ = select_trained();
+  for (Parameter* p : model_->parameters()) {
+    if (contains(trained_, p)) continue;
+    p->requires_grad = false;
+    frozen_.push_back(p);
+  }
   if (!o_.load.empty()) {
     load_checkpoint_state();
   } else if (!o_.pretrained_checkpoint.empty()) {
@@ -129,9 +135,6 @@ void TrainingRun::check_options() {
                  {"--log-interval", static_cast<double>(o_.log_interval), 0},
                  {"--save-interval", static_cast<double>(o_.save_interval), 0},
                  {"--ddp-bucket-size", static_cast<double>(o_.ddp_bucket_size), 1}};
-  OCTET_CHECK(o_.freeze.empty() || !o_.use_distributed_optimizer,
-              "--freeze with --use-distributed-optimizer is not supported yet (ZeRO-1 shards "
-              "every parameter's state): leave one out");
   for (const std::string& prefix : o_.freeze) {
     OCTET_CHECK(!prefix.empty(), "--freeze expected parameter name prefixes, got an empty one");
   }
@@ -229,7 +232,7 @@ void TrainingRun::build_pipeline() {
       const std::vector<Parameter*> tied = model_->tied_copies();
       std::vector<Parameter*> ready;
       for (Parameter* p : model_->chunk_parameters(chunk)) {
-        if (!contains(tied, p)) ready.push_back(p);
+        if (!contains(tied, p) && contains(trained_, p)) ready.push_back(p);
       }
       // Sequence-parallel partial gradients are summed over the tensor ranks before their
       // buckets reduce over the data ranks (the distributed optimizer keeps only a shard).
@@ -314,12 +317,15 @@ void TrainingRun::build_data_parallel() {
       pipelined_ ? pipeline_backward_order() : model_->parameters_in_backward_order();
   OCTET_CHECK(order.size() == model_->parameters().size(), "octet train: ", order.size(),
               " parameters in backward order, the model part holds ", model_->parameters().size());
+  // Frozen parameters (--freeze) keep their weights on every rank: no gradient to reduce and
+  // no optimizer state (ZeRO-1 shards only what the buckets hold).
+  const std::vector<Parameter*> reduced = among(order, trained_);
   if (!pipelined_) overlap_ = o_.overlap_grad_reduce;  // (pipelined: set by build_pipeline)
   DataParallelOptions options;
   options.bucket_elements = o_.ddp_bucket_size;
   options.overlap_grad_reduce = overlap_;
   options.distributed_optimizer = o_.use_distributed_optimizer;
-  ddp_ = std::make_unique<DistributedDataParallel>(order, parallel_->data(), options);
+  ddp_ = std::make_unique<DistributedDataParallel>(reduced, parallel_->data(), options);
   model_->on_parameters_updated();
   if (pipelined_) return;  // the executor reports chunks (build_pipeline)
   if (overlap_) {
@@ -327,13 +333,18 @@ void TrainingRun::build_data_parallel() {
       // Only the step's last micro-batch: earlier ones' gradients are not final, and their
       // sequence-parallel parts must be summed once, after accumulation.
       if (!last_micro_batch_) return;
-      all_reduce_sequence_parallel_gradients(among(ready, model_->sequence_parallel_parameters()),
-                                             parallel_->tensor());
-      ddp_->grads_ready(ready);
+      const std::vector<Parameter*> trained = among(ready, trained_);
+      all_reduce_sequence_parallel_gradients(
+          among(trained, model_->sequence_parallel_parameters()), parallel_->tensor());
+      ddp_->grads_ready(trained);
     });
   }
   model_->set_embedding_grad_hook([this](Parameter& table, const Tensor& ids, const Tensor& rows) {
-    ddp_->add_embedding_rows(table, ids, rows);
+    if (contains(trained_, &table)) {
+      ddp_->add_embedding_rows(table, ids, rows);
+    } else {
+      ops::embedding_backward(ids, rows, table.grad);  // frozen: this rank's own, never reduced
+    }
   });
 }
 

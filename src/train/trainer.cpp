@@ -106,6 +106,7 @@ TrainResult TrainingRun::run() {
     const float lr = LrSchedule{o_.lr, o_.min_lr, o_.lr_warmup_iters, o_.train_iters}.at(iteration);
     if (ddp_) {
       ddp_->zero_grad();
+      for (Parameter* p : frozen_) p->grad.zero_();  // outside the buckets
     } else {
       model_->zero_grad();
     }

@@ -91,6 +91,7 @@ class TrainingRun {
 
   std::unique_ptr<TrainableModel> model_;  // this rank's part of the model
   std::vector<Parameter*> trained_;        // the part's parameters the optimizer updates (--freeze)
+  std::vector<Parameter*> frozen_;         // the others: outside the data-parallel buckets
   std::unique_ptr<pipeline::PipelineExecutor> executor_;  // pipeline parallelism only
   std::unique_ptr<DistributedDataParallel> ddp_;
   std::unique_ptr<DistributedOptimizer> zero_;

@@ -13,6 +13,7 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <memory>
 #include <random>
 #include <string>
 #include <utility>
@@ -214,6 +215,34 @@ void expect_same_step(Model& model, const pipeline::MicroBatch& a, const pipelin
   }
 }
 
+// The parameters whose names start with `prefix` frozen (requires_grad false, as --freeze sets):
+// the same loss and every other gradient bit for bit, and theirs untouched (their backward
+// skipped).
+template <class Model>
+void expect_frozen_part_skipped(Model& model, const pipeline::MicroBatch& batch,
+                                const std::string& prefix) {
+  float loss = 0, frozen_loss = 0;
+  const TensorMap all = step_gradients(model, batch, DType::F32, &loss);
+  int64_t frozen = 0;
+  for (Parameter* p : model.parameters()) {
+    p->requires_grad = p->name.rfind(prefix, 0) != 0;
+    frozen += !p->requires_grad;
+  }
+  EXPECT_GT(frozen, 0) << prefix;
+  const TensorMap some = step_gradients(model, batch, DType::F32, &frozen_loss);
+  EXPECT_EQ(frozen_loss, loss);
+  for (Parameter* p : model.parameters()) {
+    SCOPED_TRACE(p->name);
+    const std::vector<float> grad = some.at(p->name).to_floats();
+    if (p->requires_grad) {
+      EXPECT_EQ(grad, all.at(p->name).to_floats());
+    } else {
+      EXPECT_EQ(grad, std::vector<float>(grad.size(), 0.0f));
+    }
+    p->requires_grad = true;
+  }
+}
+
 // One batch's losses and gradients in FP32, BF16 and FP8 (current scaling, BF16 around it).
 struct PrecisionSteps {
   float f32_loss = 0, bf16_loss = 0, fp8_loss = 0;
@@ -229,33 +258,71 @@ PrecisionSteps fp32_bf16_fp8_steps(Model& model, const pipeline::MicroBatch& bat
   return s;
 }
 
-// Pipeline stages in one process: chunk 0 then chunk 1 forward, backward in reverse, give the
-// whole model's loss and gradients bit for bit (both built with seed 7); the cut model
-// refuses train_step, which needs the whole model.
+// Pipeline stages in one process, one model holding every stage as a chunk (both built with
+// seed 7, `prepare` applied to the whole one, its state loaded into the cut one): each stage's
+// forward in order with its boundary handed on, the backwards in reverse, give the whole
+// model's loss and every gradient bit for bit - except parameters whose names contain `summed`
+// (tied copies, to which each stage adds its own sum: within float32 rounding of the tensor's
+// largest entry); evaluation through the stages gives the same loss; the cut model refuses
+// train_step, which needs the whole model.
 template <class Model, class Config>
-void expect_two_stages_equal_the_whole(const Config& config, const pipeline::MicroBatch& batch) {
+void expect_stages_equal_the_whole(const Config& config, const pipeline::MicroBatch& batch,
+                                   int stages, const std::string& summed = "",
+                                   const std::function<void(Model&)>& prepare = nullptr) {
+  SCOPED_TRACE(std::to_string(stages) + " stages");
   Model whole(config, 7);
+  if (prepare) prepare(whole);
   ModelLayout layout;
-  layout.stages = 2;
-  layout.stage_of_chunk = {0, 1};
+  layout.stages = stages;
+  layout.stage_of_chunk.clear();
+  for (int s = 0; s < stages; ++s) layout.stage_of_chunk.push_back(s);
   Model staged(config, 7, layout);
   EXPECT_EQ(whole.state_dict().size(), staged.state_dict().size());
   staged.load_state_dict(whole.state_dict());
   float loss = 0;
   const TensorMap expected = step_gradients(whole, batch, DType::F32, &loss);
   staged.zero_grad();
-  auto first = staged.make_context(), second = staged.make_context();
-  const Tensor boundary = staged.forward(0, Tensor(), batch, DType::F32, 1.0f, *first);
-  EXPECT_EQ(boundary.shape(), staged.activation_shape(batch));
-  staged.forward(1, boundary, batch, DType::F32, 1.0f, *second);
-  EXPECT_EQ(second->loss, loss);
-  const Tensor dboundary = staged.backward(1, Tensor(), *second);
-  staged.backward(0, dboundary, *first);
+  std::vector<std::unique_ptr<pipeline::StagedModel::Context>> contexts;
+  Tensor boundary;
+  for (int s = 0; s < stages; ++s) {
+    contexts.push_back(staged.make_context());
+    boundary = staged.forward(s, boundary, batch, DType::F32, 1.0f, *contexts.back());
+    if (s + 1 < stages) {
+      EXPECT_EQ(boundary.shape(), staged.activation_shape(batch));
+    }
+  }
+  EXPECT_EQ(contexts.back()->loss, loss);
+  Tensor dboundary;
+  for (int s = stages; s-- > 0;) {
+    dboundary = staged.backward(s, dboundary, *contexts[static_cast<size_t>(s)]);
+  }
+  EXPECT_FALSE(dboundary.defined());
+  EXPECT_EQ(staged.parameters().size(), whole.parameters().size());
   for (Parameter* p : staged.parameters()) {
     SCOPED_TRACE(p->name);
-    EXPECT_EQ(p->grad.to_floats(), expected.at(p->name).to_floats());
+    const std::vector<float> want = expected.at(p->name).to_floats(), got = p->grad.to_floats();
+    if (summed.empty() || p->name.find(summed) == std::string::npos) {
+      EXPECT_EQ(got, want);
+      continue;
+    }
+    float largest = 0;
+    for (float w : want) largest = std::max(largest, std::abs(w));
+    for (size_t i = 0; i < want.size(); ++i) EXPECT_NEAR(got[i], want[i], 1e-5f * largest);
   }
+  boundary = Tensor();
+  float eval_loss = 0;
+  for (int s = 0; s < stages; ++s) {
+    boundary = staged.evaluate(s, boundary, batch, DType::F32, &eval_loss);
+  }
+  EXPECT_EQ(eval_loss, whole.evaluate(batch, DType::F32));
+  EXPECT_EQ(staged.take_eval_counts(), whole.take_eval_counts());
   EXPECT_THROW(staged.train_step(batch, DType::F32, 1.0f), Error);
+}
+
+// Chunk 0 then chunk 1 (BERT, ViT): the same.
+template <class Model, class Config>
+void expect_two_stages_equal_the_whole(const Config& config, const pipeline::MicroBatch& batch) {
+  expect_stages_equal_the_whole<Model>(config, batch, 2);
 }
 
 // The trainer on a model config: a temporary directory holding the config, and options for

@@ -119,6 +119,15 @@ TEST(Captioner, PaddingChangesNothing) {
   testing::expect_same_step(model, a, b);
 }
 
+// LLaVA's first stage: the vision encoder frozen (--freeze vision_model.) runs no backward; the
+// projector's and the decoder's gradients as before.
+TEST(Captioner, FrozenVisionEncoderSkipsItsBackward) {
+  const CaptionerConfig config = CaptionerConfig::from_json(tiny_config());
+  ImageCaptioner model(config, 7);
+  testing::perturb_vectors(model);
+  testing::expect_frozen_part_skipped(model, random_batch(6, config, 3), "vision_model.");
+}
+
 // Three images, three captions of different lengths: after training on them alone, greedy
 // decoding writes each image's own caption (so it reads the image: the captions start alike),
 // and evaluation counts every caption token right.

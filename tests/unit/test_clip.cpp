@@ -148,6 +148,27 @@ TEST(Clip, PaddingChangesNothing) {
   testing::expect_same_step(model, a, b);
 }
 
+// Pipeline stages in one process (testing::expect_stages_equal_the_whole: the image, caption
+// and class-prompt streams packed across each boundary), zero-shot counts included: 2 vision + 2
+// text layers over 2 stages (one tower each) and over 4 (one layer each).
+TEST(Clip, PipelineStagesInOneProcessEqualTheWholeModel) {
+  const CLIPConfig config = CLIPConfig::from_json(tiny_config());
+  for (int stages : {2, 4}) {
+    testing::expect_stages_equal_the_whole<CLIP>(
+        config, random_batch(6, config, 3), stages, "",
+        [](CLIP& whole) { testing::perturb_vectors(whole); });
+  }
+}
+
+// A frozen image encoder (LLaVA-style, --freeze vision_model.) runs no backward: the text
+// tower's and the projections' gradients as before, the encoder's untouched.
+TEST(Clip, FrozenImageEncoderSkipsItsBackward) {
+  const CLIPConfig config = CLIPConfig::from_json(tiny_config());
+  CLIP model(config, 7);
+  testing::perturb_vectors(model);
+  testing::expect_frozen_part_skipped(model, random_batch(6, config, 3), "vision_model.");
+}
+
 // Evaluation classifies each image by the nearest class (mean of its prompts' features), the
 // same answer as the features give, and counts it.
 TEST(Clip, ZeroShotCountsTheNearestClass) {
@@ -220,12 +241,12 @@ TEST(Clip, BadConfigsAndInputsAreClearErrors) {
   bad["class_lengths"] = Tensor::zeros({4}, DType::I32);
   EXPECT_NE(error_of([&] { model.evaluate(bad, DType::F32); }).find("num_classes = 3"),
             std::string::npos);
-  // Tensor and pipeline parallelism are refused before any work.
-  ModelLayout two_stages;
-  two_stages.stages = 2;
+  // 2 + 2 layers do not cut into 3 equal stages: refused before any work.
+  ModelLayout three_stages;
+  three_stages.stages = 3;
   EXPECT_NE(error_of([&] {
-              CLIP(config, 7, two_stages);
-            }).find("pipeline parallelism is not supported yet"),
+              CLIP(config, 7, three_stages);
+            }).find("multiple of the pipeline stages"),
             std::string::npos);
 }
 
@@ -290,10 +311,33 @@ TEST(Clip, FrozenTowerKeepsItsWeightsAndHasNoOptimizerState) {
   bad.freeze = {"vision_tower."};
   EXPECT_NE(error_of([&] { train_gpt(bad); }).find("--freeze 'vision_tower.' names no parameter"),
             std::string::npos);
-  bad.freeze = {"vision_model."};
-  bad.use_distributed_optimizer = true;
-  EXPECT_NE(error_of([&] { train_gpt(bad); }).find("--use-distributed-optimizer"),
-            std::string::npos);
+}
+
+// The same under ZeRO-1 (the distributed optimizer, here over one data-parallel rank): frozen
+// parameters stay out of the gradient buckets and the optimizer's shards, and the run takes the
+// same steps as AdamW's.
+TEST(Clip, FrozenTowerUnderTheDistributedOptimizer) {
+  testing::TrainerFixture fixture(trainer_config());
+  TrainOptions o = fixture.options("fp32");
+  o.freeze = {"vision_model.", "visual_projection"};
+  o.train_iters = 3;
+  const std::vector<float> plain = train_gpt(o).losses;
+  o.use_distributed_optimizer = true;
+  o.save = fixture.path("ckpt");
+  const std::vector<float> sharded = train_gpt(o).losses;
+  ASSERT_EQ(sharded.size(), plain.size());
+  for (size_t i = 0; i < plain.size(); ++i) EXPECT_NEAR(sharded[i], plain[i], 1e-5f) << i;
+  const Checkpoint checkpoint = load_checkpoint(o.save);
+  CLIP fresh(CLIPConfig::from_json(trainer_config()), o.seed);
+  int64_t frozen = 0;
+  for (const auto& [name, initial] : fresh.state_dict()) {
+    if (name.rfind("vision_model.", 0) != 0) continue;
+    SCOPED_TRACE(name);
+    EXPECT_EQ(checkpoint.model.at(name).to_floats(), initial.to_floats());
+    EXPECT_EQ(checkpoint.optimizer.count(name + ".exp_avg"), 0u);
+    ++frozen;
+  }
+  EXPECT_GT(frozen, 10);
 }
 
 }  // namespace

@@ -115,73 +115,25 @@ TEST(T5, DeeperDecoderMatchesTorch) {
 }
 
 // Padding changes nothing: other ids past each input's and each target's length.
-// Pipeline stages in one process, every chunk held by one model: the stages' forwards in order
-// with each boundary handed on (both streams packed), their backwards in reverse: the whole
-// model's loss and every gradient. Bit for bit but for the relative bias tables, whose gradient
-// each stage adds in its own sum (the executor sums the copies across ranks). Cuts: the border
-// between two stages (2 + 2 layers over 2 stages), one layer per stage with both tables tied
-// over two stages each (2 + 2 over 4), and the border inside a stage (3 + 3 over 3: stage 1
-// holds encoder layer 2, the encoder's final norm and decoder layer 0).
+// Pipeline stages in one process (testing::expect_stages_equal_the_whole: both streams packed
+// across each boundary), the relative bias tables summed per stage. Cuts: the border between
+// two stages (2 + 2 layers over 2 stages), one layer per stage with both tables tied over two
+// stages each (2 + 2 over 4), and the border inside a stage (3 + 3 over 3: stage 1 holds
+// encoder layer 2, the encoder's final norm and decoder layer 0).
 TEST(T5, PipelineStagesInOneProcessEqualTheWholeModel) {
   struct Cut {
     int64_t layers;
     int stages;
   };
   for (const Cut cut : {Cut{2, 2}, Cut{2, 4}, Cut{3, 3}}) {
-    SCOPED_TRACE(std::to_string(cut.layers) + " + " + std::to_string(cut.layers) + " layers over " +
-                 std::to_string(cut.stages) + " stages");
+    SCOPED_TRACE(std::to_string(cut.layers) + " + " + std::to_string(cut.layers) + " layers");
     nlohmann::json json = tiny_config();
     json["num_layers"] = cut.layers;
     json["num_decoder_layers"] = cut.layers;
     const T5Config config = T5Config::from_json(json);
-    T5 whole(config, 7);
-    perturb(whole);
-    const pipeline::MicroBatch batch = random_batch(config, 3, 10, 6, 5);
-    float loss = 0;
-    const TensorMap expected = step_gradients(whole, batch, DType::F32, &loss);
-    ModelLayout layout;
-    layout.stages = cut.stages;
-    layout.stage_of_chunk.clear();
-    for (int s = 0; s < cut.stages; ++s) layout.stage_of_chunk.push_back(s);
-    T5 staged(config, 7, layout);
-    staged.load_state_dict(whole.state_dict());
-    staged.zero_grad();
-    std::vector<std::unique_ptr<pipeline::StagedModel::Context>> contexts;
-    Tensor boundary;
-    for (int s = 0; s < cut.stages; ++s) {
-      contexts.push_back(staged.make_context());
-      boundary = staged.forward(s, boundary, batch, DType::F32, 1.0f, *contexts.back());
-      if (s + 1 < cut.stages) {
-        EXPECT_EQ(boundary.shape(), staged.activation_shape(batch));
-      }
-    }
-    EXPECT_EQ(contexts.back()->loss, loss);
-    Tensor dboundary;
-    for (int s = cut.stages; s-- > 0;) {
-      dboundary = staged.backward(s, dboundary, *contexts[static_cast<size_t>(s)]);
-    }
-    EXPECT_FALSE(dboundary.defined());
-    EXPECT_EQ(staged.parameters().size(), whole.parameters().size());
-    for (Parameter* p : staged.parameters()) {
-      SCOPED_TRACE(p->name);
-      const std::vector<float> want = expected.at(p->name).to_floats(), got = p->grad.to_floats();
-      if (p->name.find("relative_attention_bias") == std::string::npos) {
-        EXPECT_EQ(got, want);
-        continue;
-      }
-      // Summed per stage, then across: within float32 rounding of the table's largest entry.
-      float largest = 0;
-      for (float w : want) largest = std::max(largest, std::abs(w));
-      for (size_t i = 0; i < want.size(); ++i) EXPECT_NEAR(got[i], want[i], 1e-5f * largest);
-    }
-    // Evaluation through the stages: the same loss.
-    boundary = Tensor();
-    float eval_loss = 0;
-    for (int s = 0; s < cut.stages; ++s) {
-      boundary = staged.evaluate(s, boundary, batch, DType::F32, &eval_loss);
-    }
-    EXPECT_EQ(eval_loss, whole.evaluate(batch, DType::F32));
-    EXPECT_THROW(staged.train_step(batch, DType::F32, 1.0f), Error);
+    testing::expect_stages_equal_the_whole<T5>(config, random_batch(config, 3, 10, 6, 5),
+                                               cut.stages, "relative_attention_bias",
+                                               [](T5& whole) { perturb(whole); });
   }
 }
 
