@@ -244,10 +244,9 @@ TEST(Clip, BadConfigsAndInputsAreClearErrors) {
   // 2 + 2 layers do not cut into 3 equal stages: refused before any work.
   ModelLayout three_stages;
   three_stages.stages = 3;
-  EXPECT_NE(error_of([&] {
-              CLIP(config, 7, three_stages);
-            }).find("multiple of the pipeline stages"),
-            std::string::npos);
+  EXPECT_NE(
+      error_of([&] { CLIP(config, 7, three_stages); }).find("multiple of the pipeline stages"),
+      std::string::npos);
 }
 
 // ---------------------------------------------------------------------------------------------
