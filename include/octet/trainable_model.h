@@ -150,6 +150,9 @@ class TransformerStack : public TrainableModel {
   // An error unless this rank holds the whole model (one stage).
   void check_whole(const char* what) const;
   int64_t global_layer(int chunk, size_t i) const;  // layer i of the chunk, in the whole model
+  // How many of the chunk's layers come before layer `border` of the whole model (where one
+  // stack of a two-stack model ends: T5's encoder, CLIP's vision tower).
+  size_t layers_before(int chunk, int64_t border) const;
   void grads_ready(const std::vector<Parameter*>& parameters) const {
     if (grad_ready_hook_) grad_ready_hook_(parameters);
   }

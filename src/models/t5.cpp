@@ -209,12 +209,12 @@ T5::T5(const T5Config& config, uint64_t seed, ModelLayout layout, bool recompute
 }
 
 T5::ChunkLayers T5::chunk_layers(int chunk) const {
-  const int64_t per_stage = num_layers_ / layout_.stages;
-  const int64_t first = stage_of_chunk(chunk) * per_stage, L = config_.num_layers;
+  const int64_t L = config_.num_layers, first = global_layer(chunk, 0);
+  const int64_t end = first + num_layers_ / layout_.stages;
   ChunkLayers held;
-  held.encoder = static_cast<size_t>(std::clamp<int64_t>(L - first, 0, per_stage));
-  held.decoder = first + per_stage > L;
-  held.norm = first <= L && L < first + per_stage;
+  held.encoder = layers_before(chunk, L);
+  held.decoder = end > L;
+  held.norm = first <= L && L < end;
   return held;
 }
 

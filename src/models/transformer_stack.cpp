@@ -1,5 +1,6 @@
 // TransformerStack: the layer stack a model part holds (pipeline stages, tensor shards), and the
 // training interface's layout-only answers built on it.
+#include <algorithm>
 #include <memory>
 #include <optional>
 #include <utility>
@@ -72,6 +73,11 @@ std::vector<TransformerLayer>& TransformerStack::layers() {
 int64_t TransformerStack::global_layer(int chunk, size_t i) const {
   const int64_t per_stage = num_layers_ / layout_.stages;
   return stage_of_chunk(chunk) * per_stage + static_cast<int64_t>(i);
+}
+
+size_t TransformerStack::layers_before(int chunk, int64_t border) const {
+  const int64_t per_stage = num_layers_ / layout_.stages;
+  return static_cast<size_t>(std::clamp<int64_t>(border - global_layer(chunk, 0), 0, per_stage));
 }
 
 Tensor TransformerStack::gather(const Parameter& p, const Tensor& local) {

@@ -184,9 +184,7 @@ VisionTextStack::VisionTextStack(const std::string& who, const VisionTextConfig&
 }
 
 size_t VisionTextStack::vision_layers_in(int chunk) const {
-  const int64_t per_stage = num_layers_ / layout_.stages;
-  const int64_t first = stage_of_chunk(chunk) * per_stage;
-  return static_cast<size_t>(std::clamp<int64_t>(vision_text_.vision_layers - first, 0, per_stage));
+  return layers_before(chunk, vision_text_.vision_layers);
 }
 
 LinearOptions VisionTextStack::linear_options(int64_t in, int64_t out, bool bias, float init_std,

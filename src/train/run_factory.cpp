@@ -9,7 +9,6 @@
 
 #include "octet/data.h"
 #include "octet/files.h"
-#include "octet/ops/embedding.h"
 #include "octet/tensor_parallel.h"
 #include "train/training_run.h"
 
@@ -334,17 +333,14 @@ void TrainingRun::build_data_parallel() {
       // sequence-parallel parts must be summed once, after accumulation.
       if (!last_micro_batch_) return;
       const std::vector<Parameter*> trained = among(ready, trained_);
-      all_reduce_sequence_parallel_gradients(
-          among(trained, model_->sequence_parallel_parameters()), parallel_->tensor());
+      all_reduce_sequence_parallel_gradients(among(trained, model_->sequence_parallel_parameters()),
+                                             parallel_->tensor());
       ddp_->grads_ready(trained);
     });
   }
   model_->set_embedding_grad_hook([this](Parameter& table, const Tensor& ids, const Tensor& rows) {
-    if (contains(trained_, &table)) {
-      ddp_->add_embedding_rows(table, ids, rows);
-    } else {
-      ops::embedding_backward(ids, rows, table.grad);  // frozen: this rank's own, never reduced
-    }
+    // A frozen table takes no gradient (Parameter::requires_grad).
+    if (contains(trained_, &table)) ddp_->add_embedding_rows(table, ids, rows);
   });
 }
 

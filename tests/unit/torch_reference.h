@@ -58,7 +58,8 @@ inline std::optional<std::string> ask_torch_server(const std::string& op, const 
   const std::string request = nlohmann::json::array({op, in, out, args_json}).dump() + "\n";
   bool sent = true;
   for (size_t done = 0; sent && done < request.size();) {
-    const ssize_t n = write(fd, request.data() + done, request.size() - done);
+    // MSG_NOSIGNAL: a server gone away is an error return here, not a SIGPIPE ending the test.
+    const ssize_t n = send(fd, request.data() + done, request.size() - done, MSG_NOSIGNAL);
     sent = n > 0;
     done += sent ? static_cast<size_t>(n) : 0;
   }
