@@ -6,7 +6,7 @@
 // the output layer tied to the token embedding) trained to write the image's caption after its
 // prefix. Greedy decoding writes captions. Its vision tensors carry CLIP's names, so a CLIP
 // checkpoint's vision tower can be loaded (--pretrained-checkpoint) and frozen (--freeze
-// vision_model). Whole model, data and tensor parallelism (VisionTextStack).
+// vision_model). Every layout: data, tensor and pipeline parallelism (VisionTextStack).
 #pragma once
 
 #include <memory>
@@ -50,10 +50,17 @@ struct CaptionerConfig : VisionTextConfig {
 // The loss: the mean cross-entropy of each caption token after the [SOS] (words and [EOS]),
 // predicted from the prefix and the tokens before it.
 
-// The captioner on one stage (one process, data and tensor parallelism): TransformerStack's layers
-// 0 .. L_v-1 are the encoder's, L_v .. L_v+L_t-1 the decoder's. The patch embedding, the
-// projector and the output layer run in the step's dtype outside FP8 / FP4; FP8 recipes
-// quantize the encoder's and decoder's layers.
+// TransformerStack's layers 0 .. L_v-1 are the encoder's, L_v .. L_v+L_t-1 the decoder's. The
+// patch embedding, the projector and the output layer run in the step's dtype outside FP8 /
+// FP4; FP8 recipes quantize the encoder's and decoder's layers.
+//
+// Pipeline stages cut the encoder's then the decoder's layers into equal runs (Megatron's LLaVA
+// pipeline): the first stage embeds the images; the stage holding the first decoder layer (the
+// bridge) applies the encoder's LayerNorm and the projector, embeds the captions and places
+// the prefix before them; the last stage applies the final LayerNorm and the tied output
+// layer. A boundary inside the encoder carries the image tokens [B, Tv, Cv], one inside the
+// decoder the prefix and caption tokens [B, Tv + T, Ct] (boundary_shape()). The token
+// embedding is a tied copy on the bridge and the last stage when they differ.
 class ImageCaptioner : public VisionTextStack {
  public:
   ImageCaptioner(const CaptionerConfig& config, uint64_t seed, ModelLayout layout = {},
@@ -69,7 +76,7 @@ class ImageCaptioner : public VisionTextStack {
   std::vector<std::vector<int32_t>> generate(const Tensor& pixels, DType dtype);
 
   struct Context : StagedModel::Context {
-    std::vector<TransformerLayer::Context> layers;  // encoder layers, then decoder layers
+    std::vector<TransformerLayer::Context> layers;  // the chunk's encoder, then decoder layers
     VisionContext vision;
     Linear::Context project_in, project_out;
     Norm::Context post_norm, final_norm;
@@ -84,8 +91,10 @@ class ImageCaptioner : public VisionTextStack {
   Tensor backward(int chunk, const Tensor& doutput, StagedModel::Context& ctx) override;
   Tensor evaluate(int chunk, const Tensor& input, const pipeline::MicroBatch& batch, DType dtype,
                   float* loss) override;
+  // The image tokens [B, Tv, Cv] (inside the encoder); boundary_shape() for any stage.
   Shape activation_shape(const pipeline::MicroBatch& batch) const override;
-  std::vector<pipeline::TiedParameters> tied_parameters() override { return {}; }
+  Shape boundary_shape(const pipeline::MicroBatch& batch, int stage) const override;
+  std::vector<pipeline::TiedParameters> tied_parameters() override;
   std::vector<Parameter*> chunk_parameters(int chunk) override;
 
   void collect_parameters(std::vector<Parameter*>& out) override;
@@ -96,17 +105,30 @@ class ImageCaptioner : public VisionTextStack {
 
   const CaptionerConfig& config() const { return config_; }
 
-  Parameter token_embedding;  // [V, Ct], also the output layer
-  Parameter text_positions;   // [Tv + max_text_len, Ct]: the prefix's positions, then the text's
+  Parameter token_embedding;  // [V, Ct], also the output layer (bridge and last stage)
+  Parameter text_positions;   // [Tv + max_text_len, Ct]: the prefix's, then the text's (bridge)
 
  private:
-  // pixels -> the prefix [B*Tv, Ct] F32 (contexts kept with ctx).
-  Tensor prefix_forward(const Tensor& pixels, DType dtype, Context* ctx);
-  void prefix_backward(const Tensor& dprefix, Context& ctx);
-  // The prefix [B*Tv, Ct] F32 and ids [B, T] -> the final norm's output [B, Tv + T, Ct].
-  Tensor decoder_forward(const Tensor& prefix, const Tensor& ids, DType dtype, Context* ctx);
-  Tensor run_forward(const pipeline::MicroBatch& batch, DType dtype, float grad_scale, Context* ctx,
-                     float* loss, bool count);
+  // The stage holding the first decoder layer, and whether the chunk is that stage.
+  int bridge_stage() const;
+  bool is_bridge(int chunk) const { return stage_of_chunk(chunk) == bridge_stage(); }
+  // The encoder's output tokens [B, Tv, Cv] in dtype -> the prefix [B*Tv, Ct] F32: the
+  // encoder's LayerNorm and the projector (contexts kept with ctx). And its backward: the
+  // prefix's gradient -> the tokens' (undefined where the whole encoder is frozen).
+  Tensor project(const Tensor& tokens, DType dtype, Context* ctx);
+  Tensor project_backward(const Tensor& dprefix, Context& ctx);
+  // The prefix [B*Tv, Ct] F32 and ids [B, T] -> the decoder's input [B, Tv + T, Ct] in dtype
+  // (prefix then caption of each image, plus the positions). And the gradient at it -> the
+  // embeddings' (reported ready) and the prefix's [B*Tv, Ct] F32.
+  Tensor decoder_input(const Tensor& prefix, const Tensor& ids, DType dtype);
+  Tensor decoder_input_backward(const Tensor& dx, const Tensor& ids);
+  Tensor run_forward(int chunk, const Tensor& input, const pipeline::MicroBatch& batch, DType dtype,
+                     float grad_scale, Context* ctx, float* loss, bool count);
+  // The last stage: the final LayerNorm's output [B*Td, Ct] -> the loss over the caption's
+  // tokens (ids and lengths checked before; its gradient kept in ctx); with count, the
+  // correctly predicted tokens counted.
+  float caption_loss(const Tensor& hidden, const Tensor& ids, const Tensor& lengths, DType dtype,
+                     float grad_scale, Context* ctx, bool count);
 
   CaptionerConfig config_;
   std::optional<Linear> project_in_, project_out_;

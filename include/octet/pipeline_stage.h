@@ -49,6 +49,13 @@ class StagedModel : public Module {
   // The activation (and its gradient) crossing a stage boundary for this micro-batch, in the
   // compute dtype.
   virtual Shape activation_shape(const MicroBatch& batch) const = 0;
+  // The activation entering stage `stage` (1 .. stages-1; its gradient leaves it), for models
+  // whose boundaries differ (the captioner: image tokens inside the vision tower, prefix and
+  // caption tokens inside the decoder). By default every boundary's is activation_shape().
+  virtual Shape boundary_shape(const MicroBatch& batch, int stage) const {
+    (void)stage;
+    return activation_shape(batch);
+  }
 
   // First stage: the micro-batch's inputs (input unused); otherwise input activation_shape()
   // in dtype (F32 / BF16). Returns the chunk's output activation. On the last stage it also

@@ -112,6 +112,7 @@ class VisionTextStack : public TransformerStack {
   // order.
   void collect_vision_parameters(std::vector<Parameter*>& out);
   void collect_vision_embedding(std::vector<Parameter*>& out);  // the first stage's part
+  void add_vision_embedding_in_backward_order(std::vector<Parameter*>& out);  // the same
   void add_vision_parameters_in_backward_order(std::vector<Parameter*>& out);
   // The first text layer's index in the whole model's stack; and how many of a chunk's first
   // layers are vision layers (the rest are text layers).

@@ -3,6 +3,7 @@
 // backward, and greedy decoding.
 #include "octet/captioner.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 
@@ -48,64 +49,106 @@ ImageCaptioner::ImageCaptioner(const CaptionerConfig& config, uint64_t seed, Mod
     : VisionTextStack("captioner", config, seed, std::move(layout), recompute_activations,
                       "language_model.layers."),
       config_(config) {
-  OCTET_CHECK(layout_.stages == 1,
-              "captioner: pipeline parallelism is not supported yet (use data and tensor "
-              "parallelism)");
   const CaptionerConfig& c = config;
   const int64_t Cv = c.vision_hidden, Ct = c.text_hidden;
-  post_norm_.emplace(layer_norm_options(c, Cv, "vision_model.post_layernorm"));
-  project_in_.emplace(
-      linear_options(Cv, Ct, true, c.init_std, seed * 7919 + 11, "multi_modal_projector.linear_1"));
-  project_out_.emplace(
-      linear_options(Ct, Ct, true, c.init_std, seed * 7919 + 12, "multi_modal_projector.linear_2"));
-  token_embedding = modules_detail::make_parameter(
-      "language_model.embed_tokens", {c.vocab_size, Ct}, c.init_std, seed * 7919 + 13);
-  text_positions = modules_detail::make_parameter(
-      "language_model.embed_positions", {c.decoder_seq_len(), Ct}, c.init_std, seed * 7919 + 14);
-  final_norm_.emplace(layer_norm_options(c, Ct, "language_model.norm"));
+  bool bridge = false;
+  for (int chunk = 0; chunk < chunks(); ++chunk) bridge = bridge || is_bridge(chunk);
+  if (bridge) {
+    post_norm_.emplace(layer_norm_options(c, Cv, "vision_model.post_layernorm"));
+    project_in_.emplace(linear_options(Cv, Ct, true, c.init_std, seed * 7919 + 11,
+                                       "multi_modal_projector.linear_1"));
+    project_out_.emplace(linear_options(Ct, Ct, true, c.init_std, seed * 7919 + 12,
+                                        "multi_modal_projector.linear_2"));
+  }
+  if (bridge || has_last_) {
+    token_embedding = modules_detail::make_parameter(
+        "language_model.embed_tokens", {c.vocab_size, Ct}, c.init_std, seed * 7919 + 13);
+  }
+  if (bridge) {
+    text_positions = modules_detail::make_parameter(
+        "language_model.embed_positions", {c.decoder_seq_len(), Ct}, c.init_std, seed * 7919 + 14);
+  }
+  if (has_last_) final_norm_.emplace(layer_norm_options(c, Ct, "language_model.norm"));
+}
+
+int ImageCaptioner::bridge_stage() const {
+  return static_cast<int>(config_.vision_layers / (num_layers_ / layout_.stages));
 }
 
 std::vector<Parameter*> ImageCaptioner::chunk_parameters(int chunk) {
-  OCTET_CHECK(chunk == 0, "captioner: one chunk (the whole model)");
   std::vector<Parameter*> out;
-  collect_vision_parameters(out);
-  post_norm_->collect_parameters(out);
-  project_in_->collect_parameters(out);
-  project_out_->collect_parameters(out);
-  out.push_back(&token_embedding);
-  out.push_back(&text_positions);
-  std::vector<TransformerLayer>& stack = layers(0);
-  for (size_t i = first_text_layer(); i < stack.size(); ++i) stack[i].collect_parameters(out);
-  final_norm_->collect_parameters(out);
+  std::vector<TransformerLayer>& stack = layers(chunk);
+  const size_t vision = vision_layers_in(chunk);
+  if (is_first(chunk)) collect_vision_embedding(out);
+  for (size_t i = 0; i < vision; ++i) stack[i].collect_parameters(out);
+  if (is_bridge(chunk)) {
+    post_norm_->collect_parameters(out);
+    project_in_->collect_parameters(out);
+    project_out_->collect_parameters(out);
+    out.push_back(&token_embedding);
+    out.push_back(&text_positions);
+  }
+  for (size_t i = vision; i < stack.size(); ++i) stack[i].collect_parameters(out);
+  if (is_last(chunk)) {
+    final_norm_->collect_parameters(out);
+    if (!is_bridge(chunk)) out.push_back(&token_embedding);  // the output layer's copy
+  }
   return out;
 }
 
 void ImageCaptioner::collect_parameters(std::vector<Parameter*>& out) {
-  for (Parameter* p : chunk_parameters(0)) out.push_back(p);
+  // The whole model's order, each parameter once (one rank may hold the embedding's two uses).
+  const size_t first = out.size();
+  for (int chunk : chunks_in_stage_order()) {
+    for (Parameter* p : chunk_parameters(chunk)) {
+      if (std::find(out.begin() + static_cast<std::ptrdiff_t>(first), out.end(), p) == out.end()) {
+        out.push_back(p);
+      }
+    }
+  }
 }
 
-// Backward runs the decoder, the projector, then the encoder (ImageCaptioner::backward).
+// Backward runs the decoder, the projector, then the encoder (ImageCaptioner::backward), the
+// last stage first.
 std::vector<Parameter*> ImageCaptioner::parameters_in_backward_order() {
   std::vector<Parameter*> out;
   auto add = [&](const std::vector<Parameter*>& ps) {
-    out.insert(out.end(), ps.begin(), ps.end());
+    for (Parameter* p : ps) {
+      if (std::find(out.begin(), out.end(), p) == out.end()) out.push_back(p);
+    }
   };
-  std::vector<TransformerLayer>& stack = layers(0);
-  add(final_norm_->parameters());
-  for (size_t i = stack.size(); i-- > first_text_layer();) add(stack[i].parameters());
-  add({&token_embedding, &text_positions});
-  add(project_out_->parameters());
-  add(project_in_->parameters());
-  add(post_norm_->parameters());
-  add_vision_parameters_in_backward_order(out);
+  const std::vector<int> chunks = chunks_in_stage_order();
+  for (auto chunk = chunks.rbegin(); chunk != chunks.rend(); ++chunk) {
+    std::vector<TransformerLayer>& stack = layers(*chunk);
+    const size_t vision = vision_layers_in(*chunk);
+    if (is_last(*chunk)) add(final_norm_->parameters());
+    for (size_t i = stack.size(); i-- > vision;) add(stack[i].parameters());
+    if (is_bridge(*chunk)) {
+      add({&token_embedding, &text_positions});
+      add(project_out_->parameters());
+      add(project_in_->parameters());
+      add(post_norm_->parameters());
+    }
+    for (size_t i = vision; i-- > 0;) add(stack[i].parameters());
+  }
+  add_vision_embedding_in_backward_order(out);
   return out;
+}
+
+std::vector<pipeline::TiedParameters> ImageCaptioner::tied_parameters() {
+  const int bridge = bridge_stage(), last = layout_.stages - 1;
+  if (bridge == last) return {};
+  pipeline::TiedParameters embedding;
+  embedding.stages = {bridge, last};
+  if (token_embedding.value.defined()) embedding.parameters = {&token_embedding};
+  return {embedding};
 }
 
 void ImageCaptioner::on_parameters_updated() {
   TransformerStack::on_parameters_updated();
   vision_parameters_updated();
-  project_in_->on_parameters_updated();
-  project_out_->on_parameters_updated();
+  if (project_in_) project_in_->on_parameters_updated();
+  if (project_out_) project_out_->on_parameters_updated();
   output_cache_.invalidate();
 }
 
@@ -118,13 +161,21 @@ Shape ImageCaptioner::activation_shape(const pipeline::MicroBatch& batch) const 
   return {B, config_.vision_seq_len(), config_.vision_hidden};
 }
 
-Tensor ImageCaptioner::prefix_forward(const Tensor& pixels, DType dtype, Context* ctx) {
-  const int64_t B = pixels.dim(0), T = config_.vision_seq_len(), C = config_.vision_hidden;
+Shape ImageCaptioner::boundary_shape(const pipeline::MicroBatch& batch, int stage) const {
+  // The stage's first layer is an encoder layer or the first decoder layer: the image tokens.
+  if (stage <= bridge_stage()) return activation_shape(batch);
+  const int64_t B = pipeline::batch_tensor(batch, "pixels", "captioner").dim(0);
+  const int64_t T = pipeline::batch_tensor(batch, "text_ids", "captioner").dim(-1);
+  return {B, config_.vision_seq_len() + T, config_.text_hidden};
+}
+
+Tensor ImageCaptioner::project(const Tensor& tokens, DType dtype, Context* ctx) {
+  const int64_t T = config_.vision_seq_len(), C = config_.vision_hidden;
+  const int64_t B = tokens.numel() / (T * C);
   Context scratch;
   Context& x_ctx = ctx ? *ctx : scratch;
-  const Tensor h =
-      vision_encode(pixels, dtype, ctx ? &ctx->vision : nullptr, ctx ? &ctx->layers : nullptr);
-  const Tensor features = post_norm_->forward(h.reshape({B * T, C}), x_ctx.post_norm);
+  const Tensor features =
+      post_norm_->forward(to_dtype(tokens, dtype).reshape({B * T, C}), x_ctx.post_norm);
   HighPrecisionScope scope;
   Tensor hidden = project_in_->forward(features, x_ctx.project_in);
   Tensor activated = Tensor::empty(hidden.shape(), hidden.dtype());
@@ -133,111 +184,7 @@ Tensor ImageCaptioner::prefix_forward(const Tensor& pixels, DType dtype, Context
   return to_dtype(project_out_->forward(activated, x_ctx.project_out), DType::F32);
 }
 
-Tensor ImageCaptioner::decoder_forward(const Tensor& prefix, const Tensor& ids, DType dtype,
-                                       Context* ctx) {
-  const CaptionerConfig& c = config_;
-  const int64_t B = ids.dim(0), T = ids.dim(1), Tv = c.vision_seq_len(), Td = Tv + T;
-  const int64_t C = c.text_hidden;
-  Tensor text = Tensor::empty({B * T, C}, DType::F32);
-  ops::embedding_forward(ids.reshape({B * T}), token_embedding.value, text);
-  // [prefix of image b; caption b] for every b, then the positions 0 .. Td-1.
-  Tensor x = Tensor::empty({B * Td, C}, DType::F32);
-  const auto row_bytes = static_cast<size_t>(C) * sizeof(float);
-  const auto* p = static_cast<const char*>(prefix.raw());
-  const auto* t = static_cast<const char*>(text.raw());
-  auto* out = static_cast<char*>(x.raw());
-  for (int64_t b = 0; b < B; ++b) {
-    std::memcpy(out + static_cast<size_t>(b * Td) * row_bytes,
-                p + static_cast<size_t>(b * Tv) * row_bytes, static_cast<size_t>(Tv) * row_bytes);
-    std::memcpy(out + static_cast<size_t>(b * Td + Tv) * row_bytes,
-                t + static_cast<size_t>(b * T) * row_bytes, static_cast<size_t>(T) * row_bytes);
-  }
-  ops::position_embedding_forward(x, text_positions.value, Td);
-  const Tensor h = layers_forward(0, to_dtype(x, dtype), Td, first_text_layer(), layers(0).size(),
-                                  ctx ? &ctx->layers : nullptr);
-  Context scratch;
-  return final_norm_->forward(h, ctx ? ctx->final_norm : scratch.final_norm);
-}
-
-Tensor ImageCaptioner::run_forward(const pipeline::MicroBatch& batch, DType dtype, float grad_scale,
-                                   Context* ctx, float* loss, bool count) {
-  const CaptionerConfig& c = config_;
-  OCTET_CHECK(dtype == DType::F32 || dtype == DType::BF16,
-              "captioner: compute dtype expected f32 or bf16, got ", dtype_name(dtype));
-  const Tensor& pixels = pipeline::batch_tensor(batch, "pixels", "captioner");
-  const Tensor& ids = pipeline::batch_tensor(batch, "text_ids", "captioner");
-  const Tensor& lengths = pipeline::batch_tensor(batch, "text_lengths", "captioner");
-  check_dtype(ids, DType::I32, "captioner: text_ids");
-  check_dtype(lengths, DType::I32, "captioner: text_lengths");
-  OCTET_CHECK(ids.ndim() == 2 && pixels.ndim() == 2 && ids.dim(0) == pixels.dim(0) &&
-                  ids.dim(1) >= 2 && ids.dim(1) <= c.max_text_len,
-              "captioner: text_ids expected [B, T] with one caption per image (", pixels.dim(0),
-              " images) and T in [2, max_text_len = ", c.max_text_len, "], got ",
-              shape_str(ids.shape()));
-  const int64_t B = ids.dim(0), T = ids.dim(1), Tv = c.vision_seq_len(), Td = Tv + T;
-  const int64_t C = c.text_hidden;
-  check_shape(lengths, {B}, "captioner: text_lengths", "B");
-  const int32_t* id = ids.data<int32_t>();
-  const int32_t* len = lengths.data<int32_t>();
-  for (int64_t k = 0; k < B * T; ++k) {
-    OCTET_CHECK(id[k] >= 0 && id[k] < c.vocab_size, "captioner: token id ", id[k],
-                " expected in [0, vocab_size = ", c.vocab_size, ")");
-  }
-  // Targets: caption b's token j + 1 after its rows up to j (the words and the [EOS]).
-  std::vector<int32_t> target(static_cast<size_t>(B * (T - 1)));
-  for (int64_t b = 0; b < B; ++b) {
-    OCTET_CHECK(len[b] >= 2 && len[b] <= T, "captioner: text length ", len[b], " of caption ", b,
-                " expected in [2, ", T, "] ([SOS] ... [EOS])");
-    OCTET_CHECK(id[b * T] == c.sos_id, "captioner: caption ", b, " expected to start with [SOS] (",
-                c.sos_id, "), got ", id[b * T]);
-    for (int64_t j = 0; j + 1 < T; ++j) {
-      target[static_cast<size_t>(b * (T - 1) + j)] = j + 1 < len[b] ? id[b * T + j + 1] : -100;
-    }
-  }
-  Tensor targets = Tensor::empty({B * (T - 1)}, DType::I32);
-  std::memcpy(targets.raw(), target.data(), target.size() * sizeof(int32_t));
-
-  Context scratch;
-  Context& x = ctx ? *ctx : scratch;
-  x.layers.assign(layers(0).size(), TransformerLayer::Context{});
-  x.batch = B;
-  x.text_ids = ids;
-  const Tensor prefix = prefix_forward(pixels, dtype, ctx);
-  const Tensor hidden = decoder_forward(prefix, ids, dtype, ctx).reshape({B * Td, C});
-  // The output layer over the rows that predict a caption token.
-  const std::vector<int64_t> rows = block_rows(B, Td, Tv, T - 1);
-  const Tensor predicting = take_rows(hidden, rows);
-  HighPrecisionScope scope;
-  if (count) {
-    const std::vector<int64_t> predicted = gpt_parts::vocab_argmax(
-        predicting, token_embedding, dtype, output_cache_, {0, c.vocab_size}, nullptr);
-    for (size_t r = 0; r < target.size(); ++r) {
-      if (target[r] == -100) continue;
-      eval_correct_ += predicted[r] == target[r];
-      ++eval_seen_;
-    }
-  }
-  Tensor dpredicting;
-  *loss = gpt_parts::tied_output_loss(predicting, targets, token_embedding, dtype, grad_scale,
-                                      ctx ? &dpredicting : nullptr, output_cache_);
-  if (ctx) x.dhidden = put_rows(dpredicting, B * Td, rows).reshape({B, Td, C});
-  return Tensor();
-}
-
-Tensor ImageCaptioner::forward(int chunk, const Tensor&, const pipeline::MicroBatch& batch,
-                               DType dtype, float grad_scale, StagedModel::Context& base) {
-  OCTET_CHECK(chunk == 0, "captioner: one chunk (the whole model)");
-  Context& ctx = own_context(base);
-  return run_forward(batch, dtype, grad_scale, &ctx, &ctx.loss, false);
-}
-
-Tensor ImageCaptioner::evaluate(int chunk, const Tensor&, const pipeline::MicroBatch& batch,
-                                DType dtype, float* loss) {
-  OCTET_CHECK(chunk == 0, "captioner: one chunk (the whole model)");
-  return run_forward(batch, dtype, 1.0f, nullptr, loss, true);
-}
-
-void ImageCaptioner::prefix_backward(const Tensor& dprefix, Context& ctx) {
+Tensor ImageCaptioner::project_backward(const Tensor& dprefix, Context& ctx) {
   const int64_t B = ctx.batch, T = config_.vision_seq_len(), C = config_.vision_hidden;
   Tensor dfeatures;
   {
@@ -254,37 +201,183 @@ void ImageCaptioner::prefix_backward(const Tensor& dprefix, Context& ctx) {
   }
   // A frozen encoder (LLaVA's first stage: --freeze vision_model.) has no gradient to take.
   const std::vector<Parameter*> norm = post_norm_->parameters();
-  if (vision_tower_frozen() && frozen(norm)) return;
+  if (vision_tower_frozen() && frozen(norm)) return Tensor();
   const Tensor dh = post_norm_->backward(dfeatures, ctx.post_norm).reshape({B, T, C});
   grads_ready(norm);
-  vision_encode_backward(dh, ctx.vision, ctx.layers);
+  return dh;
 }
 
-Tensor ImageCaptioner::backward(int chunk, const Tensor&, StagedModel::Context& base) {
-  OCTET_CHECK(chunk == 0, "captioner: one chunk (the whole model)");
-  Context& ctx = own_context(base);
-  OCTET_CHECK(ctx.dhidden.defined(), "captioner: backward before its forward");
-  const int64_t B = ctx.batch, T = ctx.text_ids.dim(1), Tv = config_.vision_seq_len();
-  const int64_t Td = Tv + T, C = config_.text_hidden;
-  Tensor dh = final_norm_->backward(ctx.dhidden, ctx.final_norm);
-  ctx.dhidden = Tensor();
-  grads_ready(final_norm_->parameters());
-  dh = layers_backward(0, dh, Td, first_text_layer(), layers(0).size(), ctx.layers);
-  const Tensor dx = to_dtype(dh, DType::F32).reshape({B * Td, C});
+Tensor ImageCaptioner::decoder_input(const Tensor& prefix, const Tensor& ids, DType dtype) {
+  const int64_t B = ids.dim(0), T = ids.dim(1), Tv = config_.vision_seq_len(), Td = Tv + T;
+  const int64_t C = config_.text_hidden;
+  Tensor text = Tensor::empty({B * T, C}, DType::F32);
+  ops::embedding_forward(ids.reshape({B * T}), token_embedding.value, text);
+  // [prefix of image b; caption b] for every b, then the positions 0 .. Td-1.
+  Tensor x = Tensor::empty({B * Td, C}, DType::F32);
+  const auto row_bytes = static_cast<size_t>(C) * sizeof(float);
+  const auto* p = static_cast<const char*>(prefix.raw());
+  const auto* t = static_cast<const char*>(text.raw());
+  auto* out = static_cast<char*>(x.raw());
+  for (int64_t b = 0; b < B; ++b) {
+    std::memcpy(out + static_cast<size_t>(b * Td) * row_bytes,
+                p + static_cast<size_t>(b * Tv) * row_bytes, static_cast<size_t>(Tv) * row_bytes);
+    std::memcpy(out + static_cast<size_t>(b * Td + Tv) * row_bytes,
+                t + static_cast<size_t>(b * T) * row_bytes, static_cast<size_t>(T) * row_bytes);
+  }
+  ops::position_embedding_forward(x, text_positions.value, Td);
+  return to_dtype(x, dtype).reshape({B, Td, C});
+}
+
+Tensor ImageCaptioner::decoder_input_backward(const Tensor& dx_in, const Tensor& ids) {
+  const int64_t B = ids.dim(0), T = ids.dim(1), Tv = config_.vision_seq_len(), Td = Tv + T;
+  const Tensor dx = to_dtype(dx_in, DType::F32).reshape({B * Td, config_.text_hidden});
   ops::position_embedding_backward(dx, Td, text_positions.grad);
-  ops::embedding_backward(ctx.text_ids.reshape({B * T}), take_rows(dx, block_rows(B, Td, Tv, T)),
+  ops::embedding_backward(ids.reshape({B * T}), take_rows(dx, block_rows(B, Td, Tv, T)),
                           token_embedding.grad);
   grads_ready({&token_embedding, &text_positions});
-  prefix_backward(take_rows(dx, block_rows(B, Td, 0, Tv)), ctx);
-  ctx = Context{};
+  return take_rows(dx, block_rows(B, Td, 0, Tv));
+}
+
+Tensor ImageCaptioner::run_forward(int chunk, const Tensor& input,
+                                   const pipeline::MicroBatch& batch, DType dtype, float grad_scale,
+                                   Context* ctx, float* loss, bool count) {
+  const CaptionerConfig& c = config_;
+  OCTET_CHECK(dtype == DType::F32 || dtype == DType::BF16,
+              "captioner: compute dtype expected f32 or bf16, got ", dtype_name(dtype));
+  const Tensor& pixels = pipeline::batch_tensor(batch, "pixels", "captioner");
+  const Tensor& ids = pipeline::batch_tensor(batch, "text_ids", "captioner");
+  const Tensor& lengths = pipeline::batch_tensor(batch, "text_lengths", "captioner");
+  check_dtype(ids, DType::I32, "captioner: text_ids");
+  OCTET_CHECK(ids.ndim() == 2 && pixels.ndim() == 2 && ids.dim(0) == pixels.dim(0) &&
+                  ids.dim(1) >= 2 && ids.dim(1) <= c.max_text_len,
+              "captioner: text_ids expected [B, T] with one caption per image (", pixels.dim(0),
+              " images) and T in [2, max_text_len = ", c.max_text_len, "], got ",
+              shape_str(ids.shape()));
+  const int64_t B = ids.dim(0), T = ids.dim(1), Tv = c.vision_seq_len(), Td = Tv + T;
+  check_dtype(lengths, DType::I32, "captioner: text_lengths");
+  check_shape(lengths, {B}, "captioner: text_lengths", "B");
+  const int32_t* id = ids.data<int32_t>();
+  const int32_t* len = lengths.data<int32_t>();
+  for (int64_t k = 0; k < B * T; ++k) {
+    OCTET_CHECK(id[k] >= 0 && id[k] < c.vocab_size, "captioner: token id ", id[k],
+                " expected in [0, vocab_size = ", c.vocab_size, ")");
+  }
+  for (int64_t b = 0; b < B; ++b) {
+    OCTET_CHECK(len[b] >= 2 && len[b] <= T, "captioner: text length ", len[b], " of caption ", b,
+                " expected in [2, ", T, "] ([SOS] ... [EOS])");
+    OCTET_CHECK(id[b * T] == c.sos_id, "captioner: caption ", b, " expected to start with [SOS] (",
+                c.sos_id, "), got ", id[b * T]);
+  }
+  std::vector<TransformerLayer>& stack = layers(chunk);
+  const size_t vision = vision_layers_in(chunk);
+  Context scratch;
+  Context& x = ctx ? *ctx : scratch;
+  x.layers.assign(stack.size(), TransformerLayer::Context{});
+  x.batch = B;
+  x.text_ids = ids;
+  std::vector<TransformerLayer::Context>* contexts = ctx ? &x.layers : nullptr;
+  Tensor h;
+  if (is_first(chunk)) {
+    h = vision_embed(pixels, dtype, ctx ? &x.vision : nullptr);
+  } else {
+    const std::string what = "captioner: input of chunk " + std::to_string(chunk);
+    check_shape(input, boundary_shape(batch, stage_of_chunk(chunk)), what,
+                is_bridge(chunk) ? "B,Tv,Cv" : "B,Tv+T,Ct");
+    check_dtype(input, dtype, what);
+    h = input;
+  }
+  if (vision > 0) h = layers_forward(chunk, h, Tv, 0, vision, contexts);
+  if (is_bridge(chunk)) h = decoder_input(project(h, dtype, ctx), ids, dtype);
+  if (vision < stack.size()) h = layers_forward(chunk, h, Td, vision, stack.size(), contexts);
+  if (!is_last(chunk)) return h;
+  const Tensor hidden = final_norm_->forward(h.reshape({B * Td, c.text_hidden}), x.final_norm);
+  *loss = caption_loss(hidden, ids, lengths, dtype, grad_scale, ctx, count);
   return Tensor();
+}
+
+float ImageCaptioner::caption_loss(const Tensor& hidden, const Tensor& ids, const Tensor& lengths,
+                                   DType dtype, float grad_scale, Context* ctx, bool count) {
+  const CaptionerConfig& c = config_;
+  const int64_t B = ids.dim(0), T = ids.dim(1), Tv = c.vision_seq_len(), Td = Tv + T;
+  const int32_t* id = ids.data<int32_t>();
+  const int32_t* len = lengths.data<int32_t>();  // checked by run_forward
+  // Targets: caption b's token j + 1 after its rows up to j (the words and the [EOS]).
+  std::vector<int32_t> target(static_cast<size_t>(B * (T - 1)));
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t j = 0; j + 1 < T; ++j) {
+      target[static_cast<size_t>(b * (T - 1) + j)] = j + 1 < len[b] ? id[b * T + j + 1] : -100;
+    }
+  }
+  Tensor targets = Tensor::empty({B * (T - 1)}, DType::I32);
+  std::memcpy(targets.raw(), target.data(), target.size() * sizeof(int32_t));
+  // The output layer over the rows that predict a caption token.
+  const std::vector<int64_t> rows = block_rows(B, Td, Tv, T - 1);
+  const Tensor predicting = take_rows(hidden, rows);
+  HighPrecisionScope scope;
+  if (count) {
+    const std::vector<int64_t> predicted = gpt_parts::vocab_argmax(
+        predicting, token_embedding, dtype, output_cache_, {0, c.vocab_size}, nullptr);
+    for (size_t r = 0; r < target.size(); ++r) {
+      if (target[r] == -100) continue;
+      eval_correct_ += predicted[r] == target[r];
+      ++eval_seen_;
+    }
+  }
+  Tensor dpredicting;
+  const float loss =
+      gpt_parts::tied_output_loss(predicting, targets, token_embedding, dtype, grad_scale,
+                                  ctx ? &dpredicting : nullptr, output_cache_);
+  if (ctx) ctx->dhidden = put_rows(dpredicting, B * Td, rows).reshape({B, Td, c.text_hidden});
+  return loss;
+}
+
+Tensor ImageCaptioner::forward(int chunk, const Tensor& input, const pipeline::MicroBatch& batch,
+                               DType dtype, float grad_scale, StagedModel::Context& base) {
+  Context& ctx = own_context(base);
+  return run_forward(chunk, input, batch, dtype, grad_scale, &ctx, &ctx.loss, false);
+}
+
+Tensor ImageCaptioner::evaluate(int chunk, const Tensor& input, const pipeline::MicroBatch& batch,
+                                DType dtype, float* loss) {
+  return run_forward(chunk, input, batch, dtype, 1.0f, nullptr, loss, true);
+}
+
+Tensor ImageCaptioner::backward(int chunk, const Tensor& doutput, StagedModel::Context& base) {
+  Context& ctx = own_context(base);
+  OCTET_CHECK(ctx.text_ids.defined(), "captioner: backward before its forward");
+  const int64_t T = ctx.text_ids.dim(1), Tv = config_.vision_seq_len(), Td = Tv + T;
+  std::vector<TransformerLayer>& stack = layers(chunk);
+  const size_t vision = vision_layers_in(chunk);
+  Tensor dh = doutput;
+  if (is_last(chunk)) {
+    OCTET_CHECK(ctx.dhidden.defined(), "captioner: backward before its forward");
+    dh = final_norm_->backward(ctx.dhidden, ctx.final_norm);
+    ctx.dhidden = Tensor();
+    grads_ready(final_norm_->parameters());
+  }
+  if (vision < stack.size()) dh = layers_backward(chunk, dh, Td, vision, stack.size(), ctx.layers);
+  if (is_bridge(chunk)) {
+    dh = project_backward(decoder_input_backward(dh, ctx.text_ids), ctx);
+    if (!dh.defined()) {  // the whole encoder frozen: nothing more to compute
+      ctx = Context{};
+      return Tensor();
+    }
+  }
+  if (vision > 0) dh = layers_backward(chunk, dh, Tv, 0, vision, ctx.layers);
+  if (is_first(chunk)) {
+    vision_embed_backward(dh, ctx.vision);
+    dh = Tensor();
+  }
+  ctx = Context{};
+  return dh;
 }
 
 std::vector<std::vector<int32_t>> ImageCaptioner::generate(const Tensor& pixels, DType dtype) {
   const CaptionerConfig& c = config_;
   OCTET_CHECK(dtype == DType::F32 || dtype == DType::BF16,
               "captioner: compute dtype expected f32 or bf16, got ", dtype_name(dtype));
-  const Tensor prefix = prefix_forward(pixels, dtype, nullptr);
+  check_whole("generate");
+  const Tensor prefix = project(vision_encode(pixels, dtype, nullptr, nullptr), dtype, nullptr);
   const int64_t N = pixels.dim(0), Tv = c.vision_seq_len(), C = c.text_hidden;
   std::vector<std::vector<int32_t>> out(static_cast<size_t>(N), {static_cast<int32_t>(c.sos_id)});
   std::vector<bool> done(static_cast<size_t>(N), false);
@@ -301,7 +394,10 @@ std::vector<std::vector<int32_t>> ImageCaptioner::generate(const Tensor& pixels,
                                                                  : static_cast<int32_t>(c.eos_id);
       }
     }
-    const Tensor hidden = decoder_forward(prefix, ids, dtype, nullptr).reshape({N * (Tv + T), C});
+    const Tensor h = layers_forward(0, decoder_input(prefix, ids, dtype), Tv + T,
+                                    first_text_layer(), layers(0).size(), nullptr);
+    Norm::Context norm;
+    const Tensor hidden = final_norm_->forward(h.reshape({N * (Tv + T), C}), norm);
     const Tensor last = take_rows(hidden, block_rows(N, Tv + T, Tv + T - 1, 1));
     HighPrecisionScope scope;
     const std::vector<int64_t> predicted = gpt_parts::vocab_argmax(

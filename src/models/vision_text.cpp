@@ -234,10 +234,16 @@ void VisionTextStack::add_vision_parameters_in_backward_order(std::vector<Parame
     std::vector<TransformerLayer>& stack = layers(*chunk);
     for (size_t i = vision_layers_in(*chunk); i-- > 0;) add(stack[i].parameters());
   }
+  add_vision_embedding_in_backward_order(out);
+}
+
+void VisionTextStack::add_vision_embedding_in_backward_order(std::vector<Parameter*>& out) {
   if (!has_first_) return;
-  add(pre_norm_->parameters());
-  add(patch_embed_->parameters());
-  add({&class_embedding, &vision_positions});
+  for (const std::vector<Parameter*>& ps :
+       {pre_norm_->parameters(), patch_embed_->parameters(),
+        std::vector<Parameter*>{&class_embedding, &vision_positions}}) {
+    out.insert(out.end(), ps.begin(), ps.end());
+  }
 }
 
 Tensor VisionTextStack::vision_embed(const Tensor& pixels, DType dtype, VisionContext* ctx) {

@@ -288,7 +288,7 @@ void expect_stages_equal_the_whole(const Config& config, const pipeline::MicroBa
     contexts.push_back(staged.make_context());
     boundary = staged.forward(s, boundary, batch, DType::F32, 1.0f, *contexts.back());
     if (s + 1 < stages) {
-      EXPECT_EQ(boundary.shape(), staged.activation_shape(batch));
+      EXPECT_EQ(boundary.shape(), staged.boundary_shape(batch, s + 1));
     }
   }
   EXPECT_EQ(contexts.back()->loss, loss);

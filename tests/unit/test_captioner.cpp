@@ -7,6 +7,7 @@
 // and inputs that are clear errors.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <random>
 
@@ -206,12 +207,65 @@ TEST(Captioner, BadConfigsAndInputsAreClearErrors) {
             std::string::npos);
   EXPECT_NE(step_error("text_ids", Tensor::zeros({4, 9}, DType::I32)).find("max_text_len = 8"),
             std::string::npos);
-  ModelLayout two_stages;
-  two_stages.stages = 2;
-  EXPECT_NE(error_of([&] {
-              ImageCaptioner(config, 7, two_stages);
-            }).find("pipeline parallelism is not supported yet"),
-            std::string::npos);
+}
+
+// Stages in one process, chunk by chunk (two: the bridge is the last stage; four: the bridge is
+// stage 2, and the token embedding serves it and the output layer of stage 3): the whole
+// model's loss, gradients and evaluation exactly. The boundaries' shapes differ: image tokens
+// before the bridge, prefix and caption tokens after it.
+TEST(Captioner, PipelineStagesInOneProcessEqualTheWholeModel) {
+  const CaptionerConfig config = CaptionerConfig::from_json(tiny_config());
+  const pipeline::MicroBatch batch = random_batch(5, config, 3);
+  for (int stages : {2, 4}) {
+    testing::expect_stages_equal_the_whole<ImageCaptioner>(
+        config, batch, stages, "", [](ImageCaptioner& whole) { testing::perturb_vectors(whole); });
+  }
+  ModelLayout four;
+  four.stages = 4;
+  four.stage_of_chunk = {0, 1, 2, 3};
+  const ImageCaptioner staged(config, 7, four);
+  EXPECT_EQ(staged.boundary_shape(batch, 1), (Shape{5, 5, 32}));
+  EXPECT_EQ(staged.boundary_shape(batch, 2), (Shape{5, 5, 32}));
+  EXPECT_EQ(staged.boundary_shape(batch, 3), (Shape{5, 5 + 8, 24}));
+}
+
+// Each stage holds its part: the image embedding on the first, the projector and the caption
+// embedding on the bridge, the final norm on the last; the token embedding is tied between the
+// bridge and the last stage where they differ.
+TEST(Captioner, EachStageHoldsItsPartAndTiesTheTokenEmbedding) {
+  const CaptionerConfig config = CaptionerConfig::from_json(tiny_config());
+  auto names = [&](int stages, int stage) {
+    ModelLayout layout;
+    layout.stages = stages;
+    layout.stage_of_chunk = {stage};
+    ImageCaptioner part(config, 7, layout);
+    std::vector<std::string> out;
+    for (const auto& [name, tensor] : part.state_dict()) out.push_back(name);
+    return std::make_pair(out, part.tied_parameters());
+  };
+  auto holds = [](const std::vector<std::string>& held, const std::string& prefix) {
+    return std::any_of(held.begin(), held.end(),
+                       [&](const std::string& n) { return n.rfind(prefix, 0) == 0; });
+  };
+  const auto [first, first_ties] = names(4, 0);
+  EXPECT_TRUE(holds(first, "vision_model.embeddings."));
+  EXPECT_FALSE(holds(first, "multi_modal_projector."));
+  EXPECT_FALSE(holds(first, "language_model.embed_tokens"));
+  ASSERT_EQ(first_ties.size(), 1u);
+  EXPECT_EQ(first_ties[0].stages, (std::vector<int>{2, 3}));
+  EXPECT_TRUE(first_ties[0].parameters.empty());
+  const auto [bridge, bridge_ties] = names(4, 2);
+  EXPECT_TRUE(holds(bridge, "vision_model.post_layernorm"));
+  EXPECT_TRUE(holds(bridge, "multi_modal_projector.linear_1"));
+  EXPECT_TRUE(holds(bridge, "language_model.embed_positions"));
+  EXPECT_FALSE(holds(bridge, "language_model.norm"));
+  ASSERT_EQ(bridge_ties.size(), 1u);
+  EXPECT_EQ(bridge_ties[0].parameters.size(), 1u);
+  const auto [last, last_ties] = names(4, 3);
+  EXPECT_TRUE(holds(last, "language_model.embed_tokens"));
+  EXPECT_TRUE(holds(last, "language_model.norm"));
+  EXPECT_FALSE(holds(last, "multi_modal_projector."));
+  EXPECT_TRUE(names(2, 1).second.empty());  // the bridge is the last stage: nothing tied
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -133,9 +133,10 @@ struct PipelineExecutor::State {
   int tag(int micro_batch, int boundary, bool backward) const {
     return (micro_batch * schedule.stages + boundary) * 2 + (backward ? 1 : 0);
   }
-  Tensor activation_buffer(int micro_batch) const {
+  // The activation entering stage `stage` (or its gradient).
+  Tensor activation_buffer(int micro_batch, int stage) const {
     const MicroBatch& batch = (*batches)[static_cast<size_t>(micro_batch)];
-    return Tensor::empty(model.activation_shape(batch), options.dtype);
+    return Tensor::empty(model.boundary_shape(batch, stage), options.dtype);
   }
 
   void forward(const Key& key) {
@@ -217,7 +218,7 @@ struct PipelineExecutor::State {
   void receive(const Action& action, std::map<Key, Tensor>& into, bool backward) {
     const Key key{action.micro_batch, action.chunk};
     const int s = stage(key);
-    Tensor buffer = activation_buffer(action.micro_batch);
+    Tensor buffer = activation_buffer(action.micro_batch, backward ? s + 1 : s);
     const Clock::time_point start = Clock::now();
     Work work = parallel.pipeline().irecv(buffer, action.peer,
                                           tag(action.micro_batch, backward ? s : s - 1, backward));
@@ -446,7 +447,7 @@ double PipelineExecutor::evaluate(const std::vector<MicroBatch>& batches) {
         continue;
       }
       if (from != s.rank) {
-        activation = Tensor::empty(s.model.activation_shape(batches[m]), s.options.dtype);
+        activation = Tensor::empty(s.model.boundary_shape(batches[m], stage), s.options.dtype);
         Work work = pipeline.irecv(activation, from, tag);
         try {
           work.wait(receive_timeout(s.options));
