@@ -2,9 +2,14 @@
 // per choice, answered whole or as server-sent events), draining, and Prometheus metrics.
 // The engine's callbacks run on its stepping thread: they append a token's bytes to the
 // request's state under its mutex and wake the HTTP worker waiting on it, nothing more.
+#include <dirent.h>
+#include <netdb.h>
 #include <pthread.h>
 #include <signal.h>
 #include <sys/socket.h>
+
+#include <cerrno>
+#include <cstdlib>
 
 #include <atomic>
 #include <chrono>
@@ -32,6 +37,82 @@ using serving::Metrics;
 using serving::Outcome;
 
 struct Completion;
+
+// Whether the client of a request being answered has closed its connection. httplib 0.11 (the
+// Debian package) gives a handler no socket, and a client that leaves a non-streaming request
+// shows nothing until the answer is written: its connection's socket is found among the
+// process's descriptors by its two ends (the request's remote and local address and port,
+// unique among open TCP connections), once, and then peeked without waiting. End of stream or
+// a reset means the client is gone; nothing to read yet, or bytes of a pipelined request, mean
+// it is still there. (A client that half-closes after sending reads as gone; HTTP clients
+// such as curl, browsers and the OpenAI libraries do not.)
+class ConnectionProbe {
+ public:
+  explicit ConnectionProbe(const httplib::Request& request) : request_(request) {}
+
+  bool client_gone() {
+    if (fd_ < 0 && !searched_) {
+      fd_ = find_socket();
+      searched_ = true;
+    }
+    if (fd_ < 0) return false;  // not found: nothing to say it is gone
+    char byte = 0;
+    const ssize_t n = ::recv(fd_, &byte, 1, MSG_PEEK | MSG_DONTWAIT);
+    if (n >= 0) return n == 0;
+    return errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR;
+  }
+
+ private:
+  // A socket address as httplib writes it (numeric host, port).
+  static bool endpoint(const sockaddr_storage& address, socklen_t length, std::string& host,
+                       int& port) {
+    char name[NI_MAXHOST], service[NI_MAXSERV];
+    if (::getnameinfo(reinterpret_cast<const sockaddr*>(&address), length, name, sizeof(name),
+                      service, sizeof(service), NI_NUMERICHOST | NI_NUMERICSERV) != 0) {
+      return false;
+    }
+    host = name;
+    port = std::atoi(service);
+    return true;
+  }
+
+  int find_socket() const {
+    DIR* dir = ::opendir("/proc/self/fd");
+    if (dir == nullptr) return -1;
+    int found = -1;
+    while (const dirent* entry = ::readdir(dir)) {
+      char* end = nullptr;
+      const long fd = std::strtol(entry->d_name, &end, 10);
+      if (end == entry->d_name || *end != '\0') continue;
+      sockaddr_storage peer{}, local{};
+      socklen_t peer_length = sizeof(peer), local_length = sizeof(local);
+      if (::getpeername(static_cast<int>(fd), reinterpret_cast<sockaddr*>(&peer), &peer_length) !=
+              0 ||
+          ::getsockname(static_cast<int>(fd), reinterpret_cast<sockaddr*>(&local), &local_length) !=
+              0) {
+        continue;
+      }
+      std::string peer_host, local_host;
+      int peer_port = -1, local_port = -1;
+      if (endpoint(peer, peer_length, peer_host, peer_port) &&
+          endpoint(local, local_length, local_host, local_port) &&
+          peer_port == request_.remote_port && peer_host == request_.remote_addr &&
+          local_port == request_.local_port && local_host == request_.local_addr) {
+        found = static_cast<int>(fd);
+        break;
+      }
+    }
+    ::closedir(dir);
+    return found;
+  }
+
+  const httplib::Request& request_;
+  int fd_ = -1;
+  bool searched_ = false;
+};
+
+// How often a worker waiting for a non-streaming answer looks whether its client is still there.
+constexpr std::chrono::milliseconds kClientProbeInterval{100};
 
 double seconds_between(Clock::time_point from, Clock::time_point to) {
   return std::chrono::duration<double>(to - from).count();
@@ -440,8 +521,22 @@ void Server::Impl::respond(const std::shared_ptr<Completion>& completion,
   }
   if (parsed.stream) return stream(completion, response);
 
+  // Waiting for the whole answer, the worker looks now and then whether its client is still
+  // there: one that left has its request cancelled and its KV blocks freed at once.
+  ConnectionProbe probe(request);
   std::unique_lock lock(state.mutex);
-  state.changed.wait(lock, [&] { return state.all_finished(); });
+  while (
+      !state.changed.wait_for(lock, kClientProbeInterval, [&] { return state.all_finished(); })) {
+    lock.unlock();
+    const bool gone = probe.client_gone();
+    lock.lock();
+    if (!gone) continue;
+    lock.unlock();
+    completion->abandon();
+    completion->count(Outcome::Cancelled);
+    // Nobody reads it: nginx's "client closed request", for the server's own log.
+    return send_error(response, 499, "the client closed the connection", "", "server_error");
+  }
   metrics->request_latency.observe(seconds_between(state.arrival, Clock::now()));
   json out_choices = json::array();
   int64_t completion_tokens = 0, prompt_tokens = 0;

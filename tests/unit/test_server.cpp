@@ -2,10 +2,15 @@
 // port, asked over HTTP. Completions equal the model's own greedy generation, a stream
 // concatenates to the whole answer, stop strings / logprobs / n / seeds follow the OpenAI API,
 // 64 concurrent clients each get their own answer, bad requests are 400s naming the field
-// (and the server goes on), /metrics counts what happened, a client leaving mid-stream has its
-// request cancelled and its KV blocks freed, and stop() lets a request in flight finish.
+// (and the server goes on), /metrics counts what happened, a client leaving mid-stream or
+// before a whole answer has its request cancelled and its KV blocks freed, and stop() lets a
+// request in flight finish.
+#include <arpa/inet.h>
 #include <gtest/gtest.h>
+#include <netinet/in.h>
 #include <signal.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
 #include <atomic>
 #include <chrono>
@@ -688,6 +693,48 @@ TEST(ServerCancel, ClientLeavingMidStreamCancelsItsRequestAndFreesItsBlocks) {
   }));
   Reply after = post(serving, greedy("Hello", 3));
   EXPECT_EQ(after.status, 200);
+}
+
+// A client that sends a non-streaming request and closes its connection before the answer: the
+// worker waiting for the answer sees the connection closed, cancels the request and frees its
+// blocks (the engine steps only after the client has gone, one token per 20 ms: the answer of
+// 240 tokens cannot have been written whole).
+TEST(ServerCancel, ClientLeavingBeforeAWholeAnswerCancelsItsRequestAndFreesItsBlocks) {
+  ::signal(SIGPIPE, SIG_IGN);
+  Serving serving(/*engine_thread=*/false, /*max_seq_len=*/256);
+  std::atomic<bool> client_gone{false};
+  SlowStepper stepper(serving.engine(), [&] { return client_gone.load(); });
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  ASSERT_GE(fd, 0);
+  sockaddr_in address{};
+  address.sin_family = AF_INET;
+  address.sin_port = htons(static_cast<uint16_t>(serving.port()));
+  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(::connect(fd, reinterpret_cast<const sockaddr*>(&address), sizeof(address)), 0);
+  const std::string body = greedy("Once upon a time", 240).dump();
+  const std::string request =
+      "POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+      "Content-Type: application/json\r\nContent-Length: " +
+      std::to_string(body.size()) + "\r\n\r\n" + body;
+  ASSERT_EQ(::send(fd, request.data(), request.size(), 0), static_cast<ssize_t>(request.size()));
+  ASSERT_TRUE(eventually([&] { return serving.engine().stats().waiting == 1; }));
+  ::close(fd);
+  client_gone = true;
+  EXPECT_TRUE(eventually([&] { return serving.engine().stats().requests_cancelled == 1; }))
+      << "the request was not cancelled";
+  EXPECT_TRUE(eventually([&] {
+    const EngineStats stats = serving.engine().stats();
+    return stats.blocks_in_use == 0 && stats.running == 0 && stats.waiting == 0;
+  })) << "blocks in use: "
+      << serving.engine().stats().blocks_in_use;
+  EXPECT_LT(serving.engine().stats().generation_tokens, 240u);
+  EXPECT_TRUE(eventually([&] {
+    return metric(metrics_text(serving), "octet_requests_total{status=\"cancelled\"}") == 1;
+  }));
+  // A client that stays gets its whole answer, however long the worker waits for it.
+  Reply after = post(serving, greedy("Hello", 12));
+  EXPECT_EQ(after.status, 200);
+  EXPECT_EQ(metric(metrics_text(serving), "octet_requests_total{status=\"cancelled\"}"), 1);
 }
 
 TEST(ServerStop, DrainsTheRequestInFlightAndRefusesNewOnes) {
