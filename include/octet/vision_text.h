@@ -112,6 +112,8 @@ class VisionTextStack : public TransformerStack {
   // order.
   void collect_vision_parameters(std::vector<Parameter*>& out);
   void collect_vision_embedding(std::vector<Parameter*>& out);  // the first stage's part
+  // The chunk's part of the tower: the embedding on the first stage, then its vision layers.
+  void collect_chunk_vision(int chunk, std::vector<Parameter*>& out);
   void add_vision_embedding_in_backward_order(std::vector<Parameter*>& out);  // the same
   void add_vision_parameters_in_backward_order(std::vector<Parameter*>& out);
   // The first text layer's index in the whole model's stack; and how many of a chunk's first

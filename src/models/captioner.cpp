@@ -79,8 +79,7 @@ std::vector<Parameter*> ImageCaptioner::chunk_parameters(int chunk) {
   std::vector<Parameter*> out;
   std::vector<TransformerLayer>& stack = layers(chunk);
   const size_t vision = vision_layers_in(chunk);
-  if (is_first(chunk)) collect_vision_embedding(out);
-  for (size_t i = 0; i < vision; ++i) stack[i].collect_parameters(out);
+  collect_chunk_vision(chunk, out);
   if (is_bridge(chunk)) {
     post_norm_->collect_parameters(out);
     project_in_->collect_parameters(out);

@@ -164,8 +164,7 @@ std::vector<Parameter*> CLIP::chunk_parameters(int chunk) {
   std::vector<Parameter*> out;
   std::vector<TransformerLayer>& stack = layers(chunk);
   const size_t vision = vision_layers_in(chunk);
-  if (is_first(chunk)) collect_vision_embedding(out);
-  for (size_t i = 0; i < vision; ++i) stack[i].collect_parameters(out);
+  collect_chunk_vision(chunk, out);
   if (is_last(chunk)) {
     post_norm_->collect_parameters(out);
     visual_projection_->collect_parameters(out);

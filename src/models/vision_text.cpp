@@ -217,12 +217,14 @@ void VisionTextStack::collect_vision_embedding(std::vector<Parameter*>& out) {
   pre_norm_->collect_parameters(out);
 }
 
+void VisionTextStack::collect_chunk_vision(int chunk, std::vector<Parameter*>& out) {
+  if (is_first(chunk)) collect_vision_embedding(out);
+  std::vector<TransformerLayer>& stack = layers(chunk);
+  for (size_t i = 0; i < vision_layers_in(chunk); ++i) stack[i].collect_parameters(out);
+}
+
 void VisionTextStack::collect_vision_parameters(std::vector<Parameter*>& out) {
-  collect_vision_embedding(out);
-  for (int chunk : chunks_in_stage_order()) {
-    std::vector<TransformerLayer>& stack = layers(chunk);
-    for (size_t i = 0; i < vision_layers_in(chunk); ++i) stack[i].collect_parameters(out);
-  }
+  for (int chunk : chunks_in_stage_order()) collect_chunk_vision(chunk, out);
 }
 
 void VisionTextStack::add_vision_parameters_in_backward_order(std::vector<Parameter*>& out) {

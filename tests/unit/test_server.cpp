@@ -668,6 +668,24 @@ class SlowStepper {
   std::thread thread_;
 };
 
+// The one request (of `max_tokens`) was cancelled before its end, its blocks are free, and
+// /metrics counts it.
+void expect_one_request_cancelled(Serving& serving, uint64_t max_tokens) {
+  EXPECT_TRUE(eventually([&] { return serving.engine().stats().requests_cancelled == 1; }))
+      << "the request was not cancelled: requests_cancelled "
+      << serving.engine().stats().requests_cancelled << ", finished "
+      << serving.engine().stats().requests_finished;
+  EXPECT_TRUE(eventually([&] {
+    const EngineStats stats = serving.engine().stats();
+    return stats.blocks_in_use == 0 && stats.running == 0 && stats.waiting == 0;
+  })) << "blocks in use: "
+      << serving.engine().stats().blocks_in_use;
+  EXPECT_LT(serving.engine().stats().generation_tokens, max_tokens);
+  EXPECT_TRUE(eventually([&] {
+    return metric(metrics_text(serving), "octet_requests_total{status=\"cancelled\"}") == 1;
+  }));
+}
+
 TEST(ServerCancel, ClientLeavingMidStreamCancelsItsRequestAndFreesItsBlocks) {
   ::signal(SIGPIPE, SIG_IGN);
   Serving serving(/*engine_thread=*/false, /*max_seq_len=*/256);
@@ -680,30 +698,20 @@ TEST(ServerCancel, ClientLeavingMidStreamCancelsItsRequestAndFreesItsBlocks) {
   client_gone = true;  // post_stream's client is closed: the next writes fail
   EXPECT_FALSE(stream.done);
   ASSERT_EQ(stream.events.size(), 1u) << "left after the first event";
-  EXPECT_TRUE(eventually([&] { return serving.engine().stats().requests_cancelled == 1; }))
-      << "the request was not cancelled";
-  EXPECT_TRUE(eventually([&] {
-    const EngineStats stats = serving.engine().stats();
-    return stats.blocks_in_use == 0 && stats.running == 0 && stats.waiting == 0;
-  })) << "blocks in use: "
-      << serving.engine().stats().blocks_in_use;
-  EXPECT_LT(serving.engine().stats().generation_tokens, 240u);
-  EXPECT_TRUE(eventually([&] {
-    return metric(metrics_text(serving), "octet_requests_total{status=\"cancelled\"}") == 1;
-  }));
+  expect_one_request_cancelled(serving, 240);
   Reply after = post(serving, greedy("Hello", 3));
   EXPECT_EQ(after.status, 200);
 }
 
 // A client that sends a non-streaming request and closes its connection before the answer: the
 // worker waiting for the answer sees the connection closed, cancels the request and frees its
-// blocks (the engine steps only after the client has gone, one token per 20 ms: the answer of
-// 240 tokens cannot have been written whole).
+// blocks. The engine takes no step until the server has counted the request cancelled, so only
+// the worker's look at the connection can end it (the answer cannot be finished first).
 TEST(ServerCancel, ClientLeavingBeforeAWholeAnswerCancelsItsRequestAndFreesItsBlocks) {
   ::signal(SIGPIPE, SIG_IGN);
   Serving serving(/*engine_thread=*/false, /*max_seq_len=*/256);
-  std::atomic<bool> client_gone{false};
-  SlowStepper stepper(serving.engine(), [&] { return client_gone.load(); });
+  std::atomic<bool> seen{false};
+  SlowStepper stepper(serving.engine(), [&] { return seen.load(); });
   const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
   ASSERT_GE(fd, 0);
   sockaddr_in address{};
@@ -719,18 +727,11 @@ TEST(ServerCancel, ClientLeavingBeforeAWholeAnswerCancelsItsRequestAndFreesItsBl
   ASSERT_EQ(::send(fd, request.data(), request.size(), 0), static_cast<ssize_t>(request.size()));
   ASSERT_TRUE(eventually([&] { return serving.engine().stats().waiting == 1; }));
   ::close(fd);
-  client_gone = true;
-  EXPECT_TRUE(eventually([&] { return serving.engine().stats().requests_cancelled == 1; }))
-      << "the request was not cancelled";
-  EXPECT_TRUE(eventually([&] {
-    const EngineStats stats = serving.engine().stats();
-    return stats.blocks_in_use == 0 && stats.running == 0 && stats.waiting == 0;
-  })) << "blocks in use: "
-      << serving.engine().stats().blocks_in_use;
-  EXPECT_LT(serving.engine().stats().generation_tokens, 240u);
-  EXPECT_TRUE(eventually([&] {
+  ASSERT_TRUE(eventually([&] {
     return metric(metrics_text(serving), "octet_requests_total{status=\"cancelled\"}") == 1;
-  }));
+  })) << "the server did not see its client leave";
+  seen = true;
+  expect_one_request_cancelled(serving, 240);
   // A client that stays gets its whole answer, however long the worker waits for it.
   Reply after = post(serving, greedy("Hello", 12));
   EXPECT_EQ(after.status, 200);
