@@ -26,7 +26,8 @@ set(public_core cpu_features.h dtype.h error.h files.h profile.h rng.h safetenso
 set(public_fp8 fp4.h fp8.h recipe.h)
 set(public_gemm gemm.h)
 set(public_ops ops/activation.h ops/attention.h ops/dropout.h ops/embedding.h ops/fp8_store.h
-  ops/elementwise.h ops/loss.h ops/normalization.h ops/optimizer.h ops/rope.h ops/softmax.h)
+  ops/elementwise.h ops/loss.h ops/moe.h ops/normalization.h ops/optimizer.h ops/rope.h
+  ops/softmax.h)
 set(public_data data.h)
 set(public_comm comm.h mappings.h)
 set(public_modules module.h modules.h tensor_parallel.h)

@@ -43,16 +43,6 @@ inline double scaled_error(const Tensor& a, const Tensor& b) {
   return error / scale;
 }
 
-// The message of the octet::Error that `f` throws, or "no error".
-inline std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "no error";
-}
-
 // A config that `key` = `value` makes invalid, and what its error says.
 struct ConfigCase {
   std::string key;

@@ -8,11 +8,13 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <functional>
 #include <random>
 #include <string>
 #include <vector>
 
 #include "octet/cpu_features.h"
+#include "octet/error.h"
 #include "octet/tensor.h"
 
 namespace octet::testing {
@@ -37,6 +39,16 @@ inline double worst(const Tensor& a, const Tensor& b, double atol, double rtol) 
     w = std::isnan(error) ? INFINITY : std::max(w, error);
   }
   return w;
+}
+
+// The message of the octet::Error that `f` throws, or "no error".
+inline std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "no error";
 }
 
 inline double max_abs(const Tensor& t) {

@@ -1,0 +1,244 @@
+// Mixture-of-experts routing, fast path. The router: OpenMP over tokens, each token's routing
+// as the reference computes it (router_math.h). The permutation: the row map by one counting
+// pass, rows moved by memcpy in parallel; the weighted sums and their gradients per token,
+// summed in F32 by loops vectorized for the active instruction set.
+#include <omp.h>
+
+#include <cstring>
+#include <vector>
+
+#include "octet/cpu_features.h"
+#include "ops/moe/checks.h"
+#include "ops/moe/router_math.h"
+#include "ops/simd.h"
+
+namespace octet::ops::cpu {
+
+using namespace moe_detail;
+
+RouterLosses router_forward(const Tensor& logits, const RouterOptions& o, Tensor& scores,
+                            Tensor& probs, Tensor& experts, Tensor& counts) {
+  const RouterShape s = check_router("router_forward", logits, o);
+  check_router_outputs("router_forward", s, scores, probs, experts, counts);
+  const int64_t N = s.tokens, E = s.experts, k = s.topk;
+  std::vector<double> lse(static_cast<size_t>(N));
+#pragma omp parallel
+  {
+    std::vector<float> keys;
+#pragma omp for schedule(static)
+    for (int64_t n = 0; n < N; ++n) {
+      lse[static_cast<size_t>(n)] =
+          route_token(logits.data<float>() + n * E, E, o, scores.data<float>() + n * E,
+                      probs.data<float>() + n * k, experts.data<int32_t>() + n * k, keys);
+    }
+  }
+  int32_t* count = counts.data<int32_t>();
+  std::memset(count, 0, static_cast<size_t>(E) * sizeof(int32_t));
+  const int32_t* chosen = experts.data<int32_t>();
+  for (int64_t i = 0; i < N * k; ++i) ++count[chosen[i]];
+  return router_losses(lse, scores.data<float>(), count, N, E, o);
+}
+
+void router_backward(const Tensor& dprobs, const Tensor& logits, const Tensor& scores,
+                     const Tensor& experts, const Tensor& counts, const RouterOptions& o,
+                     Tensor& dlogits) {
+  const RouterShape s =
+      check_router_backward("router_backward", dprobs, logits, scores, experts, counts, o, dlogits);
+  const int64_t N = s.tokens, E = s.experts, k = s.topk;
+#pragma omp parallel
+  {
+    std::vector<double> ds;
+#pragma omp for schedule(static)
+    for (int64_t n = 0; n < N; ++n) {
+      route_token_backward(dprobs.data<float>() + n * k, logits.data<float>() + n * E,
+                           scores.data<float>() + n * E, experts.data<int32_t>() + n * k,
+                           counts.data<int32_t>(), N, E, o, dlogits.data<float>() + n * E, ds);
+    }
+  }
+}
+
+namespace {
+
+// One token's rows: out[c] = sum_j w[j] * rows[j][c] (unpermute: w the probabilities; the
+// permutation's backward: w all 1), summed in F32.
+template <typename T>
+OCTET_ALWAYS_INLINE void weighted_sum(const T* base, const int32_t* rows, const float* w, int64_t k,
+                                      int64_t C, T* out) {
+  constexpr int64_t kBlock = 256;
+  float acc[kBlock];
+  for (int64_t c0 = 0; c0 < C; c0 += kBlock) {
+    const int64_t width = std::min(kBlock, C - c0);
+#pragma omp simd
+    for (int64_t c = 0; c < width; ++c) acc[c] = 0.0f;
+    for (int64_t j = 0; j < k; ++j) {
+      const T* in = base + rows[j] * C + c0;
+      const float weight = w ? w[j] : 1.0f;
+#pragma omp simd
+      for (int64_t c = 0; c < width; ++c) acc[c] += weight * simd::load(in[c]);
+    }
+#pragma omp simd
+    for (int64_t c = 0; c < width; ++c) simd::store(acc[c], &out[c0 + c]);
+  }
+}
+
+// One token's unpermute backward: dy rows = p[j] * dout, dprobs[j] = <dout, y row>.
+template <typename T>
+OCTET_ALWAYS_INLINE void unpermute_grad(const T* dout, const T* y, const int32_t* rows,
+                                        const float* p, int64_t k, int64_t C, T* dy,
+                                        float* dprobs) {
+  for (int64_t j = 0; j < k; ++j) {
+    const T* in = y + rows[j] * C;
+    T* out = dy + rows[j] * C;
+    float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+    for (int64_t c = 0; c < C; ++c) {
+      const float g = simd::load(dout[c]);
+      dot += g * simd::load(in[c]);
+      simd::store(p[j] * g, &out[c]);
+    }
+    dprobs[j] = dot;
+  }
+}
+
+template <typename T>
+OCTET_TARGET_AVX512 void weighted_sum_avx512(const T* base, const int32_t* rows, const float* w,
+                                             int64_t k, int64_t C, T* out) {
+  weighted_sum(base, rows, w, k, C, out);
+}
+template <typename T>
+OCTET_TARGET_AVX2 void weighted_sum_avx2(const T* base, const int32_t* rows, const float* w,
+                                         int64_t k, int64_t C, T* out) {
+  weighted_sum(base, rows, w, k, C, out);
+}
+template <typename T>
+void weighted_sum_scalar(const T* base, const int32_t* rows, const float* w, int64_t k, int64_t C,
+                         T* out) {
+  weighted_sum(base, rows, w, k, C, out);
+}
+template <typename T>
+OCTET_TARGET_AVX512 void unpermute_grad_avx512(const T* dout, const T* y, const int32_t* rows,
+                                               const float* p, int64_t k, int64_t C, T* dy,
+                                               float* dprobs) {
+  unpermute_grad(dout, y, rows, p, k, C, dy, dprobs);
+}
+template <typename T>
+OCTET_TARGET_AVX2 void unpermute_grad_avx2(const T* dout, const T* y, const int32_t* rows,
+                                           const float* p, int64_t k, int64_t C, T* dy,
+                                           float* dprobs) {
+  unpermute_grad(dout, y, rows, p, k, C, dy, dprobs);
+}
+template <typename T>
+void unpermute_grad_scalar(const T* dout, const T* y, const int32_t* rows, const float* p,
+                           int64_t k, int64_t C, T* dy, float* dprobs) {
+  unpermute_grad(dout, y, rows, p, k, C, dy, dprobs);
+}
+
+// Every token's weighted sum over its k rows of `rows` [N*k, C] (weights null: all 1).
+template <typename T>
+void weighted_sums(const Tensor& rows, const Tensor& row_map, const float* weights, Tensor& out) {
+  auto fn = weighted_sum_scalar<T>;
+  if (active_isa() == Isa::Avx512) fn = weighted_sum_avx512<T>;
+  if (active_isa() == Isa::Avx2) fn = weighted_sum_avx2<T>;
+  const int64_t N = row_map.dim(0), k = row_map.dim(1), C = out.dim(1);
+  const T* base = rows.data<T>();
+  const int32_t* map = row_map.data<int32_t>();
+  T* dst = out.data<T>();
+#pragma omp parallel for schedule(static)
+  for (int64_t n = 0; n < N; ++n) {
+    fn(base, map + n * k, weights ? weights + n * k : nullptr, k, C, dst + n * C);
+  }
+}
+
+void weighted_sums(const Tensor& rows, const Tensor& row_map, const float* weights, Tensor& out) {
+  if (out.dtype() == DType::F32) return weighted_sums<float>(rows, row_map, weights, out);
+  weighted_sums<bfloat16>(rows, row_map, weights, out);
+}
+
+template <typename T>
+void unpermute_grads(const Tensor& dout, const Tensor& y, const Tensor& row_map,
+                     const Tensor& probs, Tensor& dy, Tensor& dprobs) {
+  auto fn = unpermute_grad_scalar<T>;
+  if (active_isa() == Isa::Avx512) fn = unpermute_grad_avx512<T>;
+  if (active_isa() == Isa::Avx2) fn = unpermute_grad_avx2<T>;
+  const int64_t N = row_map.dim(0), k = row_map.dim(1), C = dout.dim(1);
+  const int32_t* map = row_map.data<int32_t>();
+#pragma omp parallel for schedule(static)
+  for (int64_t n = 0; n < N; ++n) {
+    fn(dout.data<T>() + n * C, y.data<T>(), map + n * k, probs.data<float>() + n * k, k, C,
+       dy.data<T>(), dprobs.data<float>() + n * k);
+  }
+}
+
+}  // namespace
+
+void moe_permute(const Tensor& tokens, const Tensor& experts, int64_t num_experts, Tensor& permuted,
+                 Tensor& row_map) {
+  const PermuteShape s = check_experts("moe_permute", experts, num_experts);
+  OCTET_CHECK(tokens.ndim() == 2, "moe_permute: tokens expected [N, C], got ",
+              shape_str(tokens.shape()));
+  const int64_t N = s.tokens, k = s.topk, C = tokens.dim(1);
+  check_rows("moe_permute", "tokens", tokens, N, C);
+  check_rows("moe_permute", "permuted", permuted, N * k, C);
+  check_dtype(permuted, tokens.dtype(), "moe_permute: permuted");
+  check_dtype(row_map, DType::I32, "moe_permute: row_map");
+  check_shape(row_map, {N, k}, "moe_permute: row_map", "N,k");
+  // A counting sort: each expert's first row, then the entries in order.
+  const int32_t* e = experts.data<int32_t>();
+  int32_t* map = row_map.data<int32_t>();
+  std::vector<int32_t> next(static_cast<size_t>(num_experts) + 1, 0);
+  for (int64_t i = 0; i < N * k; ++i) ++next[static_cast<size_t>(e[i]) + 1];
+  for (size_t x = 1; x < next.size(); ++x) next[x] += next[x - 1];
+  for (int64_t i = 0; i < N * k; ++i) map[i] = next[static_cast<size_t>(e[i])]++;
+  const size_t row_bytes = static_cast<size_t>(C) * dtype_bytes(tokens.dtype());
+  const auto* in = static_cast<const char*>(tokens.raw());
+  auto* out = static_cast<char*>(permuted.raw());
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < N * k; ++i) {
+    std::memcpy(out + static_cast<size_t>(map[i]) * row_bytes,
+                in + static_cast<size_t>(i / k) * row_bytes, row_bytes);
+  }
+}
+
+void moe_permute_backward(const Tensor& dpermuted, const Tensor& row_map, Tensor& dtokens) {
+  const PermuteShape s = check_row_map("moe_permute_backward", row_map);
+  OCTET_CHECK(dtokens.ndim() == 2, "moe_permute_backward: dtokens expected [N, C], got ",
+              shape_str(dtokens.shape()));
+  const int64_t N = s.tokens, k = s.topk, C = dtokens.dim(1);
+  check_rows("moe_permute_backward", "dtokens", dtokens, N, C);
+  check_rows("moe_permute_backward", "dpermuted", dpermuted, N * k, C);
+  check_dtype(dpermuted, dtokens.dtype(), "moe_permute_backward: dpermuted");
+  weighted_sums(dpermuted, row_map, nullptr, dtokens);
+}
+
+void moe_unpermute(const Tensor& y, const Tensor& row_map, const Tensor& probs, Tensor& out) {
+  const PermuteShape s = check_row_map("moe_unpermute", row_map);
+  OCTET_CHECK(out.ndim() == 2, "moe_unpermute: out expected [N, C], got ", shape_str(out.shape()));
+  const int64_t N = s.tokens, k = s.topk, C = out.dim(1);
+  check_rows("moe_unpermute", "out", out, N, C);
+  check_rows("moe_unpermute", "y", y, N * k, C);
+  check_dtype(out, y.dtype(), "moe_unpermute: out");
+  check_dtype(probs, DType::F32, "moe_unpermute: probs");
+  check_shape(probs, {N, k}, "moe_unpermute: probs", "N,k");
+  weighted_sums(y, row_map, probs.data<float>(), out);
+}
+
+void moe_unpermute_backward(const Tensor& dout, const Tensor& y, const Tensor& row_map,
+                            const Tensor& probs, Tensor& dy, Tensor& dprobs) {
+  const PermuteShape s = check_row_map("moe_unpermute_backward", row_map);
+  OCTET_CHECK(dout.ndim() == 2, "moe_unpermute_backward: dout expected [N, C], got ",
+              shape_str(dout.shape()));
+  const int64_t N = s.tokens, k = s.topk, C = dout.dim(1);
+  check_rows("moe_unpermute_backward", "dout", dout, N, C);
+  check_rows("moe_unpermute_backward", "y", y, N * k, C);
+  check_rows("moe_unpermute_backward", "dy", dy, N * k, C);
+  check_dtype(dout, y.dtype(), "moe_unpermute_backward: dout");
+  check_dtype(dy, y.dtype(), "moe_unpermute_backward: dy");
+  check_dtype(probs, DType::F32, "moe_unpermute_backward: probs");
+  check_shape(probs, {N, k}, "moe_unpermute_backward: probs", "N,k");
+  check_dtype(dprobs, DType::F32, "moe_unpermute_backward: dprobs");
+  check_shape(dprobs, {N, k}, "moe_unpermute_backward: dprobs", "N,k");
+  if (y.dtype() == DType::F32) return unpermute_grads<float>(dout, y, row_map, probs, dy, dprobs);
+  unpermute_grads<bfloat16>(dout, y, row_map, probs, dy, dprobs);
+}
+
+}  // namespace octet::ops::cpu
