@@ -119,4 +119,68 @@ inline void check_rows(const char* op, const char* name, const Tensor& t, int64_
   check_shape(t, {rows, hidden}, what(op, name));
 }
 
+// Each permutation op's arguments, checked before any row moves; returns N, k and C.
+inline PermuteShape check_permute(const Tensor& tokens, const Tensor& experts, int64_t num_experts,
+                                  const Tensor& permuted, const Tensor& row_map) {
+  const char* op = "moe_permute";
+  PermuteShape s = check_experts(op, experts, num_experts);
+  OCTET_CHECK(tokens.ndim() == 2, op, ": tokens expected [N, C], got ", shape_str(tokens.shape()));
+  s.hidden = tokens.dim(1);
+  check_rows(op, "tokens", tokens, s.tokens, s.hidden);
+  check_rows(op, "permuted", permuted, s.tokens * s.topk, s.hidden);
+  check_dtype(permuted, tokens.dtype(), what(op, "permuted"));
+  check_dtype(row_map, DType::I32, what(op, "row_map"));
+  check_shape(row_map, {s.tokens, s.topk}, what(op, "row_map"), "N,k");
+  return s;
+}
+
+// The row map and the token-order tensor [N, C] beside it (`name`); returns N, k and C.
+inline PermuteShape check_token_rows(const char* op, const Tensor& row_map, const char* name,
+                                     const Tensor& rows) {
+  PermuteShape s = check_row_map(op, row_map);
+  OCTET_CHECK(rows.ndim() == 2, op, ": ", name, " expected [N, C], got ", shape_str(rows.shape()));
+  s.hidden = rows.dim(1);
+  check_rows(op, name, rows, s.tokens, s.hidden);
+  return s;
+}
+
+inline PermuteShape check_permute_backward(const Tensor& dpermuted, const Tensor& row_map,
+                                           const Tensor& dtokens) {
+  const char* op = "moe_permute_backward";
+  const PermuteShape s = check_token_rows(op, row_map, "dtokens", dtokens);
+  check_rows(op, "dpermuted", dpermuted, s.tokens * s.topk, s.hidden);
+  check_dtype(dpermuted, dtokens.dtype(), what(op, "dpermuted"));
+  return s;
+}
+
+inline void check_probs(const char* op, const char* name, const Tensor& probs,
+                        const PermuteShape& s) {
+  check_dtype(probs, DType::F32, what(op, name));
+  check_shape(probs, {s.tokens, s.topk}, what(op, name), "N,k");
+}
+
+inline PermuteShape check_unpermute(const Tensor& y, const Tensor& row_map, const Tensor& probs,
+                                    const Tensor& out) {
+  const char* op = "moe_unpermute";
+  const PermuteShape s = check_token_rows(op, row_map, "out", out);
+  check_rows(op, "y", y, s.tokens * s.topk, s.hidden);
+  check_dtype(out, y.dtype(), what(op, "out"));
+  check_probs(op, "probs", probs, s);
+  return s;
+}
+
+inline PermuteShape check_unpermute_backward(const Tensor& dout, const Tensor& y,
+                                             const Tensor& row_map, const Tensor& probs,
+                                             const Tensor& dy, const Tensor& dprobs) {
+  const char* op = "moe_unpermute_backward";
+  const PermuteShape s = check_token_rows(op, row_map, "dout", dout);
+  check_rows(op, "y", y, s.tokens * s.topk, s.hidden);
+  check_rows(op, "dy", dy, s.tokens * s.topk, s.hidden);
+  check_dtype(dout, y.dtype(), what(op, "dout"));
+  check_dtype(dy, y.dtype(), what(op, "dy"));
+  check_probs(op, "probs", probs, s);
+  check_probs(op, "dprobs", dprobs, s);
+  return s;
+}
+
 }  // namespace octet::ops::moe_detail

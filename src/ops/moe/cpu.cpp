@@ -173,15 +173,8 @@ void unpermute_grads(const Tensor& dout, const Tensor& y, const Tensor& row_map,
 
 void moe_permute(const Tensor& tokens, const Tensor& experts, int64_t num_experts, Tensor& permuted,
                  Tensor& row_map) {
-  const PermuteShape s = check_experts("moe_permute", experts, num_experts);
-  OCTET_CHECK(tokens.ndim() == 2, "moe_permute: tokens expected [N, C], got ",
-              shape_str(tokens.shape()));
-  const int64_t N = s.tokens, k = s.topk, C = tokens.dim(1);
-  check_rows("moe_permute", "tokens", tokens, N, C);
-  check_rows("moe_permute", "permuted", permuted, N * k, C);
-  check_dtype(permuted, tokens.dtype(), "moe_permute: permuted");
-  check_dtype(row_map, DType::I32, "moe_permute: row_map");
-  check_shape(row_map, {N, k}, "moe_permute: row_map", "N,k");
+  const PermuteShape s = check_permute(tokens, experts, num_experts, permuted, row_map);
+  const int64_t N = s.tokens, k = s.topk, C = s.hidden;
   // A counting sort: each expert's first row, then the entries in order.
   const int32_t* e = experts.data<int32_t>();
   int32_t* map = row_map.data<int32_t>();
@@ -200,43 +193,18 @@ void moe_permute(const Tensor& tokens, const Tensor& experts, int64_t num_expert
 }
 
 void moe_permute_backward(const Tensor& dpermuted, const Tensor& row_map, Tensor& dtokens) {
-  const PermuteShape s = check_row_map("moe_permute_backward", row_map);
-  OCTET_CHECK(dtokens.ndim() == 2, "moe_permute_backward: dtokens expected [N, C], got ",
-              shape_str(dtokens.shape()));
-  const int64_t N = s.tokens, k = s.topk, C = dtokens.dim(1);
-  check_rows("moe_permute_backward", "dtokens", dtokens, N, C);
-  check_rows("moe_permute_backward", "dpermuted", dpermuted, N * k, C);
-  check_dtype(dpermuted, dtokens.dtype(), "moe_permute_backward: dpermuted");
+  check_permute_backward(dpermuted, row_map, dtokens);
   weighted_sums(dpermuted, row_map, nullptr, dtokens);
 }
 
 void moe_unpermute(const Tensor& y, const Tensor& row_map, const Tensor& probs, Tensor& out) {
-  const PermuteShape s = check_row_map("moe_unpermute", row_map);
-  OCTET_CHECK(out.ndim() == 2, "moe_unpermute: out expected [N, C], got ", shape_str(out.shape()));
-  const int64_t N = s.tokens, k = s.topk, C = out.dim(1);
-  check_rows("moe_unpermute", "out", out, N, C);
-  check_rows("moe_unpermute", "y", y, N * k, C);
-  check_dtype(out, y.dtype(), "moe_unpermute: out");
-  check_dtype(probs, DType::F32, "moe_unpermute: probs");
-  check_shape(probs, {N, k}, "moe_unpermute: probs", "N,k");
+  check_unpermute(y, row_map, probs, out);
   weighted_sums(y, row_map, probs.data<float>(), out);
 }
 
 void moe_unpermute_backward(const Tensor& dout, const Tensor& y, const Tensor& row_map,
                             const Tensor& probs, Tensor& dy, Tensor& dprobs) {
-  const PermuteShape s = check_row_map("moe_unpermute_backward", row_map);
-  OCTET_CHECK(dout.ndim() == 2, "moe_unpermute_backward: dout expected [N, C], got ",
-              shape_str(dout.shape()));
-  const int64_t N = s.tokens, k = s.topk, C = dout.dim(1);
-  check_rows("moe_unpermute_backward", "dout", dout, N, C);
-  check_rows("moe_unpermute_backward", "y", y, N * k, C);
-  check_rows("moe_unpermute_backward", "dy", dy, N * k, C);
-  check_dtype(dout, y.dtype(), "moe_unpermute_backward: dout");
-  check_dtype(dy, y.dtype(), "moe_unpermute_backward: dy");
-  check_dtype(probs, DType::F32, "moe_unpermute_backward: probs");
-  check_shape(probs, {N, k}, "moe_unpermute_backward: probs", "N,k");
-  check_dtype(dprobs, DType::F32, "moe_unpermute_backward: dprobs");
-  check_shape(dprobs, {N, k}, "moe_unpermute_backward: dprobs", "N,k");
+  check_unpermute_backward(dout, y, row_map, probs, dy, dprobs);
   if (y.dtype() == DType::F32) return unpermute_grads<float>(dout, y, row_map, probs, dy, dprobs);
   unpermute_grads<bfloat16>(dout, y, row_map, probs, dy, dprobs);
 }
