@@ -95,6 +95,21 @@ void register_train(CLI::App& app) {
                 "line, a summary table at the end");
   cmd->add_flag("--recompute-activations", o->recompute_activations,
                 "Keep only layer inputs; recompute in backward");
+  // Mixture of experts (configs with num_experts): Megatron's flags override the config.
+  cmd->add_option("--moe-router-topk", o->moe_router_topk, "Experts per token (MoE configs)")
+      ->check(at_least(1));
+  cmd->add_option("--moe-aux-loss-coeff", o->moe_aux_loss_coeff,
+                  "Switch-style load-balancing loss coefficient (MoE configs; 0: off)")
+      ->check(at_least(0));
+  cmd->add_option("--moe-z-loss-coeff", o->moe_z_loss_coeff, "Router z-loss coefficient")
+      ->check(at_least(0));
+  cmd->add_flag("--moe-router-enable-expert-bias,!--no-moe-router-enable-expert-bias",
+                o->moe_router_enable_expert_bias,
+                "DeepSeek-V3's auxiliary-loss-free balancing: a per-expert bias on the routing "
+                "scores, moved after each step towards the mean load");
+  cmd->add_option("--moe-router-bias-update-rate", o->moe_router_bias_update_rate,
+                  "The expert bias's step per update (default 1e-3)")
+      ->check(at_least(0));
   cmd->add_option("--eval-interval", o->eval_interval, "Validate every N steps")
       ->check(at_least(0));
   cmd->add_option("--eval-iters", o->eval_iters, "Validation micro-batches")->check(at_least(0));

@@ -37,12 +37,31 @@ struct GPTConfig {
   bool bias = true;
   bool tied_embeddings = true;
   float init_std = 0.02f;
+  // Mixture of experts (Megatron-Core's names): num_experts > 0 replaces every layer's MLP by
+  // num_experts experts of moe_ffn_hidden (0: ffn()) and a shared expert of
+  // moe_shared_expert_ffn_hidden (0: none), each token routed to moe_router_topk experts.
+  int64_t num_experts = 0;
+  int64_t moe_ffn_hidden = 0;
+  int64_t moe_shared_expert_ffn_hidden = 0;
+  int64_t moe_router_topk = 2;
+  std::string moe_router_score_function = "softmax";  // softmax | sigmoid
+  bool moe_router_normalize = false;                  // the k chosen scores divided by their sum
+  float moe_router_topk_scaling_factor = 1.0f;
+  float moe_aux_loss_coeff = 0.0f;  // switch-style load-balancing loss
+  float moe_z_loss_coeff = 0.0f;
+  bool moe_router_enable_expert_bias = false;  // DeepSeek-V3's aux-loss-free balancing
+  float moe_router_bias_update_rate = 1e-3f;
 
   static GPTConfig from_json(const nlohmann::json& json);  // unknown keys are errors
   static GPTConfig load(const std::string& path);
+  void check_moe() const;  // the mixture-of-experts fields (from_json calls it)
   nlohmann::json to_json() const;
   int64_t ffn() const { return ffn_hidden ? ffn_hidden : 4 * hidden; }
+  int64_t moe_ffn() const { return moe_ffn_hidden ? moe_ffn_hidden : ffn(); }
+  bool moe() const { return num_experts > 0; }
+  // Every parameter; and those one token meets (a mixture of experts: k experts of E).
   int64_t num_parameters() const;
+  int64_t num_active_parameters() const;
   // Training FLOPs per token: 6 * (non-embedding parameters + output layer) plus attention's
   // 12 * layers * T * hidden (the PaLM appendix B count), T = the sequence length used.
   double train_flops_per_token(int64_t seq_len) const;

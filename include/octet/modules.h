@@ -20,6 +20,7 @@
 #include "octet/gemm.h"
 #include "octet/module.h"
 #include "octet/ops/activation.h"
+#include "octet/ops/moe.h"
 #include "octet/recipe.h"
 #include "octet/safetensors.h"
 #include "octet/tensor.h"
@@ -418,7 +419,157 @@ class LayerNormMLP : public Module {
 };
 
 // ---------------------------------------------------------------------------------------------
-// Attention, TransformerLayer, GroupedLinear (TransformerEngine's names and options).
+// GroupedLinear (TransformerEngine's), the experts of a mixture of experts.
+
+struct GroupedLinearOptions {
+  int num_gemms = 1;
+  int64_t in_features = 0;
+  int64_t out_features = 0;
+  bool bias = true;
+  bool return_bias = false;  // forward leaves the biases out; the caller owns their gradients
+  // Tensor parallelism (as Linear's), in effect when a group is given. Column: every weight{i}
+  // split by output rows, the input [M, in] whole on every rank, the output [M, out/TP] this
+  // rank's columns. Row: split by input columns, the input [M, in/TP] this rank's columns, the
+  // output [M, out] summed over the group with the biases added once after the sum.
+  ParallelMode parallel_mode = ParallelMode::None;
+  float init_std = 0.02f;
+  uint64_t seed = 0;
+  std::string name = "grouped_linear";
+};
+
+// num_gemms Linear layers over consecutive row groups of one input: rows
+// [sum(m_splits[:i]), sum(m_splits[:i+1])) go through weight{i} [out,in] and bias{i} [out]
+// (mixture-of-experts FFNs). Under fp8_autocast each GEMM has its own quantizers.
+class GroupedLinear : public Module {
+ public:
+  struct Context {
+    DType dtype = DType::F32;
+    std::vector<int64_t> m_splits;
+    Tensor input;                          // high-precision input (non-FP8 runs)
+    std::vector<Float8Tensor> input_fp8;   // FP8 runs: per group, columnwise
+    std::vector<Float8Tensor> weight_fp8;  // FP8 runs: per group, columnwise
+    bool fp8 = false;
+    int64_t rows = 0;
+  };
+  // tp: the tensor-parallel group for parallel_mode column / row (null: no parallelism); the
+  // weights are then the shards of the same options' single-process module.
+  explicit GroupedLinear(const GroupedLinearOptions& options, Communicator* tp = nullptr);
+  // x [M, in] with M = sum(m_splits) (entries >= 0, any may be 0) -> y [M, out] (this rank's
+  // part under tensor parallelism, above).
+  Tensor forward(const Tensor& x, const std::vector<int64_t>& m_splits, Context& ctx);
+  // dy [M, out] -> dx [M, in]; accumulates every weight{i}.grad and bias{i}.grad.
+  Tensor backward(const Tensor& dy, Context& ctx);
+  void collect_parameters(std::vector<Parameter*>& out) override;
+  void on_parameters_updated() override;
+  const GroupedLinearOptions& options() const { return options_; }  // this rank's shard
+  const GroupedLinearOptions& whole_options() const { return whole_; }
+  Fp8State& fp8_state() { return fp8_; }
+
+  std::vector<Parameter> weights;  // weight{i} [out, in]
+  std::vector<Parameter> biases;   // bias{i} [out] (empty without bias)
+
+ private:
+  PackedWeight& packed_weight(int gemm, DType dtype);
+  Tensor local_forward(const Tensor& x, const std::vector<int64_t>& m_splits, Context& ctx);
+  Tensor local_backward(const Tensor& dy, Context& ctx);
+  GroupedLinearOptions whole_;    // the module as given
+  GroupedLinearOptions options_;  // this rank's shard (the whole module without a group)
+  Communicator* tp_ = nullptr;
+  Fp8State fp8_;
+  std::vector<std::optional<PackedWeight>> packed_;
+  std::vector<DType> packed_dtype_;
+};
+
+// ---------------------------------------------------------------------------------------------
+// Mixture of experts (Megatron-Core's MoELayer: TopKRouter, the experts as TEGroupedMLP, shared
+// experts), in the place of a TransformerLayer's LayerNormMLP.
+
+struct MoELayerOptions {
+  int64_t hidden = 0;
+  int64_t num_experts = 0;  // --num-experts
+  int64_t ffn_hidden = 0;   // each expert's (--moe-ffn-hidden-size)
+  // One shared expert of this width sees every token (--moe-shared-expert-intermediate-size);
+  // 0: none.
+  int64_t shared_expert_ffn_hidden = 0;
+  ops::ActivationKind activation = ops::ActivationKind::GeluTanh;
+  NormOptions norm;
+  bool bias = true;  // the experts' and the shared expert's biases
+  // topk, score function, normalization, scaling, aux-loss and z-loss coefficients
+  // (expert_bias is the layer's own, below; the pointer here is ignored).
+  ops::RouterOptions router;
+  // DeepSeek-V3's auxiliary-loss-free balancing (--moe-router-enable-expert-bias): after each
+  // optimizer step, expert_bias[e] += rate * sign(mean load - load[e]).
+  bool enable_expert_bias = false;
+  float expert_bias_update_rate = 1e-3f;
+  float init_std = 0.02f;
+  float output_init_std = 0.02f;
+  uint64_t seed = 0;
+  std::string name = "moe";
+};
+
+// norm -> router (a linear gate without bias, in FP32 and never quantized) -> top-k choice ->
+// the tokens permuted by expert -> experts FC1 (GroupedLinear, one GEMM per expert with its
+// rows) -> activation -> experts FC2 -> unpermuted and weighted by the router's probabilities,
+// plus the shared expert's output on the same normalized tokens. Dropless: every token reaches
+// its k experts. Backward adds the auxiliary losses' gradients (the switch loss, the z-loss)
+// scaled like the main loss's (set_loss_scale).
+class MoELayer : public Module {
+ public:
+  struct Context {
+    Norm::Context norm;
+    Linear::Context router;
+    Tensor logits, scores, probs, experts, counts, row_map;  // the router's and the permutation's
+    GroupedLinear::Context fc1, fc2;
+    Tensor fc1_output;     // [N*k, F(x2 gated)]: pre-activation
+    Tensor expert_output;  // [N*k, C]: FC2's, in permuted order
+    Linear::Context shared_fc1, shared_fc2;
+    Tensor shared_fc1_output;
+    ops::RouterLosses losses;
+    float loss_scale = 1.0f;
+    Shape shape;  // the input's
+  };
+  // What the training micro-batches routed since the last take_load().
+  struct Load {
+    std::vector<double> tokens;           // [E] tokens routed to each expert (copies: k per token)
+    double aux_loss = 0.0, z_loss = 0.0;  // summed over micro-batches
+    int64_t micro_batches = 0;
+  };
+  explicit MoELayer(const MoELayerOptions& options, Communicator* tp = nullptr);
+  // x [..., C] F32|BF16 (N tokens) -> [..., C] in x's dtype.
+  Tensor forward(const Tensor& x, Context& ctx);
+  // dy shaped like forward's output -> dx; gradients accumulate. Counts the micro-batch's load.
+  Tensor backward(const Tensor& dy, Context& ctx);
+  void collect_parameters(std::vector<Parameter*>& out) override;
+  void on_parameters_updated() override;
+  // The experts' FC1 and FC2, then the shared expert's FC1 and FC2 (the router is not FP8).
+  std::vector<Fp8State*> fp8_states();
+  // The factor of the auxiliary losses' gradients for the forwards that follow (the main
+  // loss's grad_scale: 1 / micro-batches per step).
+  void set_loss_scale(float scale) { loss_scale_ = scale; }
+  Load take_load();
+  // DeepSeek-V3's update from tokens [E], the load summed over every rank sharing this layer's
+  // bias (data-parallel ranks): expert_bias[e] += rate * sign(mean - tokens[e]). Without
+  // enable_expert_bias, nothing.
+  void update_expert_bias(const std::vector<double>& tokens);
+  const MoELayerOptions& options() const { return options_; }
+
+  Norm norm;
+  Linear router;      // weight [E, C]
+  GroupedLinear fc1;  // E x [F (2F gated), C]
+  GroupedLinear fc2;  // E x [C, F]
+  std::optional<Linear> shared_fc1, shared_fc2;
+  // [E] F32, a buffer (not a parameter: no gradient, no optimizer), checkpointed by the model
+  // as NAME.router.expert_bias. Zeros unless enable_expert_bias.
+  Tensor expert_bias;
+
+ private:
+  MoELayerOptions options_;
+  float loss_scale_ = 1.0f;
+  Load load_;
+};
+
+// ---------------------------------------------------------------------------------------------
+// Attention and TransformerLayer (TransformerEngine's names and options).
 
 // Which keys a query sees. Masks are bottom-right aligned (flash-attn): with T queries and S
 // keys, query i sits on key diagonal i + S - T. Padding masks take per-sequence lengths.
@@ -646,6 +797,10 @@ struct TransformerLayerOptions {
   float init_std = 0.02f;
   float output_init_std = 0.02f;
   DType params_dtype = DType::F32;
+  // moe.num_experts > 0: a mixture of experts in the place of the MLP. The layer sets its
+  // hidden size, norm, activation, bias, init, seed and name (moe_options); the rest (experts,
+  // their width, the shared expert, the router) is taken from here.
+  MoELayerOptions moe;
   // Keep only the layer's inputs; backward recomputes the forward (same FP8 scales, same
   // dropout masks) before running its own backward.
   bool checkpoint = false;
@@ -677,6 +832,7 @@ class TransformerLayer : public Module {
     std::vector<FP8Meta> fp8_forward_metas;
     MultiheadAttention::Context self_attention, inter_attention;
     LayerNormMLP::Context mlp;
+    MoELayer::Context moe;
     // Post-layernorm residuals: the norm re-applied (its output is the residual).
     Norm::Context self_residual_norm, inter_residual_norm, mlp_residual_norm;
     Norm::Context output_norm;
@@ -688,6 +844,7 @@ class TransformerLayer : public Module {
   static MultiheadAttentionOptions attention_options(const TransformerLayerOptions& options,
                                                      bool cross);
   static LayerNormMLPOptions mlp_options(const TransformerLayerOptions& options);
+  static MoELayerOptions moe_options(const TransformerLayerOptions& options);
   // x [B,T,C] F32|BF16 -> [B,T,C]. encoder_output [B,S,C] for decoder layers. lengths /
   // encoder_lengths [B] I32 for padding masks (self: lengths; cross: lengths, encoder_lengths).
   // Sequence parallelism: x [B*T/TP, C] with seq_len = T -> [B*T/TP, C].
@@ -706,7 +863,8 @@ class TransformerLayer : public Module {
   // Inference over T new tokens with the KV cache (encoder layers; dropout off, no contexts
   // kept): x [B,T,C] -> [B,T,C]. See MultiheadAttention::forward_inference.
   Tensor forward_inference(const Tensor& x, InferenceParams& params, int64_t layer_number);
-  // Every FP8 state: self-attention's, cross-attention's, then FC1 and FC2.
+  // Every FP8 state: self-attention's, cross-attention's, then FC1 and FC2 (a mixture of
+  // experts: MoELayer::fp8_states()).
   std::vector<Fp8State*> fp8_states();
   // The column-parallel GEMMs' sequence-parallel all-gathers overlapped with the GEMM of this
   // rank's own rows (Linear::set_overlap_gather; TransformerEngine's ub overlap).
@@ -714,72 +872,18 @@ class TransformerLayer : public Module {
 
   MultiheadAttention self_attention;
   std::optional<MultiheadAttention> inter_attention;
-  LayerNormMLP layernorm_mlp;
+  // The MLP: a LayerNormMLP, or a mixture of experts (options.moe.num_experts > 0).
+  std::optional<LayerNormMLP> layernorm_mlp;
+  std::optional<MoELayer> moe;
   std::optional<Norm> layernorm;  // output_layernorm
 
  private:
   void run_forward(const Tensor& x, const Tensor* encoder_output, Context& ctx, Tensor& out);
+  Norm& mlp_norm();  // the MLP's (or the experts') input norm
+  Tensor mlp_forward(const Tensor& x, Context& ctx);
+  Tensor mlp_backward(const Tensor& dy, Context& ctx);
   TransformerLayerOptions options_;
   uint64_t dropout_offset_ = 0;
-};
-
-struct GroupedLinearOptions {
-  int num_gemms = 1;
-  int64_t in_features = 0;
-  int64_t out_features = 0;
-  bool bias = true;
-  bool return_bias = false;  // forward leaves the biases out; the caller owns their gradients
-  // Tensor parallelism (as Linear's), in effect when a group is given. Column: every weight{i}
-  // split by output rows, the input [M, in] whole on every rank, the output [M, out/TP] this
-  // rank's columns. Row: split by input columns, the input [M, in/TP] this rank's columns, the
-  // output [M, out] summed over the group with the biases added once after the sum.
-  ParallelMode parallel_mode = ParallelMode::None;
-  float init_std = 0.02f;
-  uint64_t seed = 0;
-  std::string name = "grouped_linear";
-};
-
-// num_gemms Linear layers over consecutive row groups of one input: rows
-// [sum(m_splits[:i]), sum(m_splits[:i+1])) go through weight{i} [out,in] and bias{i} [out]
-// (mixture-of-experts FFNs). Under fp8_autocast each GEMM has its own quantizers.
-class GroupedLinear : public Module {
- public:
-  struct Context {
-    DType dtype = DType::F32;
-    std::vector<int64_t> m_splits;
-    Tensor input;                          // high-precision input (non-FP8 runs)
-    std::vector<Float8Tensor> input_fp8;   // FP8 runs: per group, columnwise
-    std::vector<Float8Tensor> weight_fp8;  // FP8 runs: per group, columnwise
-    bool fp8 = false;
-    int64_t rows = 0;
-  };
-  // tp: the tensor-parallel group for parallel_mode column / row (null: no parallelism); the
-  // weights are then the shards of the same options' single-process module.
-  explicit GroupedLinear(const GroupedLinearOptions& options, Communicator* tp = nullptr);
-  // x [M, in] with M = sum(m_splits) (entries >= 0, any may be 0) -> y [M, out] (this rank's
-  // part under tensor parallelism, above).
-  Tensor forward(const Tensor& x, const std::vector<int64_t>& m_splits, Context& ctx);
-  // dy [M, out] -> dx [M, in]; accumulates every weight{i}.grad and bias{i}.grad.
-  Tensor backward(const Tensor& dy, Context& ctx);
-  void collect_parameters(std::vector<Parameter*>& out) override;
-  void on_parameters_updated() override;
-  const GroupedLinearOptions& options() const { return options_; }  // this rank's shard
-  const GroupedLinearOptions& whole_options() const { return whole_; }
-  Fp8State& fp8_state() { return fp8_; }
-
-  std::vector<Parameter> weights;  // weight{i} [out, in]
-  std::vector<Parameter> biases;   // bias{i} [out] (empty without bias)
-
- private:
-  PackedWeight& packed_weight(int gemm, DType dtype);
-  Tensor local_forward(const Tensor& x, const std::vector<int64_t>& m_splits, Context& ctx);
-  Tensor local_backward(const Tensor& dy, Context& ctx);
-  GroupedLinearOptions whole_;    // the module as given
-  GroupedLinearOptions options_;  // this rank's shard (the whole module without a group)
-  Communicator* tp_ = nullptr;
-  Fp8State fp8_;
-  std::vector<std::optional<PackedWeight>> packed_;
-  std::vector<DType> packed_dtype_;
 };
 
 // ---------------------------------------------------------------------------------------------

@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstdint>
 #include <functional>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -162,6 +163,11 @@ struct TrainOptions {
   int64_t num_layers_at_start_in_bf16 = 1;
   int64_t num_layers_at_end_in_bf16 = 1;
   bool recompute_activations = false;
+  // Mixture-of-experts overrides of the config's fields (Megatron's flags): unset, the
+  // config's value holds. GPT configs with num_experts > 0 only.
+  std::optional<int64_t> moe_router_topk;
+  std::optional<float> moe_aux_loss_coeff, moe_z_loss_coeff, moe_router_bias_update_rate;
+  std::optional<bool> moe_router_enable_expert_bias;
   // Frozen parameters: those whose names start with one of these prefixes (e.g.
   // "vision_model." for a CLIP's image tower) keep their values, and the optimizer holds no
   // state for them nor counts them in the clipping norm. Each prefix must name a parameter.

@@ -86,6 +86,10 @@ class TrainableModel : public pipeline::StagedModel {
   using EmbeddingGradHook =
       std::function<void(Parameter& table, const Tensor& ids, const Tensor& rows)>;
   virtual bool set_embedding_grad_hook(EmbeddingGradHook hook) { return false; }
+  // The mixture-of-experts layers of the part held, chunks in stage order (none in a dense
+  // model): after each optimizer step the trainer sums their loads over the data-parallel
+  // ranks, moves their expert biases and reports the balance.
+  virtual std::vector<MoELayer*> moe_layers() { return {}; }
 };
 
 // What octet's models share (Megatron's TransformerBlock with pre_process / post_process): a
@@ -129,10 +133,12 @@ class TransformerStack : public TrainableModel {
   std::vector<int64_t> fp8_state_indices() override;
   // This rank's parameters under whole-model names (shards gathered), and loading this part
   // from a whole-model map: missing or mismatched tensors are errors, and so are extra ones
-  // when the whole model is held.
+  // when the whole model is held. Mixture-of-experts layers with an expert bias add it as
+  // NAME.router.expert_bias (a buffer, not a parameter).
   TensorMap state_dict() override;
   void load_state_dict(const TensorMap& tensors) override;
   void on_parameters_updated() override;  // the layers' weight caches
+  std::vector<MoELayer*> moe_layers() override;
   // Megatron's --first-last-layers-bf16: the first `first` and last `last` transformer layers
   // of the whole model run outside fp8_autocast / fp4_autocast (in the step's dtype), forward,
   // backward and recomputation alike, as the published NVFP4 recipe keeps them.
@@ -163,8 +169,10 @@ class TransformerStack : public TrainableModel {
   // The chunk's layers over h ([B,T,C], or this rank's token rows [B*T/TP, C] with seq_len = T
   // under sequence parallelism). With `contexts` each layer's is kept there for backward.
   // lengths [B] I32: each sequence's tokens before its padding (padding-mask layers).
+  // loss_scale: the main loss's grad_scale, by which mixture-of-experts layers scale their
+  // auxiliary losses' gradients.
   Tensor forward_layers(int chunk, Tensor h, std::vector<TransformerLayer::Context>* contexts,
-                        int64_t seq_len, const Tensor* lengths = nullptr);
+                        int64_t seq_len, const Tensor* lengths = nullptr, float loss_scale = 1.0f);
   // Backward through the chunk's layers from the last: each context released, each layer's
   // parameters reported to the grad-ready hook as they become final.
   Tensor backward_layers(int chunk, Tensor dx, std::vector<TransformerLayer::Context>& contexts);

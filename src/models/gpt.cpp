@@ -297,7 +297,8 @@ Tensor GPT::run_forward(int chunk, const Tensor& input, const Tensor& ids, const
     h = checked_input(chunk, input, boundary, dtype);
   }
   // Under sequence parallelism the layers' token rows are a shard of the T tokens.
-  h = forward_layers(chunk, h, ctx ? &ctx->layers : nullptr, sequence_parallel() ? T : 0);
+  h = forward_layers(chunk, h, ctx ? &ctx->layers : nullptr, sequence_parallel() ? T : 0, nullptr,
+                     grad_scale);
   if (!is_last(chunk)) return h;
   Norm::Context norm_scratch;
   Tensor hidden = final_norm_->forward(h, ctx ? ctx->final_norm : norm_scratch);

@@ -28,10 +28,35 @@ GPTConfig GPTConfig::from_json(const nlohmann::json& json) {
   auto get = [&](const char* key, auto& field) { models_detail::read_field(json, key, field); };
   get("model", model);
   OCTET_CHECK(model == "gpt", "model config: 'model' expected \"gpt\" here, got '", model, "'");
-  models_detail::check_known_keys(
-      json, {"model", "name", "vocab_size", "max_seq_len", "num_layers", "hidden", "num_heads",
-             "num_gqa_groups", "ffn_hidden", "activation", "normalization", "position_embedding",
-             "rope_theta", "layernorm_eps", "dropout", "bias", "tied_embeddings", "init_std"});
+  models_detail::check_known_keys(json, {"model",
+                                         "name",
+                                         "vocab_size",
+                                         "max_seq_len",
+                                         "num_layers",
+                                         "hidden",
+                                         "num_heads",
+                                         "num_gqa_groups",
+                                         "ffn_hidden",
+                                         "activation",
+                                         "normalization",
+                                         "position_embedding",
+                                         "rope_theta",
+                                         "layernorm_eps",
+                                         "dropout",
+                                         "bias",
+                                         "tied_embeddings",
+                                         "init_std",
+                                         "num_experts",
+                                         "moe_ffn_hidden",
+                                         "moe_shared_expert_ffn_hidden",
+                                         "moe_router_topk",
+                                         "moe_router_score_function",
+                                         "moe_router_normalize",
+                                         "moe_router_topk_scaling_factor",
+                                         "moe_aux_loss_coeff",
+                                         "moe_z_loss_coeff",
+                                         "moe_router_enable_expert_bias",
+                                         "moe_router_bias_update_rate"});
   get("name", c.name);
   get("vocab_size", c.vocab_size);
   get("max_seq_len", c.max_seq_len);
@@ -49,6 +74,18 @@ GPTConfig GPTConfig::from_json(const nlohmann::json& json) {
   get("bias", c.bias);
   get("tied_embeddings", c.tied_embeddings);
   get("init_std", c.init_std);
+  get("num_experts", c.num_experts);
+  get("moe_ffn_hidden", c.moe_ffn_hidden);
+  get("moe_shared_expert_ffn_hidden", c.moe_shared_expert_ffn_hidden);
+  get("moe_router_topk", c.moe_router_topk);
+  get("moe_router_score_function", c.moe_router_score_function);
+  get("moe_router_normalize", c.moe_router_normalize);
+  get("moe_router_topk_scaling_factor", c.moe_router_topk_scaling_factor);
+  get("moe_aux_loss_coeff", c.moe_aux_loss_coeff);
+  get("moe_z_loss_coeff", c.moe_z_loss_coeff);
+  get("moe_router_enable_expert_bias", c.moe_router_enable_expert_bias);
+  get("moe_router_bias_update_rate", c.moe_router_bias_update_rate);
+  c.check_moe();
   OCTET_CHECK(
       c.vocab_size > 0 && c.max_seq_len > 0 && c.num_layers > 0 && c.hidden > 0 && c.num_heads > 0,
       "model config: vocab_size, max_seq_len, num_layers, hidden, num_heads must be "
@@ -84,6 +121,34 @@ GPTConfig GPTConfig::from_json(const nlohmann::json& json) {
   return c;
 }
 
+void GPTConfig::check_moe() const {
+  OCTET_CHECK(num_experts >= 0 && num_experts <= 4096,
+              "model config: num_experts expected in [0, 4096] (0: a dense MLP), got ",
+              num_experts);
+  OCTET_CHECK(
+      moe_ffn_hidden >= 0 && moe_ffn_hidden <= (int64_t{1} << 22) &&
+          moe_shared_expert_ffn_hidden >= 0 && moe_shared_expert_ffn_hidden <= (int64_t{1} << 22),
+      "model config: moe_ffn_hidden (", moe_ffn_hidden, ") and moe_shared_expert_ffn_hidden (",
+      moe_shared_expert_ffn_hidden, ") expected in [0, 2^22]");
+  if (num_experts == 0) return;
+  OCTET_CHECK(moe_router_topk >= 1 && moe_router_topk <= num_experts,
+              "model config: moe_router_topk expected in [1, num_experts = ", num_experts,
+              "], got ", moe_router_topk);
+  OCTET_CHECK(moe_router_score_function == "softmax" || moe_router_score_function == "sigmoid",
+              "model config: moe_router_score_function expected softmax or sigmoid, got '",
+              moe_router_score_function, "'");
+  OCTET_CHECK(std::isfinite(moe_router_topk_scaling_factor) && moe_router_topk_scaling_factor > 0,
+              "model config: moe_router_topk_scaling_factor expected > 0, got ",
+              moe_router_topk_scaling_factor);
+  OCTET_CHECK(std::isfinite(moe_aux_loss_coeff) && moe_aux_loss_coeff >= 0 &&
+                  std::isfinite(moe_z_loss_coeff) && moe_z_loss_coeff >= 0,
+              "model config: moe_aux_loss_coeff (", moe_aux_loss_coeff, ") and moe_z_loss_coeff (",
+              moe_z_loss_coeff, ") expected finite and >= 0");
+  OCTET_CHECK(std::isfinite(moe_router_bias_update_rate) && moe_router_bias_update_rate >= 0,
+              "model config: moe_router_bias_update_rate expected >= 0, got ",
+              moe_router_bias_update_rate);
+}
+
 GPTConfig GPTConfig::load(const std::string& path) {
   const nlohmann::json json = models_detail::read_config_file(path);
   try {
@@ -110,39 +175,80 @@ nlohmann::json GPTConfig::to_json() const {
           {"dropout", dropout},
           {"bias", bias},
           {"tied_embeddings", tied_embeddings},
-          {"init_std", init_std}};
+          {"init_std", init_std},
+          {"num_experts", num_experts},
+          {"moe_ffn_hidden", moe_ffn_hidden},
+          {"moe_shared_expert_ffn_hidden", moe_shared_expert_ffn_hidden},
+          {"moe_router_topk", moe_router_topk},
+          {"moe_router_score_function", moe_router_score_function},
+          {"moe_router_normalize", moe_router_normalize},
+          {"moe_router_topk_scaling_factor", moe_router_topk_scaling_factor},
+          {"moe_aux_loss_coeff", moe_aux_loss_coeff},
+          {"moe_z_loss_coeff", moe_z_loss_coeff},
+          {"moe_router_enable_expert_bias", moe_router_enable_expert_bias},
+          {"moe_router_bias_update_rate", moe_router_bias_update_rate}};
 }
 
 namespace {
 
-// Matrix parameters of one layer (what the GEMMs multiply by).
-int64_t layer_matrix_parameters(const GPTConfig& c) {
+// Weights and biases of an MLP of width f (biases when the config has them).
+struct MlpCount {
+  int64_t matrices = 0, biases = 0;
+};
+MlpCount mlp_count(const GPTConfig& c, int64_t f) {
+  const bool gated = ops::is_gated(ops::parse_activation(c.activation));
+  MlpCount m;
+  m.matrices = c.hidden * f * (gated ? 2 : 1) + f * c.hidden;
+  m.biases = c.bias ? f * (gated ? 2 : 1) + c.hidden : 0;
+  return m;
+}
+
+// Matrix parameters of one layer (what the GEMMs multiply by): every expert's, or the `active`
+// ones a token meets (the router, k experts and the shared expert).
+int64_t layer_matrix_parameters(const GPTConfig& c, bool active) {
   int64_t head_dim = c.hidden / c.num_heads;
   int64_t kv = c.num_gqa_groups ? c.num_gqa_groups : c.num_heads;
   int64_t qkv = c.hidden * (c.num_heads + 2 * kv) * head_dim;
   int64_t proj = c.num_heads * head_dim * c.hidden;
-  bool gated = ops::is_gated(ops::parse_activation(c.activation));
-  int64_t mlp = c.hidden * c.ffn() * (gated ? 2 : 1) + c.ffn() * c.hidden;
-  return qkv + proj + mlp;
+  if (!c.moe()) return qkv + proj + mlp_count(c, c.ffn()).matrices;
+  const int64_t experts = active ? c.moe_router_topk : c.num_experts;
+  return qkv + proj + c.hidden * c.num_experts + experts * mlp_count(c, c.moe_ffn()).matrices +
+         (c.moe_shared_expert_ffn_hidden ? mlp_count(c, c.moe_shared_expert_ffn_hidden).matrices
+                                         : 0);
+}
+
+int64_t count_parameters(const GPTConfig& c, bool active) {
+  int64_t head_dim = c.hidden / c.num_heads;
+  int64_t kv = c.num_gqa_groups ? c.num_gqa_groups : c.num_heads;
+  int64_t norm = c.normalization == "layernorm" ? 2 * c.hidden : c.hidden;
+  int64_t biases = c.bias ? (c.num_heads + 2 * kv) * head_dim + c.hidden : 0;
+  if (!c.moe()) {
+    biases += mlp_count(c, c.ffn()).biases;
+  } else {
+    biases += (active ? c.moe_router_topk : c.num_experts) * mlp_count(c, c.moe_ffn()).biases;
+    if (c.moe_shared_expert_ffn_hidden) {
+      biases += mlp_count(c, c.moe_shared_expert_ffn_hidden).biases;
+    }
+  }
+  int64_t per_layer = layer_matrix_parameters(c, active) + biases + 2 * norm;
+  int64_t positions = c.position_embedding == "learned" ? c.max_seq_len * c.hidden : 0;
+  return c.vocab_size * c.hidden + positions + c.num_layers * per_layer + norm;
 }
 
 }  // namespace
 
 int64_t GPTConfig::num_parameters() const {
-  int64_t head_dim = hidden / num_heads;
-  int64_t kv = num_gqa_groups ? num_gqa_groups : num_heads;
-  bool gated = ops::is_gated(ops::parse_activation(activation));
-  int64_t norm = normalization == "layernorm" ? 2 * hidden : hidden;
-  int64_t biases =
-      bias ? (num_heads + 2 * kv) * head_dim + hidden + ffn() * (gated ? 2 : 1) + hidden : 0;
-  int64_t per_layer = layer_matrix_parameters(*this) + biases + 2 * norm;
-  int64_t positions = position_embedding == "learned" ? max_seq_len * hidden : 0;
-  return vocab_size * hidden + positions + num_layers * per_layer + norm;
+  return count_parameters(*this, false);
+}
+
+int64_t GPTConfig::num_active_parameters() const {
+  return count_parameters(*this, true);
 }
 
 double GPTConfig::train_flops_per_token(int64_t seq_len) const {
+  // A token's GEMMs: the active weights only.
   double matrices =
-      double(num_layers) * layer_matrix_parameters(*this) + double(vocab_size) * hidden;
+      double(num_layers) * layer_matrix_parameters(*this, true) + double(vocab_size) * hidden;
   return 6.0 * matrices + 12.0 * num_layers * seq_len * hidden;
 }
 

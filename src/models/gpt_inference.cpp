@@ -127,15 +127,18 @@ InferenceParams GPT::make_paged_inference_params(int64_t num_blocks, int64_t blo
 
 namespace {
 
-// The GEMM layers of a transformer layer.
+// The GEMM layers of a transformer layer (a mixture of experts: its shared expert's; the
+// experts' own weights are not Linears).
 std::vector<Linear*> linears_of(TransformerLayer& layer) {
   std::vector<Linear*> out;
   MultiheadAttention& a = layer.self_attention;
   if (a.layernorm_qkv) out.push_back(&a.layernorm_qkv->linear);
   if (a.qkv) out.push_back(&*a.qkv);
   out.push_back(&a.proj);
-  out.push_back(&layer.layernorm_mlp.fc1);
-  out.push_back(&layer.layernorm_mlp.fc2);
+  if (layer.layernorm_mlp) {
+    out.push_back(&layer.layernorm_mlp->fc1);
+    out.push_back(&layer.layernorm_mlp->fc2);
+  }
   return out;
 }
 
@@ -146,6 +149,9 @@ size_t GPT::set_inference_fp8_weights(bool on) {
   size_t bytes = 0;
   for (TransformerLayer& layer : layers()) {
     OCTET_CHECK(!layer.inter_attention, "gpt: inference FP8 weights: cross-attention layers");
+    OCTET_CHECK(!layer.moe,
+                "gpt: inference FP8 weights of a mixture of experts are not supported "
+                "yet (serve it in BF16)");
     for (Linear* linear : linears_of(layer)) {
       linear->set_inference_fp8_weight(on);
       bytes += linear->inference_weight_bytes();
@@ -167,6 +173,21 @@ size_t GPT::inference_weight_bytes(DType dtype) {
       bytes += linear->inference_fp8_weight()
                    ? linear->inference_weight_bytes()
                    : static_cast<size_t>(linear->weight.value.numel()) * dtype_bytes(dtype);
+    }
+    if (layer.moe) {
+      // The router's and the top-k experts' weights a token reads (all experts: the bound for
+      // a batch).
+      MoELayer& moe = *layer.moe;
+      const auto& o = moe.options();
+      const int64_t per_expert =
+          moe.fc1.weights[0].value.numel() + moe.fc2.weights[0].value.numel();
+      bytes += static_cast<size_t>(moe.router.weight.value.numel()) * 4 +
+               static_cast<size_t>(o.router.topk * per_expert) * dtype_bytes(dtype);
+      if (moe.shared_fc1) {
+        bytes += static_cast<size_t>(moe.shared_fc1->weight.value.numel() +
+                                     moe.shared_fc2->weight.value.numel()) *
+                 dtype_bytes(dtype);
+      }
     }
   }
   return bytes;

@@ -51,6 +51,21 @@ TransformerLayerOptions layer_options(const GPTConfig& c, int64_t index, uint64_
   o.output_init_std = c.init_std / std::sqrt(2.0f * static_cast<float>(c.num_layers));
   o.seed = seed * 1000 + static_cast<uint64_t>(index) + 1;
   o.name = "transformer.h." + std::to_string(index);
+  if (c.moe()) {
+    MoELayerOptions& m = o.moe;
+    m.num_experts = c.num_experts;
+    m.ffn_hidden = c.moe_ffn();
+    m.shared_expert_ffn_hidden = c.moe_shared_expert_ffn_hidden;
+    m.router.topk = c.moe_router_topk;
+    m.router.score = c.moe_router_score_function == "sigmoid" ? ops::RouterScore::Sigmoid
+                                                              : ops::RouterScore::Softmax;
+    m.router.normalize = c.moe_router_normalize;
+    m.router.scaling = c.moe_router_topk_scaling_factor;
+    m.router.aux_loss_coeff = c.moe_aux_loss_coeff;
+    m.router.z_loss_coeff = c.moe_z_loss_coeff;
+    m.enable_expert_bias = c.moe_router_enable_expert_bias;
+    m.expert_bias_update_rate = c.moe_router_bias_update_rate;
+  }
   return o;
 }
 

@@ -112,9 +112,30 @@ std::vector<int64_t> TransformerStack::fp8_state_indices() {
                              : octet::fp8_state_indices(*this, states, num_layers_);
 }
 
+namespace {
+
+std::string expert_bias_name(const MoELayer& moe) {
+  return moe.options().name + ".router.expert_bias";
+}
+
+}  // namespace
+
+std::vector<MoELayer*> TransformerStack::moe_layers() {
+  std::vector<MoELayer*> out;
+  for (int chunk : chunks_in_stage_order()) {
+    for (TransformerLayer& layer : layers(chunk)) {
+      if (layer.moe) out.push_back(&*layer.moe);
+    }
+  }
+  return out;
+}
+
 TensorMap TransformerStack::state_dict() {
   TensorMap out;
   for (Parameter* p : parameters()) out[p->name] = gather(*p, p->value);
+  for (MoELayer* moe : moe_layers()) {
+    if (moe->options().enable_expert_bias) out[expert_bias_name(*moe)] = moe->expert_bias.clone();
+  }
   return out;
 }
 
@@ -126,9 +147,22 @@ void TransformerStack::load_state_dict(const TensorMap& tensors) {
                 "' (does the checkpoint match this model config?)");
     p->value.copy_from(shard(*p, it->second));
   }
+  size_t buffers = 0;
+  for (MoELayer* moe : moe_layers()) {
+    if (!moe->options().enable_expert_bias) continue;
+    const std::string name = expert_bias_name(*moe);
+    auto it = tensors.find(name);
+    OCTET_CHECK(it != tensors.end(), "checkpoint: missing tensor '", name,
+                "' (the expert bias of --moe-router-enable-expert-bias)");
+    check_shape(it->second, moe->expert_bias.shape(), "checkpoint: tensor '" + name + "'", "E");
+    check_dtype(it->second, DType::F32, "checkpoint: tensor '" + name + "'");
+    moe->expert_bias.copy_from(it->second);
+    ++buffers;
+  }
   // Another stage's tensors are expected in a whole-model map; the whole model has no others.
-  OCTET_CHECK(layout_.stages > 1 || tensors.size() == params.size(), "checkpoint: holds ",
-              tensors.size(), " tensors, the model has ", params.size(), " parameters");
+  OCTET_CHECK(layout_.stages > 1 || tensors.size() == params.size() + buffers, "checkpoint: holds ",
+              tensors.size(), " tensors, the model has ", params.size() + buffers,
+              " (parameters and buffers)");
   on_parameters_updated();
 }
 
@@ -154,11 +188,12 @@ const Tensor& TransformerStack::checked_input(int chunk, const Tensor& input, co
 
 Tensor TransformerStack::forward_layers(int chunk, Tensor h,
                                         std::vector<TransformerLayer::Context>* contexts,
-                                        int64_t seq_len, const Tensor* lengths) {
+                                        int64_t seq_len, const Tensor* lengths, float loss_scale) {
   std::vector<TransformerLayer>& stack = layers(chunk);
   if (contexts) contexts->assign(stack.size(), TransformerLayer::Context{});
   for (size_t i = 0; i < stack.size(); ++i) {
     TransformerLayer::Context scratch;
+    if (stack[i].moe) stack[i].moe->set_loss_scale(loss_scale);
     HighPrecisionScope scope(is_high_precision_layer(global_layer(chunk, i)));
     h = stack[i].forward(h, contexts ? (*contexts)[i] : scratch, nullptr, lengths, nullptr,
                          seq_len);

@@ -70,6 +70,23 @@ LayerNormMLPOptions TransformerLayer::mlp_options(const TransformerLayerOptions&
   return m;
 }
 
+MoELayerOptions TransformerLayer::moe_options(const TransformerLayerOptions& o) {
+  MoELayerOptions m = o.moe;
+  m.hidden = o.hidden_size;
+  m.activation = o.activation;
+  m.norm.hidden = o.hidden_size;
+  m.norm.kind = o.normalization;
+  m.norm.eps = o.layernorm_epsilon;
+  m.norm.zero_centered_gamma = o.zero_centered_gamma;
+  m.norm.name = o.name + ".moe.norm";
+  m.bias = o.bias;
+  m.init_std = o.init_std;
+  m.output_init_std = o.output_init_std;
+  m.seed = o.seed * 4 + 3;
+  m.name = o.name + ".moe";
+  return m;
+}
+
 namespace {
 
 const TransformerLayerOptions& checked(const TransformerLayerOptions& o, Communicator* tp) {
@@ -91,9 +108,12 @@ const TransformerLayerOptions& checked(const TransformerLayerOptions& o, Communi
 }  // namespace
 
 TransformerLayer::TransformerLayer(const TransformerLayerOptions& options, Communicator* tp)
-    : self_attention(attention_options(checked(options, tp), false), tp),
-      layernorm_mlp(mlp_options(options), tp),
-      options_(options) {
+    : self_attention(attention_options(checked(options, tp), false), tp), options_(options) {
+  if (options.moe.num_experts > 0) {
+    moe.emplace(moe_options(options), tp);
+  } else {
+    layernorm_mlp.emplace(mlp_options(options), tp);
+  }
   if (options.layer_type == LayerType::Decoder)
     inter_attention.emplace(attention_options(options, true), tp);
   if (options.output_layernorm) {
@@ -113,20 +133,40 @@ TransformerLayer::TransformerLayer(const TransformerLayerOptions& options, Commu
 void TransformerLayer::set_overlap_gather(bool on) {
   if (self_attention.layernorm_qkv) self_attention.layernorm_qkv->linear.set_overlap_gather(on);
   if (self_attention.qkv) self_attention.qkv->set_overlap_gather(on);
-  layernorm_mlp.fc1.set_overlap_gather(on);
+  if (layernorm_mlp) layernorm_mlp->fc1.set_overlap_gather(on);
+}
+
+Norm& TransformerLayer::mlp_norm() {
+  return moe ? moe->norm : layernorm_mlp->norm;
+}
+
+Tensor TransformerLayer::mlp_forward(const Tensor& x, Context& ctx) {
+  return moe ? moe->forward(x, ctx.moe) : layernorm_mlp->forward(x, ctx.mlp);
+}
+
+Tensor TransformerLayer::mlp_backward(const Tensor& dy, Context& ctx) {
+  return moe ? moe->backward(dy, ctx.moe) : layernorm_mlp->backward(dy, ctx.mlp);
 }
 
 void TransformerLayer::collect_parameters(std::vector<Parameter*>& out) {
   self_attention.collect_parameters(out);
   if (inter_attention) inter_attention->collect_parameters(out);
-  layernorm_mlp.collect_parameters(out);
+  if (moe) {
+    moe->collect_parameters(out);
+  } else {
+    layernorm_mlp->collect_parameters(out);
+  }
   if (layernorm) layernorm->collect_parameters(out);
 }
 
 void TransformerLayer::on_parameters_updated() {
   self_attention.on_parameters_updated();
   if (inter_attention) inter_attention->on_parameters_updated();
-  layernorm_mlp.on_parameters_updated();
+  if (moe) {
+    moe->on_parameters_updated();
+  } else {
+    layernorm_mlp->on_parameters_updated();
+  }
 }
 
 std::vector<Fp8State*> TransformerLayer::fp8_states() {
@@ -134,8 +174,12 @@ std::vector<Fp8State*> TransformerLayer::fp8_states() {
   if (inter_attention) {
     for (Fp8State* s : inter_attention->fp8_states()) states.push_back(s);
   }
-  states.push_back(&layernorm_mlp.fc1.fp8_state());
-  states.push_back(&layernorm_mlp.fc2.fp8_state());
+  if (moe) {
+    for (Fp8State* s : moe->fp8_states()) states.push_back(s);
+  } else {
+    states.push_back(&layernorm_mlp->fc1.fp8_state());
+    states.push_back(&layernorm_mlp->fc2.fp8_state());
+  }
   return states;
 }
 
@@ -168,7 +212,7 @@ void TransformerLayer::run_forward(const Tensor& x, const Tensor* encoder_output
   Tensor h = bias_dropout_add(attention, self_attention.output_bias(), residual,
                               ctx.attention_dropout_offset);
   if (o.parallel_attention_mlp) {
-    Tensor mlp = layernorm_mlp.forward(x, ctx.mlp);
+    Tensor mlp = mlp_forward(x, ctx);
     out = bias_dropout_add(mlp, nullptr, h, ctx.mlp_dropout_offset);
   } else {
     if (inter_attention) {
@@ -180,8 +224,8 @@ void TransformerLayer::run_forward(const Tensor& x, const Tensor* encoder_output
                            ctx.inter_dropout_offset);
     }
     // FC2's bias is added in its GEMM epilogue (LayerNormMLP has no return_bias).
-    Tensor mlp = layernorm_mlp.forward(h, ctx.mlp);
-    residual = post ? layernorm_mlp.norm.forward(h, ctx.mlp_residual_norm) : h;
+    Tensor mlp = mlp_forward(h, ctx);
+    residual = post ? mlp_norm().forward(h, ctx.mlp_residual_norm) : h;
     out = bias_dropout_add(mlp, nullptr, residual, ctx.mlp_dropout_offset);
   }
   if (layernorm) out = layernorm->forward(out, ctx.output_norm);
@@ -248,7 +292,7 @@ Tensor TransformerLayer::forward_inference(const Tensor& x, InferenceParams& par
     return sum;
   };
   Norm::Context scratch_norm;
-  LayerNormMLP::Context scratch_mlp;
+  Context scratch;  // the MLP's
   Tensor attention = self_attention.forward_inference(x, params, layer_number);
   Tensor residual = x;
   if (post && !o.output_layernorm) {
@@ -257,10 +301,10 @@ Tensor TransformerLayer::forward_inference(const Tensor& x, InferenceParams& par
   Tensor h = bias_add(attention, self_attention.output_bias(), residual);
   Tensor out;
   if (o.parallel_attention_mlp) {
-    out = bias_add(layernorm_mlp.forward(x, scratch_mlp), nullptr, h);
+    out = bias_add(mlp_forward(x, scratch), nullptr, h);
   } else {
-    Tensor mlp = layernorm_mlp.forward(h, scratch_mlp);
-    residual = post ? layernorm_mlp.norm.forward(h, scratch_norm) : h;
+    Tensor mlp = mlp_forward(h, scratch);
+    residual = post ? mlp_norm().forward(h, scratch_norm) : h;
     out = bias_add(mlp, nullptr, residual);
   }
   if (layernorm) out = layernorm->forward(out, scratch_norm);
@@ -322,13 +366,13 @@ Tensor TransformerLayer::backward(const Tensor& dy, Context& ctx, Tensor* d_enco
   Tensor dx;
   if (o.parallel_attention_mlp) {
     Tensor dmlp = bias_dropout_add_backward(d, ctx.mlp_dropout_offset, nullptr);
-    Tensor dx_mlp = layernorm_mlp.backward(dmlp, ctx.mlp);
+    Tensor dx_mlp = mlp_backward(dmlp, ctx);
     dh = d;
     dx = dx_mlp;
   } else {
     Tensor dmlp = bias_dropout_add_backward(d, ctx.mlp_dropout_offset, nullptr);
-    dh = layernorm_mlp.backward(dmlp, ctx.mlp);
-    dh = add(dh, post ? layernorm_mlp.norm.backward(d, ctx.mlp_residual_norm) : d);
+    dh = mlp_backward(dmlp, ctx);
+    dh = add(dh, post ? mlp_norm().backward(d, ctx.mlp_residual_norm) : d);
     if (inter_attention) {
       Tensor dcross =
           bias_dropout_add_backward(dh, ctx.inter_dropout_offset, bias_of(*inter_attention));

@@ -42,6 +42,22 @@ class GptFamily : public ModelFamily {
     } else if (o.vocab_size) {
       config_.vocab_size = o.vocab_size;
     }
+    const bool moe_flags = o.moe_router_topk || o.moe_aux_loss_coeff || o.moe_z_loss_coeff ||
+                           o.moe_router_enable_expert_bias || o.moe_router_bias_update_rate;
+    OCTET_CHECK(!moe_flags || config_.moe(),
+                "--moe-* flags need a mixture-of-experts config "
+                "(num_experts > 0); '",
+                o.config_path, "' is dense");
+    if (o.moe_router_topk) config_.moe_router_topk = *o.moe_router_topk;
+    if (o.moe_aux_loss_coeff) config_.moe_aux_loss_coeff = *o.moe_aux_loss_coeff;
+    if (o.moe_z_loss_coeff) config_.moe_z_loss_coeff = *o.moe_z_loss_coeff;
+    if (o.moe_router_enable_expert_bias) {
+      config_.moe_router_enable_expert_bias = *o.moe_router_enable_expert_bias;
+    }
+    if (o.moe_router_bias_update_rate) {
+      config_.moe_router_bias_update_rate = *o.moe_router_bias_update_rate;
+    }
+    config_.check_moe();
   }
   std::string name() const override { return config_.name; }
   nlohmann::json config_json() const override { return config_.to_json(); }
@@ -471,6 +487,12 @@ class CaptionerFamily : public CaptionedImagesFamily<CaptionerConfig> {
 
 std::unique_ptr<ModelFamily> ModelFamily::from_options(const TrainOptions& o) {
   const std::string family = config_model_family(o.config_path);
+  const bool moe_flags = o.moe_router_topk || o.moe_aux_loss_coeff || o.moe_z_loss_coeff ||
+                         o.moe_router_enable_expert_bias || o.moe_router_bias_update_rate;
+  OCTET_CHECK(!moe_flags || family == "gpt",
+              "--moe-* flags are for GPT mixture-of-experts "
+              "configs; '",
+              o.config_path, "' is a ", family);
   if (family == "vit") return std::make_unique<VitFamily>(o);
   if (family == "bert") return std::make_unique<BertFamily>(o);
   if (family == "t5") return std::make_unique<T5Family>(o);

@@ -130,9 +130,11 @@ TrainResult TrainingRun::run() {
     const bool finite = std::isfinite(loss) && std::isfinite(grad_norm);
     if (!finite) skip_nonfinite_step(iteration + 1, loss, grad_norm);  // or stop the run
     if (dumping) dump(iteration + 1, std::move(dumped_gradients));
+    const nlohmann::json moe = balance_experts(finite);
     const double step_seconds = seconds_since(step_start);
     busy_seconds += step_seconds;
     nlohmann::json record = record_step(iteration, loss, lr, grad_norm, step_seconds);
+    if (!moe.is_null()) record["moe"] = moe;
     if (o_.skip_nonfinite_steps) record["skipped_steps"] = result_.skipped_steps;
     if (o_.fp8_stats) {
       record["fp8"] = fp8_stats;
@@ -264,6 +266,54 @@ double TrainingRun::optimizer_step(float lr) {
   }
   model_->on_parameters_updated();
   return grad_norm;
+}
+
+nlohmann::json TrainingRun::balance_experts(bool applied) {
+  const std::vector<MoELayer*> layers = model_->moe_layers();
+  // A mixture-of-experts model has one in every layer: every stage holds some, or none does.
+  if (layers.empty()) return nullptr;
+  // Per layer: E loads, then its auxiliary and z losses and micro-batches.
+  std::vector<MoELayer::Load> loads;
+  int64_t values = 0;
+  for (MoELayer* layer : layers) {
+    loads.push_back(layer->take_load());
+    values += static_cast<int64_t>(loads.back().tokens.size()) + 3;
+  }
+  Tensor sums = Tensor::zeros({std::max<int64_t>(values, 1)}, DType::F32);
+  float* v = sums.data<float>();
+  for (const MoELayer::Load& load : loads) {
+    for (double t : load.tokens) *v++ = static_cast<float>(t);
+    *v++ = static_cast<float>(load.aux_loss);
+    *v++ = static_cast<float>(load.z_loss);
+    *v++ = static_cast<float>(load.micro_batches);
+  }
+  parallel_->data().all_reduce(sums, ReduceOp::Sum);
+  v = sums.data<float>();
+  double worst = 0.0, aux = 0.0, z = 0.0;
+  for (size_t i = 0; i < layers.size(); ++i) {
+    std::vector<double> tokens(loads[i].tokens.size());
+    double total = 0.0, most = 0.0;
+    for (double& t : tokens) {
+      t = *v++;
+      total += t;
+      most = std::max(most, t);
+    }
+    const double aux_sum = *v++, z_sum = *v++, micro_batches = std::max<double>(*v++, 1.0);
+    if (applied) layers[i]->update_expert_bias(tokens);
+    const double mean = total / static_cast<double>(tokens.size());
+    if (mean > 0) worst = std::max(worst, most / mean);
+    aux += aux_sum / micro_batches;
+    z += z_sum / micro_batches;
+  }
+  // Over the pipeline stages: the worst layer and the losses summed over layers.
+  Communicator& pipe = parallel_->pipeline();
+  worst = pipe.all_reduce(worst, ReduceOp::Max);
+  aux = pipe.all_reduce(aux, ReduceOp::Sum);
+  z = pipe.all_reduce(z, ReduceOp::Sum);
+  const double count = pipe.all_reduce(static_cast<double>(layers.size()), ReduceOp::Sum);
+  return {{"load_max_over_mean", worst},
+          {"aux_loss", aux / std::max(count, 1.0)},
+          {"z_loss", z / std::max(count, 1.0)}};
 }
 
 float TrainingRun::evaluate() {
@@ -446,6 +496,11 @@ void TrainingRun::print_progress(int64_t iteration, const nlohmann::json& record
       record["lr"].get<double>(), record["grad_norm"].get<double>(),
       record["tokens_per_s"].get<double>(), 100 * record["mfu"].get<double>(),
       format_duration(eta).c_str());
+  if (record.contains("moe")) {
+    std::printf(" | experts max/mean %.2f", record["moe"]["load_max_over_mean"].get<double>());
+    if (record["moe"]["aux_loss"].get<double>() > 0)
+      std::printf(" aux %.4f", record["moe"]["aux_loss"].get<double>());
+  }
   if (record.contains("val_loss")) std::printf(" | val loss %.4f", result_.last_val_loss);
   if (record.contains("val_accuracy"))
     std::printf(" | val %s %.2f%%", family_->accuracy_name().c_str(), 100 * last_val_accuracy_);

@@ -50,6 +50,9 @@ class TrainingRun {
   double run_micro_batches(int64_t iteration);
   void finish_gradients();
   double optimizer_step(float lr);
+  // Mixture of experts, after the step: each layer's load summed over the data ranks, its
+  // expert bias moved (if the step was applied), the balance as a record (null: dense model).
+  nlohmann::json balance_experts(bool applied);
   std::string first_nonfinite_gradient() const;
   void skip_nonfinite_step(int64_t step, double loss, double grad_norm);
   float evaluate();

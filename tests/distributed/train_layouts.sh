@@ -9,7 +9,7 @@
 #   AdamW's sign-like first update hides from the losses) fails the run;
 # - the printed per-step losses (4 decimals) and gradient norms (3 decimals) must be equal.
 # Usage:
-#   train_layouts.sh OCTET_BINARY CONFIG [all|core|core-tied|dp]
+#   train_layouts.sh OCTET_BINARY CONFIG [all|core|core-tied|dp|moe]
 # `core` (for another model family on the same trainer, e.g. a ViT config) runs one layout of
 # each kind - ZeRO-1, TP, PP, TP x DP with SP, TP x PP with SP and recomputation, PP x DP -
 # in FP32 instead of every schedule, option, FP8 layout and resume.
@@ -17,6 +17,9 @@
 # tables, the captioner's token embedding on its bridge and last stage) adds PP=4 and PP=2
 # interleaved (4 stages), whose tied copies sit on ranks other than the first and the last.
 # `dp` (a model with data parallelism only) runs DP=2, ZeRO-1 and DP=4.
+# `moe` (a mixture of experts: no tensor parallelism yet) runs DP, ZeRO-1, PP with each
+# schedule and PP x DP: the loads summed over the data ranks move every rank's expert biases
+# alike, so the routing of later steps matches one process's.
 set -euo pipefail
 octet="$1"
 config="$2"
@@ -118,6 +121,17 @@ if [ "$layouts" = dp ]; then
   run 2 "DP=2" --no-overlap-grad-reduce
   run 2 "DP=2 ZeRO-1, recompute" --use-distributed-optimizer --recompute-activations
   run 4 "DP=4 (each layer reduced after its backward)"
+  exit $status
+fi
+if [ "$layouts" = moe ]; then
+  run 2 "DP=2" --no-overlap-grad-reduce
+  run 4 "DP=4 ZeRO-1, recompute" --use-distributed-optimizer --recompute-activations
+  run 2 "PP=2 1F1B" --pipeline-model-parallel-size 2 --pipeline-schedule 1f1b
+  run 2 "PP=2 interleaved (1 chunk)" --pipeline-model-parallel-size 2 \
+    --pipeline-schedule interleaved --virtual-pipeline-model-parallel-size 1
+  run 2 "PP=2 DualPipe" --pipeline-model-parallel-size 2 --pipeline-schedule dualpipe
+  run 4 "PP=2 x DP=2 ZB1P ZeRO-1" --pipeline-model-parallel-size 2 --pipeline-schedule zb1p \
+    --use-distributed-optimizer
   exit $status
 fi
 if [ "$layouts" = core-tied ]; then

@@ -61,3 +61,72 @@ def permute(t, args):
     out.backward(t["dout"].double())
     return {"permuted": permuted, "row_map": rows.view(n, k).double(), "out": out,
             "dtokens": x.grad, "dprobs": probs.grad}
+
+
+_ACT = {"gelu": lambda a: torch.nn.functional.gelu(a, approximate="tanh"),
+        "relu": torch.nn.functional.relu, "silu": torch.nn.functional.silu}
+_GATED = {"swiglu": torch.nn.functional.silu,
+          "geglu": lambda a: torch.nn.functional.gelu(a, approximate="tanh")}
+
+
+def _mlp(x, w1, b1, w2, b2, kind):
+    h = torch.nn.functional.linear(x, w1, b1)
+    if kind in _GATED:
+        a, b = h.chunk(2, dim=-1)
+        h = _GATED[kind](a) * b
+    else:
+        h = _ACT[kind](h)
+    return torch.nn.functional.linear(h, w2, b2)
+
+
+@op("moe_layer")
+def moe_layer(t, args):
+    """Megatron-Core's MoELayer in float64: norm, FP32 router, the k experts each token chose
+    (given: octet's choice, tested on its own by moe_router), their outputs weighted by the
+    probabilities, plus the shared expert; the auxiliary losses scaled by loss_scale join the
+    loss (out * dy).sum(). Returns y, x.grad and every parameter's .grad."""
+    leaves = {name: v.double().requires_grad_() for name, v in t.items()
+              if name not in ("dy", "experts", "expert_bias")}
+    x = leaves["x"]
+    n, c = x.shape
+    e = args["experts"]
+    k = args["topk"]
+    kind = args["activation"]
+    xn = torch.nn.functional.layer_norm(x, (c,), leaves["norm.weight"], leaves["norm.bias"],
+                                        args["eps"])
+    logits = xn @ leaves["router.weight"].t()
+    scores = torch.softmax(logits, -1) if args["score"] == "softmax" else torch.sigmoid(logits)
+    experts = t["experts"].long()
+    probs = scores.gather(1, experts)
+    if args["normalize"]:
+        probs = probs / (probs.sum(-1, keepdim=True) + 1e-20)
+    probs = probs * args["scaling"]
+    out = torch.zeros_like(x)
+    for j in range(k):
+        for ex in range(e):
+            rows = (experts[:, j] == ex).nonzero().flatten()
+            if rows.numel() == 0:
+                continue
+            y = _mlp(xn[rows], leaves[f"experts.fc1.weight{ex}"], leaves.get(f"experts.fc1.bias{ex}"),
+                     leaves[f"experts.fc2.weight{ex}"], leaves.get(f"experts.fc2.bias{ex}"), kind)
+            out = out.index_add(0, rows, y * probs[rows, j:j + 1])
+    if "shared_experts.fc1.weight" in leaves:
+        out = out + _mlp(xn, leaves["shared_experts.fc1.weight"],
+                         leaves.get("shared_experts.fc1.bias"),
+                         leaves["shared_experts.fc2.weight"],
+                         leaves.get("shared_experts.fc2.bias"), kind)
+    counts = torch.bincount(experts.flatten(), minlength=e).double()
+    loss = (out * t["dy"].double()).sum()
+    if args["aux_coeff"] > 0:
+        weights = scores if args["score"] == "softmax" else \
+            scores / (scores.sum(-1, keepdim=True) + 1e-20)
+        aux = args["aux_coeff"] * e / (k * n * n) * (weights.sum(0) * counts).sum()
+        loss = loss + args["loss_scale"] * aux
+    if args["z_coeff"] > 0:
+        loss = loss + args["loss_scale"] * args["z_coeff"] * \
+            (torch.logsumexp(logits, -1) ** 2).mean()
+    loss.backward()
+    result = {"y": out}
+    for name, leaf in leaves.items():
+        result[name + ".grad"] = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
+    return result

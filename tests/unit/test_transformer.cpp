@@ -658,8 +658,8 @@ TEST(TransformerLayer, Fp8DelayedScalingMatchesQuantizedReference) {
   recipe.amax_history_len = 3;
   LayerNormLinear& qkv = *layer.self_attention.layernorm_qkv;
   Linear& proj = layer.self_attention.proj;
-  Linear& fc1 = layer.layernorm_mlp.fc1;
-  Linear& fc2 = layer.layernorm_mlp.fc2;
+  Linear& fc1 = layer.layernorm_mlp->fc1;
+  Linear& fc2 = layer.layernorm_mlp->fc2;
   std::vector<float> qkv_input_amax, qkv_weight_amax, fc2_grad_amax;
   for (int step = 0; step < 4; ++step) {
     SCOPED_TRACE("step " + std::to_string(step));
@@ -704,7 +704,7 @@ TEST(TransformerLayer, Fp8DelayedScalingMatchesQuantizedReference) {
     Tensor h1 = ctx.mlp.input.reshape({N, 48});
     EXPECT_LE(scaled_error(h1, modules_detail::add(projected, x.reshape({N, 48}))), 1e-5);
     Norm::Context norm2_ctx;
-    Tensor ln2 = layer.layernorm_mlp.norm.forward(h1, norm2_ctx);
+    Tensor ln2 = layer.layernorm_mlp->norm.forward(h1, norm2_ctx);
     Tensor expected_fc1 =
         quantized_linear(ln2, input_scale(fc1), fc1.weight.value, weight_scale(fc1), nullptr);
     EXPECT_LE(scaled_error(ctx.mlp.fc1_output.reshape({N, 80}), expected_fc1), 1e-5);

@@ -1,0 +1,248 @@
+// MoELayer: a mixture-of-experts MLP on the routing ops (ops/moe.h). The router runs in FP32
+// outside any FP8 / FP4 scope (as Megatron keeps it); the experts are two GroupedLinears whose
+// row groups are the permuted tokens of each expert, quantized under fp8_autocast per expert;
+// the shared expert is a plain MLP on the same normalized tokens. Dropless: an expert with no
+// token runs no GEMM.
+#include <cmath>
+
+#include "modules/common.h"
+#include "modules/tensor_columns.h"
+#include "octet/fp4.h"
+
+namespace octet {
+
+using modules_detail::add;
+
+namespace {
+
+const MoELayerOptions& checked(const MoELayerOptions& o, Communicator* tp) {
+  OCTET_CHECK(tp == nullptr || tp->size() == 1, o.name,
+              ": a mixture of experts under tensor parallelism is not supported yet (TP=",
+              tp ? tp->size() : 1, "): run its model with data or pipeline parallelism");
+  OCTET_CHECK(o.hidden > 0 && o.ffn_hidden > 0, o.name,
+              ": hidden and the experts' ffn_hidden expected > 0, got ", o.hidden, " and ",
+              o.ffn_hidden);
+  OCTET_CHECK(o.num_experts >= 1, o.name, ": num_experts expected >= 1, got ", o.num_experts);
+  OCTET_CHECK(o.router.topk >= 1 && o.router.topk <= o.num_experts, o.name,
+              ": moe_router_topk expected in [1, num_experts = ", o.num_experts, "], got ",
+              o.router.topk);
+  OCTET_CHECK(o.shared_expert_ffn_hidden >= 0, o.name,
+              ": shared_expert_ffn_hidden expected >= 0, got ", o.shared_expert_ffn_hidden);
+  OCTET_CHECK(std::isfinite(o.router.scaling) && o.router.scaling > 0.0f, o.name,
+              ": router scaling expected > 0, got ", o.router.scaling);
+  OCTET_CHECK(o.router.aux_loss_coeff >= 0.0f && o.router.z_loss_coeff >= 0.0f, o.name,
+              ": moe_aux_loss_coeff and moe_z_loss_coeff expected >= 0, got ",
+              o.router.aux_loss_coeff, " and ", o.router.z_loss_coeff);
+  OCTET_CHECK(std::isfinite(o.expert_bias_update_rate) && o.expert_bias_update_rate >= 0.0f, o.name,
+              ": expert_bias_update_rate expected >= 0, got ", o.expert_bias_update_rate);
+  OCTET_CHECK(o.norm.hidden == o.hidden, o.name, ": norm hidden (", o.norm.hidden,
+              ") must equal hidden (", o.hidden, ")");
+  return o;
+}
+
+LinearOptions router_options(const MoELayerOptions& o) {
+  LinearOptions l;
+  l.in_features = o.hidden;
+  l.out_features = o.num_experts;
+  l.bias = false;
+  l.init_std = o.init_std;
+  l.seed = o.seed * 8 + 1;
+  l.name = o.name + ".router";
+  return l;
+}
+
+GroupedLinearOptions expert_options(const MoELayerOptions& o, bool first) {
+  GroupedLinearOptions g;
+  g.num_gemms = static_cast<int>(o.num_experts);
+  const int64_t fc1_out = ops::is_gated(o.activation) ? 2 * o.ffn_hidden : o.ffn_hidden;
+  g.in_features = first ? o.hidden : o.ffn_hidden;
+  g.out_features = first ? fc1_out : o.hidden;
+  g.bias = o.bias;
+  g.init_std = first ? o.init_std : o.output_init_std;
+  g.seed = o.seed * 8 + (first ? 2 : 3);
+  g.name = o.name + (first ? ".experts.fc1" : ".experts.fc2");
+  return g;
+}
+
+LinearOptions shared_options(const MoELayerOptions& o, bool first) {
+  LinearOptions l;
+  const int64_t f = o.shared_expert_ffn_hidden;
+  l.in_features = first ? o.hidden : f;
+  l.out_features = first ? (ops::is_gated(o.activation) ? 2 * f : f) : o.hidden;
+  l.bias = o.bias;
+  l.init_std = first ? o.init_std : o.output_init_std;
+  l.seed = o.seed * 8 + (first ? 4 : 5);
+  l.name = o.name + (first ? ".shared_experts.fc1" : ".shared_experts.fc2");
+  return l;
+}
+
+Tensor activation(ops::ActivationKind kind, const Tensor& h, int64_t width) {
+  Tensor a = Tensor::empty({h.rows(), width}, h.dtype());
+  ops::activation_forward(kind, h, nullptr, a);
+  return a;
+}
+
+Tensor activation_grad(ops::ActivationKind kind, const Tensor& da, const Tensor& h) {
+  Tensor dh = Tensor::empty(h.shape(), da.dtype());
+  ops::activation_backward(kind, da, h, nullptr, dh, nullptr);
+  return dh;
+}
+
+}  // namespace
+
+MoELayer::MoELayer(const MoELayerOptions& options, Communicator* tp)
+    : norm(checked(options, tp).norm),
+      router(router_options(options)),
+      fc1(expert_options(options, true)),
+      fc2(expert_options(options, false)),
+      expert_bias(Tensor::zeros({options.num_experts}, DType::F32)),
+      options_(options) {
+  if (options.shared_expert_ffn_hidden > 0) {
+    shared_fc1.emplace(shared_options(options, true));
+    shared_fc2.emplace(shared_options(options, false));
+  }
+  load_.tokens.assign(static_cast<size_t>(options.num_experts), 0.0);
+}
+
+void MoELayer::collect_parameters(std::vector<Parameter*>& out) {
+  norm.collect_parameters(out);
+  router.collect_parameters(out);
+  fc1.collect_parameters(out);
+  fc2.collect_parameters(out);
+  if (shared_fc1) {
+    shared_fc1->collect_parameters(out);
+    shared_fc2->collect_parameters(out);
+  }
+}
+
+void MoELayer::on_parameters_updated() {
+  router.on_parameters_updated();
+  fc1.on_parameters_updated();
+  fc2.on_parameters_updated();
+  if (shared_fc1) {
+    shared_fc1->on_parameters_updated();
+    shared_fc2->on_parameters_updated();
+  }
+}
+
+std::vector<Fp8State*> MoELayer::fp8_states() {
+  std::vector<Fp8State*> states = {&fc1.fp8_state(), &fc2.fp8_state()};
+  if (shared_fc1) {
+    states.push_back(&shared_fc1->fp8_state());
+    states.push_back(&shared_fc2->fp8_state());
+  }
+  return states;
+}
+
+Tensor MoELayer::forward(const Tensor& x, Context& ctx) {
+  const auto& o = options_;
+  check_dtype_in(x, {DType::F32, DType::BF16}, o.name + ": input");
+  OCTET_CHECK(x.ndim() >= 2 && x.cols() == o.hidden, o.name,
+              ": input expected [..., C] with C=", o.hidden, ", got ", shape_str(x.shape()));
+  ctx = Context{};
+  ctx.shape = x.shape();
+  ctx.loss_scale = loss_scale_;
+  const int64_t n = x.numel() / o.hidden, k = o.router.topk, e = o.num_experts;
+  const Tensor xn = norm.forward(x.reshape({n, o.hidden}), ctx.norm);
+  {
+    // The router in FP32, never quantized: small, and its choice must not flicker with scales.
+    fp8_autocast no_fp8(false);
+    fp4_autocast no_fp4(false);
+    ctx.logits = router.forward(xn.dtype() == DType::F32 ? xn : xn.to(DType::F32), ctx.router);
+  }
+  ctx.scores = Tensor::empty({n, e}, DType::F32);
+  ctx.probs = Tensor::empty({n, k}, DType::F32);
+  ctx.experts = Tensor::empty({n, k}, DType::I32);
+  ctx.counts = Tensor::empty({e}, DType::I32);
+  ops::RouterOptions route = o.router;
+  route.expert_bias = o.enable_expert_bias ? &expert_bias : nullptr;
+  ctx.losses =
+      ops::router_forward(ctx.logits, route, ctx.scores, ctx.probs, ctx.experts, ctx.counts);
+
+  Tensor permuted = Tensor::empty({n * k, o.hidden}, xn.dtype());
+  ctx.row_map = Tensor::empty({n, k}, DType::I32);
+  ops::moe_permute(xn, ctx.experts, e, permuted, ctx.row_map);
+  std::vector<int64_t> splits(static_cast<size_t>(e));
+  const int32_t* counts = ctx.counts.data<int32_t>();
+  for (int64_t i = 0; i < e; ++i) splits[static_cast<size_t>(i)] = counts[i];
+  ctx.fc1_output = fc1.forward(permuted, splits, ctx.fc1);
+  ctx.expert_output =
+      fc2.forward(activation(o.activation, ctx.fc1_output, o.ffn_hidden), splits, ctx.fc2);
+  Tensor out = Tensor::empty({n, o.hidden}, x.dtype());
+  ops::moe_unpermute(ctx.expert_output, ctx.row_map, ctx.probs, out);
+  if (shared_fc1) {
+    ctx.shared_fc1_output = shared_fc1->forward(xn, ctx.shared_fc1);
+    out = add(out, shared_fc2->forward(
+                       activation(o.activation, ctx.shared_fc1_output, o.shared_expert_ffn_hidden),
+                       ctx.shared_fc2));
+  }
+  return out.reshape(ctx.shape);
+}
+
+Tensor MoELayer::backward(const Tensor& dy, Context& ctx) {
+  const auto& o = options_;
+  OCTET_CHECK(ctx.expert_output.defined(), o.name, ": backward called without a forward context");
+  check_shape(dy, ctx.shape, o.name + ": output gradient", "the forward's output shape");
+  const int64_t n = ctx.probs.rows(), k = o.router.topk, e = o.num_experts;
+  const Tensor dout = dy.reshape({n, o.hidden});
+
+  // Unpermute's backward: each expert row's gradient (weighted) and the probabilities'.
+  Tensor dexpert = Tensor::empty({n * k, o.hidden}, ctx.expert_output.dtype());
+  Tensor dprobs = Tensor::empty({n, k}, DType::F32);
+  ops::moe_unpermute_backward(dout, ctx.expert_output, ctx.row_map, ctx.probs, dexpert, dprobs);
+  const Tensor da = fc2.backward(dexpert, ctx.fc2);
+  const Tensor dpermuted = fc1.backward(activation_grad(o.activation, da, ctx.fc1_output), ctx.fc1);
+  Tensor dxn = Tensor::empty({n, o.hidden}, dpermuted.dtype());
+  ops::moe_permute_backward(dpermuted, ctx.row_map, dxn);
+
+  // The router: the probabilities' gradient plus the auxiliary losses', scaled as the main
+  // loss's gradient is.
+  ops::RouterOptions route = o.router;
+  route.expert_bias = o.enable_expert_bias ? &expert_bias : nullptr;
+  route.aux_loss_coeff *= ctx.loss_scale;
+  route.z_loss_coeff *= ctx.loss_scale;
+  Tensor dlogits = Tensor::empty({n, e}, DType::F32);
+  ops::router_backward(dprobs, ctx.logits, ctx.scores, ctx.experts, ctx.counts, route, dlogits);
+  const Tensor drouter = router.backward(dlogits, ctx.router);
+  dxn = add(dxn, drouter.dtype() == dxn.dtype() ? drouter : drouter.to(dxn.dtype()));
+
+  if (shared_fc1) {
+    const Tensor dsa = shared_fc2->backward(dout, ctx.shared_fc2);
+    dxn = add(dxn, shared_fc1->backward(activation_grad(o.activation, dsa, ctx.shared_fc1_output),
+                                        ctx.shared_fc1));
+  }
+  Tensor dx = norm.backward(dxn, ctx.norm).reshape(ctx.shape);
+
+  const int32_t* counts = ctx.counts.data<int32_t>();
+  for (int64_t i = 0; i < e; ++i) load_.tokens[static_cast<size_t>(i)] += counts[i];
+  load_.aux_loss += ctx.losses.aux;
+  load_.z_loss += ctx.losses.z;
+  ++load_.micro_batches;
+  ctx = Context{};
+  return dx;
+}
+
+MoELayer::Load MoELayer::take_load() {
+  Load out = std::move(load_);
+  load_ = Load{};
+  load_.tokens.assign(static_cast<size_t>(options_.num_experts), 0.0);
+  return out;
+}
+
+void MoELayer::update_expert_bias(const std::vector<double>& tokens) {
+  if (!options_.enable_expert_bias) return;
+  const int64_t e = options_.num_experts;
+  OCTET_CHECK(static_cast<int64_t>(tokens.size()) == e, options_.name, ": expected the load of ", e,
+              " experts, got ", tokens.size());
+  double mean = 0.0;
+  for (double t : tokens) mean += t;
+  mean /= static_cast<double>(e);
+  float* bias = expert_bias.data<float>();
+  for (int64_t i = 0; i < e; ++i) {
+    const double gap = mean - tokens[static_cast<size_t>(i)];
+    const float sign = gap > 0 ? 1.0f : (gap < 0 ? -1.0f : 0.0f);
+    bias[i] += options_.expert_bias_update_rate * sign;
+  }
+}
+
+}  // namespace octet
