@@ -103,13 +103,23 @@ void register_train(CLI::App& app) {
       ->check(at_least(0));
   cmd->add_option("--moe-z-loss-coeff", o->moe_z_loss_coeff, "Router z-loss coefficient")
       ->check(at_least(0));
-  cmd->add_flag("--moe-router-enable-expert-bias,!--no-moe-router-enable-expert-bias",
-                o->moe_router_enable_expert_bias,
-                "DeepSeek-V3's auxiliary-loss-free balancing: a per-expert bias on the routing "
-                "scores, moved after each step towards the mean load");
+  // A callback, so that the config's value holds unless one of the two is given.
+  cmd->add_flag_function(
+      "--moe-router-enable-expert-bias,!--no-moe-router-enable-expert-bias",
+      [o](int64_t count) { o->moe_router_enable_expert_bias = count > 0; },
+      "DeepSeek-V3's auxiliary-loss-free balancing: a per-expert bias on the routing scores, "
+      "moved after each step towards the mean load");
   cmd->add_option("--moe-router-bias-update-rate", o->moe_router_bias_update_rate,
                   "The expert bias's step per update (default 1e-3)")
       ->check(at_least(0));
+  cmd->add_option("--moe-expert-capacity-factor", o->moe_expert_capacity_factor,
+                  "Token dropping: each expert computes at most ceil(tokens x topk / experts x "
+                  "factor) of its routed tokens (0: dropless, the default)")
+      ->check(at_least(0));
+  cmd->add_option("--moe-token-drop-policy", o->moe_token_drop_policy,
+                  "Which routed tokens an expert over capacity keeps: probs (the highest "
+                  "probabilities) | position (the first)")
+      ->check(CLI::IsMember({"probs", "position"}));
   cmd->add_option("--eval-interval", o->eval_interval, "Validate every N steps")
       ->check(at_least(0));
   cmd->add_option("--eval-iters", o->eval_iters, "Validation micro-batches")->check(at_least(0));

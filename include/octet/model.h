@@ -51,6 +51,10 @@ struct GPTConfig {
   float moe_z_loss_coeff = 0.0f;
   bool moe_router_enable_expert_bias = false;  // DeepSeek-V3's aux-loss-free balancing
   float moe_router_bias_update_rate = 1e-3f;
+  // Token dropping: each expert takes at most ceil(tokens * k / E * factor) pairs (0: dropless),
+  // those of the highest probabilities ("probs") or the first ("position").
+  float moe_expert_capacity_factor = 0.0f;
+  std::string moe_token_drop_policy = "probs";
 
   static GPTConfig from_json(const nlohmann::json& json);  // unknown keys are errors
   static GPTConfig load(const std::string& path);

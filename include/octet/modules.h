@@ -501,6 +501,11 @@ struct MoELayerOptions {
   // optimizer step, expert_bias[e] += rate * sign(mean load - load[e]).
   bool enable_expert_bias = false;
   float expert_bias_update_rate = 1e-3f;
+  // Token dropping (--moe-expert-capacity-factor; 0: dropless): each expert computes at most
+  // ceil(N * k / E * factor) of the N tokens' pairs routed to it, chosen by drop_policy; a
+  // dropped pair adds nothing to its token's output (the shared expert still sees every token).
+  double capacity_factor = 0.0;
+  ops::DropPolicy drop_policy = ops::DropPolicy::Probs;
   float init_std = 0.02f;
   float output_init_std = 0.02f;
   uint64_t seed = 0;
@@ -510,15 +515,17 @@ struct MoELayerOptions {
 // norm -> router (a linear gate without bias, in FP32 and never quantized) -> top-k choice ->
 // the tokens permuted by expert -> experts FC1 (GroupedLinear, one GEMM per expert with its
 // rows) -> activation -> experts FC2 -> unpermuted and weighted by the router's probabilities,
-// plus the shared expert's output on the same normalized tokens. Dropless: every token reaches
-// its k experts. Backward adds the auxiliary losses' gradients (the switch loss, the z-loss)
-// scaled like the main loss's (set_loss_scale).
+// plus the shared expert's output on the same normalized tokens. Dropless by default (every
+// token reaches its k experts), or with an expert capacity. Backward adds the auxiliary losses'
+// gradients (the switch loss, the z-loss) scaled like the main loss's (set_loss_scale).
 class MoELayer : public Module {
  public:
   struct Context {
     Norm::Context norm;
     Linear::Context router;
     Tensor logits, scores, probs, experts, counts, row_map;  // the router's and the permutation's
+    int64_t kept_rows = 0;  // the permuted rows the experts computed (all of them, dropless)
+    int64_t dropped = 0;    // pairs dropped by the capacity
     GroupedLinear::Context fc1, fc2;
     Tensor fc1_output;     // [N*k, F(x2 gated)]: pre-activation
     Tensor expert_output;  // [N*k, C]: FC2's, in permuted order
@@ -532,6 +539,7 @@ class MoELayer : public Module {
   struct Load {
     std::vector<double> tokens;           // [E] tokens routed to each expert (copies: k per token)
     double aux_loss = 0.0, z_loss = 0.0;  // summed over micro-batches
+    double dropped = 0.0;                 // (token, choice) pairs dropped by the capacity
     int64_t micro_batches = 0;
   };
   explicit MoELayer(const MoELayerOptions& options, Communicator* tp = nullptr);

@@ -168,6 +168,8 @@ struct TrainOptions {
   std::optional<int64_t> moe_router_topk;
   std::optional<float> moe_aux_loss_coeff, moe_z_loss_coeff, moe_router_bias_update_rate;
   std::optional<bool> moe_router_enable_expert_bias;
+  std::optional<float> moe_expert_capacity_factor;
+  std::optional<std::string> moe_token_drop_policy;
   // Frozen parameters: those whose names start with one of these prefixes (e.g.
   // "vision_model." for a CLIP's image tower) keep their values, and the optimizer holds no
   // state for them nor counts them in the clipping norm. Each prefix must name a parameter.

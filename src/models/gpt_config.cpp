@@ -56,7 +56,9 @@ GPTConfig GPTConfig::from_json(const nlohmann::json& json) {
                                          "moe_aux_loss_coeff",
                                          "moe_z_loss_coeff",
                                          "moe_router_enable_expert_bias",
-                                         "moe_router_bias_update_rate"});
+                                         "moe_router_bias_update_rate",
+                                         "moe_expert_capacity_factor",
+                                         "moe_token_drop_policy"});
   get("name", c.name);
   get("vocab_size", c.vocab_size);
   get("max_seq_len", c.max_seq_len);
@@ -85,6 +87,8 @@ GPTConfig GPTConfig::from_json(const nlohmann::json& json) {
   get("moe_z_loss_coeff", c.moe_z_loss_coeff);
   get("moe_router_enable_expert_bias", c.moe_router_enable_expert_bias);
   get("moe_router_bias_update_rate", c.moe_router_bias_update_rate);
+  get("moe_expert_capacity_factor", c.moe_expert_capacity_factor);
+  get("moe_token_drop_policy", c.moe_token_drop_policy);
   c.check_moe();
   OCTET_CHECK(
       c.vocab_size > 0 && c.max_seq_len > 0 && c.num_layers > 0 && c.hidden > 0 && c.num_heads > 0,
@@ -147,6 +151,12 @@ void GPTConfig::check_moe() const {
   OCTET_CHECK(std::isfinite(moe_router_bias_update_rate) && moe_router_bias_update_rate >= 0,
               "model config: moe_router_bias_update_rate expected >= 0, got ",
               moe_router_bias_update_rate);
+  OCTET_CHECK(std::isfinite(moe_expert_capacity_factor) && moe_expert_capacity_factor >= 0,
+              "model config: moe_expert_capacity_factor expected >= 0 (0: dropless), got ",
+              moe_expert_capacity_factor);
+  OCTET_CHECK(moe_token_drop_policy == "probs" || moe_token_drop_policy == "position",
+              "model config: moe_token_drop_policy expected probs or position, got '",
+              moe_token_drop_policy, "'");
 }
 
 GPTConfig GPTConfig::load(const std::string& path) {
@@ -186,7 +196,9 @@ nlohmann::json GPTConfig::to_json() const {
           {"moe_aux_loss_coeff", moe_aux_loss_coeff},
           {"moe_z_loss_coeff", moe_z_loss_coeff},
           {"moe_router_enable_expert_bias", moe_router_enable_expert_bias},
-          {"moe_router_bias_update_rate", moe_router_bias_update_rate}};
+          {"moe_router_bias_update_rate", moe_router_bias_update_rate},
+          {"moe_expert_capacity_factor", moe_expert_capacity_factor},
+          {"moe_token_drop_policy", moe_token_drop_policy}};
 }
 
 namespace {

@@ -65,6 +65,9 @@ TransformerLayerOptions layer_options(const GPTConfig& c, int64_t index, uint64_
     m.router.z_loss_coeff = c.moe_z_loss_coeff;
     m.enable_expert_bias = c.moe_router_enable_expert_bias;
     m.expert_bias_update_rate = c.moe_router_bias_update_rate;
+    m.capacity_factor = c.moe_expert_capacity_factor;
+    m.drop_policy =
+        c.moe_token_drop_policy == "position" ? ops::DropPolicy::Position : ops::DropPolicy::Probs;
   }
   return o;
 }

@@ -35,6 +35,8 @@ const MoELayerOptions& checked(const MoELayerOptions& o, Communicator* tp) {
               o.router.aux_loss_coeff, " and ", o.router.z_loss_coeff);
   OCTET_CHECK(std::isfinite(o.expert_bias_update_rate) && o.expert_bias_update_rate >= 0.0f, o.name,
               ": expert_bias_update_rate expected >= 0, got ", o.expert_bias_update_rate);
+  OCTET_CHECK(std::isfinite(o.capacity_factor) && o.capacity_factor >= 0, o.name,
+              ": capacity_factor expected >= 0 (0: dropless), got ", o.capacity_factor);
   OCTET_CHECK(o.norm.hidden == o.hidden, o.name, ": norm hidden (", o.norm.hidden,
               ") must equal hidden (", o.hidden, ")");
   return o;
@@ -159,15 +161,34 @@ Tensor MoELayer::forward(const Tensor& x, Context& ctx) {
   ctx.losses =
       ops::router_forward(ctx.logits, route, ctx.scores, ctx.probs, ctx.experts, ctx.counts);
 
+  // The rows each expert computes: all routed to it, or its capacity's worth. Dropped pairs
+  // are permuted after every expert's rows (as expert E) and their output rows stay zero.
+  Tensor dispatch = ctx.experts, rows_per_expert = ctx.counts;
+  if (o.capacity_factor > 0) {
+    dispatch = Tensor::empty({n, k}, DType::I32);
+    rows_per_expert = Tensor::empty({e}, DType::I32);
+    ops::moe_capacity_drop(ctx.experts, ctx.probs, e, ops::moe_capacity(n, k, e, o.capacity_factor),
+                           o.drop_policy, dispatch, rows_per_expert);
+  }
+  std::vector<int64_t> splits(static_cast<size_t>(e));
+  const int32_t* rows = rows_per_expert.data<int32_t>();
+  for (int64_t i = 0; i < e; ++i) {
+    splits[static_cast<size_t>(i)] = rows[i];
+    ctx.kept_rows += rows[i];
+  }
+  ctx.dropped = n * k - ctx.kept_rows;
   Tensor permuted = Tensor::empty({n * k, o.hidden}, xn.dtype());
   ctx.row_map = Tensor::empty({n, k}, DType::I32);
-  ops::moe_permute(xn, ctx.experts, e, permuted, ctx.row_map);
-  std::vector<int64_t> splits(static_cast<size_t>(e));
-  const int32_t* counts = ctx.counts.data<int32_t>();
-  for (int64_t i = 0; i < e; ++i) splits[static_cast<size_t>(i)] = counts[i];
-  ctx.fc1_output = fc1.forward(permuted, splits, ctx.fc1);
-  ctx.expert_output =
+  ops::moe_permute(xn, dispatch, ctx.dropped > 0 ? e + 1 : e, permuted, ctx.row_map);
+  ctx.fc1_output = fc1.forward(permuted.slice_rows(0, ctx.kept_rows), splits, ctx.fc1);
+  const Tensor y =
       fc2.forward(activation(o.activation, ctx.fc1_output, o.ffn_hidden), splits, ctx.fc2);
+  if (ctx.dropped > 0) {
+    ctx.expert_output = Tensor::zeros({n * k, o.hidden}, y.dtype());
+    ctx.expert_output.slice_rows(0, ctx.kept_rows).copy_from(y);
+  } else {
+    ctx.expert_output = y;
+  }
   Tensor out = Tensor::empty({n, o.hidden}, x.dtype());
   ops::moe_unpermute(ctx.expert_output, ctx.row_map, ctx.probs, out);
   if (shared_fc1) {
@@ -190,8 +211,14 @@ Tensor MoELayer::backward(const Tensor& dy, Context& ctx) {
   Tensor dexpert = Tensor::empty({n * k, o.hidden}, ctx.expert_output.dtype());
   Tensor dprobs = Tensor::empty({n, k}, DType::F32);
   ops::moe_unpermute_backward(dout, ctx.expert_output, ctx.row_map, ctx.probs, dexpert, dprobs);
-  const Tensor da = fc2.backward(dexpert, ctx.fc2);
-  const Tensor dpermuted = fc1.backward(activation_grad(o.activation, da, ctx.fc1_output), ctx.fc1);
+  // The dropped rows' gradients (probs * dout) reach nothing: their outputs were zeros.
+  const Tensor da = fc2.backward(dexpert.slice_rows(0, ctx.kept_rows), ctx.fc2);
+  Tensor dpermuted = fc1.backward(activation_grad(o.activation, da, ctx.fc1_output), ctx.fc1);
+  if (ctx.dropped > 0) {
+    Tensor whole = Tensor::zeros({n * k, o.hidden}, dpermuted.dtype());
+    whole.slice_rows(0, ctx.kept_rows).copy_from(dpermuted);
+    dpermuted = whole;
+  }
   Tensor dxn = Tensor::empty({n, o.hidden}, dpermuted.dtype());
   ops::moe_permute_backward(dpermuted, ctx.row_map, dxn);
 
@@ -217,6 +244,7 @@ Tensor MoELayer::backward(const Tensor& dy, Context& ctx) {
   for (int64_t i = 0; i < e; ++i) load_.tokens[static_cast<size_t>(i)] += counts[i];
   load_.aux_loss += ctx.losses.aux;
   load_.z_loss += ctx.losses.z;
+  load_.dropped += static_cast<double>(ctx.dropped);
   ++load_.micro_batches;
   ctx = Context{};
   return dx;

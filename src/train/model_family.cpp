@@ -43,7 +43,8 @@ class GptFamily : public ModelFamily {
       config_.vocab_size = o.vocab_size;
     }
     const bool moe_flags = o.moe_router_topk || o.moe_aux_loss_coeff || o.moe_z_loss_coeff ||
-                           o.moe_router_enable_expert_bias || o.moe_router_bias_update_rate;
+                           o.moe_router_enable_expert_bias || o.moe_router_bias_update_rate ||
+                           o.moe_expert_capacity_factor || o.moe_token_drop_policy;
     OCTET_CHECK(!moe_flags || config_.moe(),
                 "--moe-* flags need a mixture-of-experts config "
                 "(num_experts > 0); '",
@@ -57,11 +58,16 @@ class GptFamily : public ModelFamily {
     if (o.moe_router_bias_update_rate) {
       config_.moe_router_bias_update_rate = *o.moe_router_bias_update_rate;
     }
+    if (o.moe_expert_capacity_factor) {
+      config_.moe_expert_capacity_factor = *o.moe_expert_capacity_factor;
+    }
+    if (o.moe_token_drop_policy) config_.moe_token_drop_policy = *o.moe_token_drop_policy;
     config_.check_moe();
   }
   std::string name() const override { return config_.name; }
   nlohmann::json config_json() const override { return config_.to_json(); }
   int64_t num_parameters() const override { return config_.num_parameters(); }
+  int64_t num_active_parameters() const override { return config_.num_active_parameters(); }
   int64_t num_layers() const override { return config_.num_layers; }
   int64_t seq_len(const TrainOptions& o) const override {
     const int64_t seq_len = o.seq_length ? o.seq_length : config_.max_seq_len;
@@ -488,7 +494,8 @@ class CaptionerFamily : public CaptionedImagesFamily<CaptionerConfig> {
 std::unique_ptr<ModelFamily> ModelFamily::from_options(const TrainOptions& o) {
   const std::string family = config_model_family(o.config_path);
   const bool moe_flags = o.moe_router_topk || o.moe_aux_loss_coeff || o.moe_z_loss_coeff ||
-                         o.moe_router_enable_expert_bias || o.moe_router_bias_update_rate;
+                         o.moe_router_enable_expert_bias || o.moe_router_bias_update_rate ||
+                         o.moe_expert_capacity_factor || o.moe_token_drop_policy;
   OCTET_CHECK(!moe_flags || family == "gpt",
               "--moe-* flags are for GPT mixture-of-experts "
               "configs; '",

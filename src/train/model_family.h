@@ -25,6 +25,8 @@ class ModelFamily {
   virtual std::string name() const = 0;
   virtual nlohmann::json config_json() const = 0;  // kept in checkpoints
   virtual int64_t num_parameters() const = 0;
+  // Those one token meets (a mixture of experts: its k experts of E); all of them otherwise.
+  virtual int64_t num_active_parameters() const { return num_parameters(); }
   virtual int64_t num_layers() const = 0;
   // Tokens per sample (checked against the options), and training FLOPs per token.
   virtual int64_t seq_len(const TrainOptions& o) const = 0;

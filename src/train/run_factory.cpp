@@ -416,8 +416,14 @@ void TrainingRun::print_setup() const {
       fp8_   ? " (" + recipe::describe(recipe_) + ")"
       : fp4_ ? std::string(" (") + fp4_recipe_name(fp4_options_.recipe) + ", Linear GEMMs)"
              : "";
-  std::printf("octet train: %s, %.2fM parameters, seq %lld, micro-batch %lld x %lld, %s%s\n",
-              family_->name().c_str(), family_->num_parameters() / 1e6, (long long)seq_len_,
+  // A mixture of experts: the parameters one token meets too.
+  char active[48] = "";
+  if (family_->num_active_parameters() != family_->num_parameters()) {
+    std::snprintf(active, sizeof(active), " (%.2fM active per token)",
+                  family_->num_active_parameters() / 1e6);
+  }
+  std::printf("octet train: %s, %.2fM parameters%s, seq %lld, micro-batch %lld x %lld, %s%s\n",
+              family_->name().c_str(), family_->num_parameters() / 1e6, active, (long long)seq_len_,
               (long long)o_.micro_batch_size, (long long)accumulation_, o_.precision.c_str(),
               recipe.c_str());
   const ParallelState& parallel = *parallel_;

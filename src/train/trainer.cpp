@@ -277,7 +277,7 @@ nlohmann::json TrainingRun::balance_experts(bool applied) {
   int64_t values = 0;
   for (MoELayer* layer : layers) {
     loads.push_back(layer->take_load());
-    values += static_cast<int64_t>(loads.back().tokens.size()) + 3;
+    values += static_cast<int64_t>(loads.back().tokens.size()) + 4;
   }
   Tensor sums = Tensor::zeros({std::max<int64_t>(values, 1)}, DType::F32);
   float* v = sums.data<float>();
@@ -285,11 +285,12 @@ nlohmann::json TrainingRun::balance_experts(bool applied) {
     for (double t : load.tokens) *v++ = static_cast<float>(t);
     *v++ = static_cast<float>(load.aux_loss);
     *v++ = static_cast<float>(load.z_loss);
+    *v++ = static_cast<float>(load.dropped);
     *v++ = static_cast<float>(load.micro_batches);
   }
   parallel_->data().all_reduce(sums, ReduceOp::Sum);
   v = sums.data<float>();
-  double worst = 0.0, aux = 0.0, z = 0.0;
+  double worst = 0.0, aux = 0.0, z = 0.0, dropped = 0.0, routed = 0.0;
   for (size_t i = 0; i < layers.size(); ++i) {
     std::vector<double> tokens(loads[i].tokens.size());
     double total = 0.0, most = 0.0;
@@ -298,7 +299,10 @@ nlohmann::json TrainingRun::balance_experts(bool applied) {
       total += t;
       most = std::max(most, t);
     }
-    const double aux_sum = *v++, z_sum = *v++, micro_batches = std::max<double>(*v++, 1.0);
+    const double aux_sum = *v++, z_sum = *v++;
+    dropped += *v++;
+    routed += total;
+    const double micro_batches = std::max<double>(*v++, 1.0);
     if (applied) layers[i]->update_expert_bias(tokens);
     const double mean = total / static_cast<double>(tokens.size());
     if (mean > 0) worst = std::max(worst, most / mean);
@@ -310,10 +314,13 @@ nlohmann::json TrainingRun::balance_experts(bool applied) {
   worst = pipe.all_reduce(worst, ReduceOp::Max);
   aux = pipe.all_reduce(aux, ReduceOp::Sum);
   z = pipe.all_reduce(z, ReduceOp::Sum);
+  dropped = pipe.all_reduce(dropped, ReduceOp::Sum);
+  routed = pipe.all_reduce(routed, ReduceOp::Sum);
   const double count = pipe.all_reduce(static_cast<double>(layers.size()), ReduceOp::Sum);
   return {{"load_max_over_mean", worst},
           {"aux_loss", aux / std::max(count, 1.0)},
-          {"z_loss", z / std::max(count, 1.0)}};
+          {"z_loss", z / std::max(count, 1.0)},
+          {"dropped", routed > 0 ? dropped / routed : 0.0}};
 }
 
 float TrainingRun::evaluate() {
@@ -500,6 +507,8 @@ void TrainingRun::print_progress(int64_t iteration, const nlohmann::json& record
     std::printf(" | experts max/mean %.2f", record["moe"]["load_max_over_mean"].get<double>());
     if (record["moe"]["aux_loss"].get<double>() > 0)
       std::printf(" aux %.4f", record["moe"]["aux_loss"].get<double>());
+    if (record["moe"]["dropped"].get<double>() > 0)
+      std::printf(" dropped %.1f%%", 100 * record["moe"]["dropped"].get<double>());
   }
   if (record.contains("val_loss")) std::printf(" | val loss %.4f", result_.last_val_loss);
   if (record.contains("val_accuracy"))

@@ -82,11 +82,12 @@ def _mlp(x, w1, b1, w2, b2, kind):
 @op("moe_layer")
 def moe_layer(t, args):
     """Megatron-Core's MoELayer in float64: norm, FP32 router, the k experts each token chose
-    (given: octet's choice, tested on its own by moe_router), their outputs weighted by the
+    (given: octet's choice, tested on its own by moe_router; with a capacity, octet's dispatch,
+    tested by moe_capacity_drop's own tests), their outputs weighted by the
     probabilities, plus the shared expert; the auxiliary losses scaled by loss_scale join the
     loss (out * dy).sum(). Returns y, x.grad and every parameter's .grad."""
     leaves = {name: v.double().requires_grad_() for name, v in t.items()
-              if name not in ("dy", "experts", "expert_bias")}
+              if name not in ("dy", "experts", "expert_bias", "dispatch")}
     x = leaves["x"]
     n, c = x.shape
     e = args["experts"]
@@ -101,10 +102,12 @@ def moe_layer(t, args):
     if args["normalize"]:
         probs = probs / (probs.sum(-1, keepdim=True) + 1e-20)
     probs = probs * args["scaling"]
+    # With a capacity, the pairs it dropped (dispatch == E) reach no expert.
+    dispatch = t["dispatch"].long() if "dispatch" in t else experts
     out = torch.zeros_like(x)
     for j in range(k):
         for ex in range(e):
-            rows = (experts[:, j] == ex).nonzero().flatten()
+            rows = (dispatch[:, j] == ex).nonzero().flatten()
             if rows.numel() == 0:
                 continue
             y = _mlp(xn[rows], leaves[f"experts.fc1.weight{ex}"], leaves.get(f"experts.fc1.bias{ex}"),

@@ -349,5 +349,73 @@ TEST(Permute, BadArgumentsAreClearErrors) {
             std::string::npos);
 }
 
+// Token dropping by hand: 5 tokens, top-2 over 3 experts, capacity 2. Expert 0 is chosen by
+// tokens 0, 1, 2 and 4 (probs .5 .6 .6 .9): by probability it keeps token 4 and, of the equal
+// .6s, token 1; by position tokens 0 and 1. Expert 1 (tokens 0, 3) keeps both; expert 2 (tokens
+// 1, 2, 3, 4 with .4 .4 .7 .1) keeps 3 and 1 by probability, 1 and 2 by position.
+TEST(CapacityDrop, KeepsExactlyThePairsTheRuleSays) {
+  Tensor experts = Tensor::empty({5, 2}, DType::I32);
+  const int32_t chosen[] = {0, 1, 0, 2, 2, 0, 1, 2, 0, 2};
+  for (int i = 0; i < 10; ++i) experts.data<int32_t>()[i] = chosen[i];
+  const Tensor probs =
+      Tensor::from_floats({5, 2}, {0.5f, 0.5f, 0.6f, 0.4f, 0.4f, 0.6f, 0.3f, 0.7f, 0.9f, 0.1f});
+  const std::vector<float> by_probs = {3, 1, 0, 2, 3, 3, 1, 2, 0, 3};
+  const std::vector<float> by_position = {0, 1, 0, 2, 2, 3, 1, 3, 3, 3};
+  for (auto policy : {ops::DropPolicy::Probs, ops::DropPolicy::Position}) {
+    const bool probs_policy = policy == ops::DropPolicy::Probs;
+    SCOPED_TRACE(probs_policy ? "probs" : "position");
+    for (bool fast : {true, false}) {
+      Tensor dispatch = Tensor::empty({5, 2}, DType::I32), kept = Tensor::empty({3}, DType::I32);
+      (fast ? ops::moe_capacity_drop : ops::reference::moe_capacity_drop)(experts, probs, 3, 2,
+                                                                          policy, dispatch, kept);
+      EXPECT_EQ(dispatch.to_floats(), probs_policy ? by_probs : by_position);
+      EXPECT_EQ(kept.to_floats(), (std::vector<float>{2, 2, 2}));
+    }
+  }
+  EXPECT_EQ(ops::moe_capacity(6, 2, 3, 0.5), 2);  // ceil(12 / 3 * 0.5)
+  EXPECT_EQ(ops::moe_capacity(5, 2, 3, 1.0), 4);
+}
+
+// Large random cases with many equal probabilities: the fast path keeps what the reference
+// keeps, every expert at most its capacity, and no pair it could keep is dropped.
+TEST(CapacityDrop, FastEqualsReferenceOnRandomRoutesWithTies) {
+  const int64_t N = 300, k = 3, E = 7;
+  for (int64_t capacity : {0, 1, 40, 128, 900}) {
+    for (auto policy : {ops::DropPolicy::Probs, ops::DropPolicy::Position}) {
+      SCOPED_TRACE(std::to_string(capacity));
+      const Tensor experts = random_experts(N, k, E, static_cast<uint32_t>(capacity) + 3);
+      Tensor probs = Tensor::empty({N, k}, DType::F32);
+      for (int64_t i = 0; i < N * k; ++i) probs.data<float>()[i] = float((i * 7919) % 5) / 4.0f;
+      Tensor d1 = Tensor::empty({N, k}, DType::I32), d2 = Tensor::empty({N, k}, DType::I32);
+      Tensor k1 = Tensor::empty({E}, DType::I32), k2 = Tensor::empty({E}, DType::I32);
+      ops::moe_capacity_drop(experts, probs, E, capacity, policy, d1, k1);
+      ops::reference::moe_capacity_drop(experts, probs, E, capacity, policy, d2, k2);
+      EXPECT_EQ(d1.to_floats(), d2.to_floats());
+      EXPECT_EQ(k1.to_floats(), k2.to_floats());
+      std::vector<int64_t> routed(E, 0), kept(E, 0);
+      for (int64_t i = 0; i < N * k; ++i) {
+        ++routed[static_cast<size_t>(experts.data<int32_t>()[i])];
+        const int32_t d = d1.data<int32_t>()[i];
+        ASSERT_TRUE(d == experts.data<int32_t>()[i] || d == E);
+        if (d < E) ++kept[static_cast<size_t>(d)];
+      }
+      for (int64_t e = 0; e < E; ++e) {
+        EXPECT_EQ(kept[static_cast<size_t>(e)], std::min(routed[static_cast<size_t>(e)], capacity));
+        EXPECT_EQ(k1.data<int32_t>()[e], kept[static_cast<size_t>(e)]);
+      }
+    }
+  }
+  Tensor dispatch = Tensor::empty({N, k}, DType::I32), kept = Tensor::empty({E}, DType::I32);
+  EXPECT_NE(testing::error_of([&] {
+              ops::moe_capacity_drop(random_experts(N, k, E, 1), Tensor::zeros({N, k}, DType::F32),
+                                     E, -1, ops::DropPolicy::Probs, dispatch, kept);
+            }).find("capacity expected >= 0"),
+            std::string::npos);
+  EXPECT_NE(testing::error_of([&] {
+              ops::moe_capacity(10, 2, 4, 0.0);
+            }).find("capacity_factor expected > 0"),
+            std::string::npos);
+}
+
 }  // namespace
 }  // namespace octet

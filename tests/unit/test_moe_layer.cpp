@@ -32,6 +32,8 @@ struct MoeCase {
   ops::RouterScore score;
   bool normalize, shared, bias;
   float scaling, aux, z;
+  double capacity_factor = 0.0;
+  ops::DropPolicy drop_policy = ops::DropPolicy::Probs;
 };
 
 MoELayerOptions moe_options(const MoeCase& c, int64_t hidden, int64_t ffn) {
@@ -50,6 +52,8 @@ MoELayerOptions moe_options(const MoeCase& c, int64_t hidden, int64_t ffn) {
   o.router.aux_loss_coeff = c.aux;
   o.router.z_loss_coeff = c.z;
   o.enable_expert_bias = c.bias;
+  o.capacity_factor = c.capacity_factor;
+  o.drop_policy = c.drop_policy;
   o.seed = 3;
   o.name = "moe";
   return o;
@@ -70,6 +74,13 @@ const std::vector<MoeCase>& cases() {
       // DeepSeek-V3: sigmoid scores normalized and scaled, the expert bias steering the choice.
       {"sigmoid swiglu normalized bias", ops::ActivationKind::SwiGlu, ops::RouterScore::Sigmoid,
        true, false, true, 2.5f, 0.0f, 0.0f},
+      // Token dropping: each expert computes at most 0.75 of an even share; the rest of its
+      // pairs add nothing.
+      {"softmax gelu capacity 0.75 by probs", ops::ActivationKind::GeluTanh,
+       ops::RouterScore::Softmax, false, true, false, 1.0f, 0.01f, 0.0f, 0.75},
+      {"sigmoid gelu capacity 0.5 by position", ops::ActivationKind::GeluTanh,
+       ops::RouterScore::Sigmoid, true, false, false, 1.0f, 0.0f, 0.0f, 0.5,
+       ops::DropPolicy::Position},
   };
   return all;
 }
@@ -97,6 +108,16 @@ TEST(MoELayer, ForwardAndEveryGradientMatchTorch) {
       Tensor y = moe.forward(x, ctx);
       EXPECT_EQ(y.shape(), x.shape());
       const Tensor experts = ctx.experts.clone();
+      const int64_t dropped = ctx.dropped;
+      // What a capacity dropped, by the op's rule (tested on its own in test_moe).
+      Tensor dispatch = Tensor::empty({n, 2}, DType::I32), kept = Tensor::empty({4}, DType::I32);
+      if (c.capacity_factor > 0) {
+        ops::moe_capacity_drop(experts, ctx.probs, 4, ops::moe_capacity(n, 2, 4, c.capacity_factor),
+                               c.drop_policy, dispatch, kept);
+        EXPECT_GT(dropped, 0);
+      } else {
+        EXPECT_EQ(dropped, 0);
+      }
       Tensor dx = moe.backward(dy, ctx);
 
       TensorMap in;
@@ -104,6 +125,7 @@ TEST(MoELayer, ForwardAndEveryGradientMatchTorch) {
       in["x"] = x.reshape({n, hidden});
       in["dy"] = dy.reshape({n, hidden});
       in["experts"] = experts;
+      if (c.capacity_factor > 0) in["dispatch"] = dispatch;
       const nlohmann::json args = {
           {"eps", 1e-5},
           {"experts", 4},
@@ -132,6 +154,7 @@ TEST(MoELayer, ForwardAndEveryGradientMatchTorch) {
       const MoELayer::Load load = moe.take_load();
       for (double t : load.tokens) EXPECT_GT(t, 0.0);
       EXPECT_EQ(std::accumulate(load.tokens.begin(), load.tokens.end(), 0.0), 2.0 * n);
+      EXPECT_EQ(load.dropped, static_cast<double>(dropped));
     }
   }
 }

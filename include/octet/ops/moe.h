@@ -66,6 +66,21 @@ void moe_unpermute(const Tensor& y, const Tensor& row_map, const Tensor& probs, 
 void moe_unpermute_backward(const Tensor& dout, const Tensor& y, const Tensor& row_map,
                             const Tensor& probs, Tensor& dy, Tensor& dprobs);
 
+// Token dropping (Megatron's moe_expert_capacity_factor): each expert keeps at most `capacity`
+// of the (token, choice) pairs routed to it and drops the rest.
+enum class DropPolicy {
+  Probs,     // the pairs of the highest probabilities (equal ones: the lower token first)
+  Position,  // the first pairs in token order
+};
+// Megatron's get_capacity: ceil(tokens * topk / num_experts * capacity_factor).
+int64_t moe_capacity(int64_t tokens, int64_t topk, int64_t num_experts, double capacity_factor);
+// experts [N, k] I32 in [0, E) and probs [N, k] F32 -> dispatch [N, k] I32 (written): experts,
+// with E (= num_experts) in place of every dropped pair, so that moe_permute(tokens, dispatch,
+// E + 1, ...) places the dropped rows after every expert's; kept [E] I32 (written): the pairs
+// each expert keeps, min(routed, capacity). capacity >= 0.
+void moe_capacity_drop(const Tensor& experts, const Tensor& probs, int64_t num_experts,
+                       int64_t capacity, DropPolicy policy, Tensor& dispatch, Tensor& kept);
+
 // The CPU kernels: OpenMP over tokens, inner loops vectorized per instruction set and chosen at
 // run time (OCTET_ISA lowers the choice). The functions above check that every tensor is on
 // one device and dispatch there.
@@ -81,6 +96,8 @@ void moe_permute_backward(const Tensor& dpermuted, const Tensor& row_map, Tensor
 void moe_unpermute(const Tensor& y, const Tensor& row_map, const Tensor& probs, Tensor& out);
 void moe_unpermute_backward(const Tensor& dout, const Tensor& y, const Tensor& row_map,
                             const Tensor& probs, Tensor& dy, Tensor& dprobs);
+void moe_capacity_drop(const Tensor& experts, const Tensor& probs, int64_t num_experts,
+                       int64_t capacity, DropPolicy policy, Tensor& dispatch, Tensor& kept);
 }  // namespace cpu
 
 // The oracle: plain loops, FP64 sums, one thread.
@@ -96,6 +113,8 @@ void moe_permute_backward(const Tensor& dpermuted, const Tensor& row_map, Tensor
 void moe_unpermute(const Tensor& y, const Tensor& row_map, const Tensor& probs, Tensor& out);
 void moe_unpermute_backward(const Tensor& dout, const Tensor& y, const Tensor& row_map,
                             const Tensor& probs, Tensor& dy, Tensor& dprobs);
+void moe_capacity_drop(const Tensor& experts, const Tensor& probs, int64_t num_experts,
+                       int64_t capacity, DropPolicy policy, Tensor& dispatch, Tensor& kept);
 }  // namespace reference
 
 }  // namespace octet::ops

@@ -183,4 +183,20 @@ inline PermuteShape check_unpermute_backward(const Tensor& dout, const Tensor& y
   return s;
 }
 
+// moe_capacity_drop's arguments, checked before anything is written; returns N and k.
+inline PermuteShape check_capacity_drop(const Tensor& experts, const Tensor& probs,
+                                        int64_t num_experts, int64_t capacity,
+                                        const Tensor& dispatch, const Tensor& kept) {
+  const char* op = "moe_capacity_drop";
+  PermuteShape s = check_experts(op, experts, num_experts);
+  OCTET_CHECK(capacity >= 0, op, ": capacity expected >= 0, got ", capacity);
+  check_dtype(probs, DType::F32, what(op, "probs"));
+  check_shape(probs, {s.tokens, s.topk}, what(op, "probs"), "N,k");
+  check_dtype(dispatch, DType::I32, what(op, "dispatch"));
+  check_shape(dispatch, {s.tokens, s.topk}, what(op, "dispatch"), "N,k");
+  check_dtype(kept, DType::I32, what(op, "kept"));
+  check_shape(kept, {num_experts}, what(op, "kept"), "E");
+  return s;
+}
+
 }  // namespace octet::ops::moe_detail

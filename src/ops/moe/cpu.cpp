@@ -4,6 +4,7 @@
 // summed in F32 by loops vectorized for the active instruction set.
 #include <omp.h>
 
+#include <algorithm>
 #include <cstring>
 #include <vector>
 
@@ -207,6 +208,37 @@ void moe_unpermute_backward(const Tensor& dout, const Tensor& y, const Tensor& r
   check_unpermute_backward(dout, y, row_map, probs, dy, dprobs);
   if (y.dtype() == DType::F32) return unpermute_grads<float>(dout, y, row_map, probs, dy, dprobs);
   unpermute_grads<bfloat16>(dout, y, row_map, probs, dy, dprobs);
+}
+
+void moe_capacity_drop(const Tensor& experts, const Tensor& probs, int64_t num_experts,
+                       int64_t capacity, DropPolicy policy, Tensor& dispatch, Tensor& kept) {
+  const PermuteShape s = check_capacity_drop(experts, probs, num_experts, capacity, dispatch, kept);
+  const int64_t pairs = s.tokens * s.topk;
+  const int32_t* e = experts.data<int32_t>();
+  const float* p = probs.data<float>();
+  int32_t* d = dispatch.data<int32_t>();
+  // Each expert's pairs in order (a counting sort), then the first `capacity` of them by the
+  // policy's order: a stable partial sort by probability, or as they are.
+  std::vector<int64_t> first(static_cast<size_t>(num_experts) + 1, 0);
+  for (int64_t i = 0; i < pairs; ++i) ++first[static_cast<size_t>(e[i]) + 1];
+  for (size_t x = 1; x < first.size(); ++x) first[x] += first[x - 1];
+  std::vector<int64_t> order(static_cast<size_t>(pairs));
+  std::vector<int64_t> next(first.begin(), first.end() - 1);
+  for (int64_t i = 0; i < pairs; ++i)
+    order[static_cast<size_t>(next[static_cast<size_t>(e[i])]++)] = i;
+  for (int64_t i = 0; i < pairs; ++i) d[i] = static_cast<int32_t>(num_experts);
+#pragma omp parallel for schedule(dynamic, 1)
+  for (int64_t expert = 0; expert < num_experts; ++expert) {
+    auto begin = order.begin() + first[static_cast<size_t>(expert)];
+    auto end = order.begin() + first[static_cast<size_t>(expert) + 1];
+    const int64_t keep = std::min<int64_t>(capacity, end - begin);
+    if (policy == DropPolicy::Probs && keep < end - begin) {
+      // Higher probability first; among equals the earlier pair (the order is by pair index).
+      std::stable_sort(begin, end, [&](int64_t a, int64_t b) { return p[a] > p[b]; });
+    }
+    for (auto it = begin; it != begin + keep; ++it) d[*it] = static_cast<int32_t>(expert);
+    kept.data<int32_t>()[expert] = static_cast<int32_t>(keep);
+  }
 }
 
 }  // namespace octet::ops::cpu

@@ -1,5 +1,7 @@
 // The routing operators' public entry points: every tensor argument on one device, then that
 // device's kernels (ops::cpu; a CUDA build adds ops::cuda here without touching a caller).
+#include <cmath>
+
 #include "octet/ops/moe.h"
 #include "octet/profile.h"
 #include "ops/device_dispatch.h"
@@ -62,6 +64,24 @@ void moe_unpermute_backward(const Tensor& dout, const Tensor& y, const Tensor& r
     return cpu::moe_unpermute_backward(dout, y, row_map, probs, dy, dprobs);
   }
   no_kernel("moe_unpermute_backward", device);
+}
+
+int64_t moe_capacity(int64_t tokens, int64_t topk, int64_t num_experts, double capacity_factor) {
+  OCTET_CHECK(tokens >= 0 && topk >= 1 && num_experts >= 1, "moe_capacity: tokens (", tokens,
+              ") >= 0, topk (", topk, ") and num_experts (", num_experts, ") >= 1 expected");
+  OCTET_CHECK(std::isfinite(capacity_factor) && capacity_factor > 0,
+              "moe_capacity: capacity_factor expected > 0, got ", capacity_factor);
+  return static_cast<int64_t>(std::ceil(static_cast<double>(tokens) * static_cast<double>(topk) /
+                                        static_cast<double>(num_experts) * capacity_factor));
+}
+
+void moe_capacity_drop(const Tensor& experts, const Tensor& probs, int64_t num_experts,
+                       int64_t capacity, DropPolicy policy, Tensor& dispatch, Tensor& kept) {
+  const Device device = device_of("moe_capacity_drop", {&experts, &probs, &dispatch, &kept});
+  if (device == Device::CPU) {
+    return cpu::moe_capacity_drop(experts, probs, num_experts, capacity, policy, dispatch, kept);
+  }
+  no_kernel("moe_capacity_drop", device);
 }
 
 }  // namespace octet::ops

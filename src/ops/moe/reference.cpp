@@ -146,4 +146,30 @@ void moe_unpermute_backward(const Tensor& dout, const Tensor& y, const Tensor& r
   }
 }
 
+void moe_capacity_drop(const Tensor& experts, const Tensor& probs, int64_t num_experts,
+                       int64_t capacity, DropPolicy policy, Tensor& dispatch, Tensor& kept) {
+  const PermuteShape s = check_capacity_drop(experts, probs, num_experts, capacity, dispatch, kept);
+  const int64_t pairs = s.tokens * s.topk;
+  const int32_t* e = experts.data<int32_t>();
+  const float* p = probs.data<float>();
+  int32_t* d = dispatch.data<int32_t>();
+  // Expert by expert: `capacity` times, the best pair not yet kept (the highest probability, the
+  // earliest pair among equals; Position: the earliest).
+  for (int64_t i = 0; i < pairs; ++i) d[i] = static_cast<int32_t>(num_experts);
+  for (int64_t expert = 0; expert < num_experts; ++expert) {
+    int64_t held = 0;
+    for (; held < capacity; ++held) {
+      int64_t best = -1;
+      for (int64_t i = 0; i < pairs; ++i) {
+        if (e[i] != expert || d[i] == expert) continue;
+        if (best < 0 || (policy == DropPolicy::Probs && p[i] > p[best])) best = i;
+        if (policy == DropPolicy::Position) break;
+      }
+      if (best < 0) break;
+      d[best] = static_cast<int32_t>(expert);
+    }
+    kept.data<int32_t>()[expert] = static_cast<int32_t>(held);
+  }
+}
+
 }  // namespace octet::ops::reference
