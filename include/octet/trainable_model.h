@@ -86,10 +86,15 @@ class TrainableModel : public pipeline::StagedModel {
   using EmbeddingGradHook =
       std::function<void(Parameter& table, const Tensor& ids, const Tensor& rows)>;
   virtual bool set_embedding_grad_hook(EmbeddingGradHook hook) { return false; }
-  // The mixture-of-experts layers of the part held, chunks in stage order (none in a dense
-  // model): after each optimizer step the trainer sums their loads over the data-parallel
-  // ranks, moves their expert biases and reports the balance.
-  virtual std::vector<MoELayer*> moe_layers() { return {}; }
+  // The mixture-of-experts layers of the part held, chunks in stage order, each with its layer's
+  // index in the whole model (none in a dense model): after each optimizer step the trainer
+  // sums each layer's load over every rank holding a copy of it (data-parallel replicas,
+  // DualPipe's two directions), moves its expert bias and reports the balance.
+  struct MoELayerRef {
+    int64_t layer = 0;
+    MoELayer* moe = nullptr;
+  };
+  virtual std::vector<MoELayerRef> moe_layers() { return {}; }
 };
 
 // What octet's models share (Megatron's TransformerBlock with pre_process / post_process): a
@@ -138,7 +143,7 @@ class TransformerStack : public TrainableModel {
   TensorMap state_dict() override;
   void load_state_dict(const TensorMap& tensors) override;
   void on_parameters_updated() override;  // the layers' weight caches
-  std::vector<MoELayer*> moe_layers() override;
+  std::vector<MoELayerRef> moe_layers() override;
   // Megatron's --first-last-layers-bf16: the first `first` and last `last` transformer layers
   // of the whole model run outside fp8_autocast / fp4_autocast (in the step's dtype), forward,
   // backward and recomputation alike, as the published NVFP4 recipe keeps them.

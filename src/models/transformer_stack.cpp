@@ -120,11 +120,12 @@ std::string expert_bias_name(const MoELayer& moe) {
 
 }  // namespace
 
-std::vector<MoELayer*> TransformerStack::moe_layers() {
-  std::vector<MoELayer*> out;
+std::vector<TrainableModel::MoELayerRef> TransformerStack::moe_layers() {
+  std::vector<MoELayerRef> out;
   for (int chunk : chunks_in_stage_order()) {
-    for (TransformerLayer& layer : layers(chunk)) {
-      if (layer.moe) out.push_back(&*layer.moe);
+    std::vector<TransformerLayer>& stack = layers(chunk);
+    for (size_t i = 0; i < stack.size(); ++i) {
+      if (stack[i].moe) out.push_back({global_layer(chunk, i), &*stack[i].moe});
     }
   }
   return out;
@@ -133,8 +134,9 @@ std::vector<MoELayer*> TransformerStack::moe_layers() {
 TensorMap TransformerStack::state_dict() {
   TensorMap out;
   for (Parameter* p : parameters()) out[p->name] = gather(*p, p->value);
-  for (MoELayer* moe : moe_layers()) {
-    if (moe->options().enable_expert_bias) out[expert_bias_name(*moe)] = moe->expert_bias.clone();
+  for (const MoELayerRef& ref : moe_layers()) {
+    const MoELayer& moe = *ref.moe;
+    if (moe.options().enable_expert_bias) out[expert_bias_name(moe)] = moe.expert_bias.clone();
   }
   return out;
 }
@@ -148,7 +150,8 @@ void TransformerStack::load_state_dict(const TensorMap& tensors) {
     p->value.copy_from(shard(*p, it->second));
   }
   size_t buffers = 0;
-  for (MoELayer* moe : moe_layers()) {
+  for (const MoELayerRef& ref : moe_layers()) {
+    MoELayer* moe = ref.moe;
     if (!moe->options().enable_expert_bias) continue;
     const std::string name = expert_bias_name(*moe);
     auto it = tensors.find(name);

@@ -8,6 +8,7 @@
 #include <csignal>
 #include <cstdio>
 #include <optional>
+#include <span>
 
 #include "octet/gemm.h"
 #include "octet/ops/elementwise.h"
@@ -269,57 +270,56 @@ double TrainingRun::optimizer_step(float lr) {
 }
 
 nlohmann::json TrainingRun::balance_experts(bool applied) {
-  const std::vector<MoELayer*> layers = model_->moe_layers();
+  const std::vector<TrainableModel::MoELayerRef> held = model_->moe_layers();
   // A mixture-of-experts model has one in every layer: every stage holds some, or none does.
-  if (layers.empty()) return nullptr;
-  // Per layer: E loads, then its auxiliary and z losses and micro-batches.
+  if (held.empty()) return nullptr;
+  // Per layer of the whole model: E loads, then the auxiliary and z losses, the dropped pairs
+  // and the micro-batches, filled where held and summed over the world: every copy of a layer
+  // (data replicas, pipeline ranks under DualPipe) adds its micro-batches. Tensor ranks hold
+  // the same tokens: their sum is divided out.
+  const int64_t experts = held.front().moe->options().num_experts, width = experts + 4;
+  const int64_t layers = family_->num_layers();
+  Tensor sums = Tensor::zeros({layers * width}, DType::F32);
   std::vector<MoELayer::Load> loads;
-  int64_t values = 0;
-  for (MoELayer* layer : layers) {
-    loads.push_back(layer->take_load());
-    values += static_cast<int64_t>(loads.back().tokens.size()) + 4;
+  for (const TrainableModel::MoELayerRef& ref : held) {
+    const MoELayer::Load load = ref.moe->take_load();
+    float* v = sums.data<float>() + ref.layer * width;
+    for (int64_t e = 0; e < experts; ++e)
+      v[e] += static_cast<float>(load.tokens[static_cast<size_t>(e)]);
+    v[experts] += static_cast<float>(load.aux_loss);
+    v[experts + 1] += static_cast<float>(load.z_loss);
+    v[experts + 2] += static_cast<float>(load.dropped);
+    v[experts + 3] += static_cast<float>(load.micro_batches);
   }
-  Tensor sums = Tensor::zeros({std::max<int64_t>(values, 1)}, DType::F32);
-  float* v = sums.data<float>();
-  for (const MoELayer::Load& load : loads) {
-    for (double t : load.tokens) *v++ = static_cast<float>(t);
-    *v++ = static_cast<float>(load.aux_loss);
-    *v++ = static_cast<float>(load.z_loss);
-    *v++ = static_cast<float>(load.dropped);
-    *v++ = static_cast<float>(load.micro_batches);
-  }
-  parallel_->data().all_reduce(sums, ReduceOp::Sum);
-  v = sums.data<float>();
+  parallel_->world().all_reduce(sums, ReduceOp::Sum);
+  ops::scale(std::span<Tensor>(&sums, 1), 1.0f / static_cast<float>(parallel_->tensor().size()));
   double worst = 0.0, aux = 0.0, z = 0.0, dropped = 0.0, routed = 0.0;
-  for (size_t i = 0; i < layers.size(); ++i) {
-    std::vector<double> tokens(loads[i].tokens.size());
+  std::vector<std::vector<double>> tokens(static_cast<size_t>(layers));
+  for (int64_t layer = 0; layer < layers; ++layer) {
+    const float* v = sums.data<float>() + layer * width;
+    std::vector<double>& t = tokens[static_cast<size_t>(layer)];
+    t.assign(v, v + experts);
     double total = 0.0, most = 0.0;
-    for (double& t : tokens) {
-      t = *v++;
-      total += t;
-      most = std::max(most, t);
+    for (double x : t) {
+      total += x;
+      most = std::max(most, x);
     }
-    const double aux_sum = *v++, z_sum = *v++;
-    dropped += *v++;
+    const double micro_batches = std::max<double>(v[experts + 3], 1.0);
+    if (total > 0) worst = std::max(worst, most / (total / static_cast<double>(experts)));
+    aux += v[experts] / micro_batches;
+    z += v[experts + 1] / micro_batches;
+    dropped += v[experts + 2];
     routed += total;
-    const double micro_batches = std::max<double>(*v++, 1.0);
-    if (applied) layers[i]->update_expert_bias(tokens);
-    const double mean = total / static_cast<double>(tokens.size());
-    if (mean > 0) worst = std::max(worst, most / mean);
-    aux += aux_sum / micro_batches;
-    z += z_sum / micro_batches;
   }
-  // Over the pipeline stages: the worst layer and the losses summed over layers.
-  Communicator& pipe = parallel_->pipeline();
-  worst = pipe.all_reduce(worst, ReduceOp::Max);
-  aux = pipe.all_reduce(aux, ReduceOp::Sum);
-  z = pipe.all_reduce(z, ReduceOp::Sum);
-  dropped = pipe.all_reduce(dropped, ReduceOp::Sum);
-  routed = pipe.all_reduce(routed, ReduceOp::Sum);
-  const double count = pipe.all_reduce(static_cast<double>(layers.size()), ReduceOp::Sum);
+  if (applied) {
+    for (const TrainableModel::MoELayerRef& ref : held) {
+      ref.moe->update_expert_bias(tokens[static_cast<size_t>(ref.layer)]);
+    }
+  }
+  const double count = static_cast<double>(layers);
   return {{"load_max_over_mean", worst},
-          {"aux_loss", aux / std::max(count, 1.0)},
-          {"z_loss", z / std::max(count, 1.0)},
+          {"aux_loss", aux / count},
+          {"z_loss", z / count},
           {"dropped", routed > 0 ? dropped / routed : 0.0}};
 }
 

@@ -27,6 +27,12 @@ expect_error() {
   fi
 }
 expect_error "--lr: expected a finite number >= 0, got nan" "${train[@]}" --lr nan
+# Mixture-of-experts flags: on a dense config, and values the MoE config cannot take.
+expect_error "--moe-* flags need a mixture-of-experts config" "${train[@]}" --moe-router-topk 2
+expect_error "moe_router_topk expected in [1, num_experts = 4], got 9" train --config moe-tiny \
+  --mock-data --train-iters 1 --peak-gflops 100 --moe-router-topk 9
+expect_error "--moe-aux-loss-coeff: expected a finite number >= 0" train --config moe-tiny \
+  --mock-data --train-iters 1 --peak-gflops 100 --moe-aux-loss-coeff -1
 expect_error "--lr: expected a finite number >= 0, got inf" "${train[@]}" --lr inf
 expect_error "--lr: expected a finite number >= 0, got -1" "${train[@]}" --lr -1
 expect_error "--clip-grad: expected a finite number >= 0" "${train[@]}" --clip-grad -0.5
