@@ -23,16 +23,81 @@ def resident_bytes():
         return int(statm.read().split()[1]) * resource.getpagesize()
 
 
+class Expert(nn.Module):
+    def __init__(self, hidden, ffn):
+        super().__init__()
+        self.c_fc = nn.Linear(hidden, ffn)
+        self.mlp_proj = nn.Linear(ffn, hidden)
+
+    def forward(self, x):
+        return self.mlp_proj(F.gelu(self.c_fc(x), approximate="tanh"))
+
+
+class MoE(nn.Module):
+    """A mixture of experts routed as octet's MoELayer (and Megatron-Core's): softmax or sigmoid
+    scores, top-k on the scores plus the expert bias, optional normalization and scaling, the
+    switch auxiliary loss and the z-loss; each expert applied to its tokens (index_select /
+    index_add_, the usual eager-PyTorch dispatch), plus a shared expert."""
+
+    def __init__(self, hidden, config):
+        super().__init__()
+        e = config["num_experts"]
+        ffn = config.get("moe_ffn_hidden", 0) or config.get("ffn_hidden", 0) or 4 * hidden
+        self.k = config.get("moe_router_topk", 2)
+        self.sigmoid = config.get("moe_router_score_function", "softmax") == "sigmoid"
+        self.normalize = config.get("moe_router_normalize", False)
+        self.scaling = config.get("moe_router_topk_scaling_factor", 1.0)
+        self.aux = config.get("moe_aux_loss_coeff", 0.0)
+        self.z = config.get("moe_z_loss_coeff", 0.0)
+        self.router = nn.Linear(hidden, e, bias=False)
+        self.register_buffer("expert_bias", torch.zeros(e), persistent=False)
+        self.experts = nn.ModuleList(Expert(hidden, ffn) for _ in range(e))
+        shared = config.get("moe_shared_expert_ffn_hidden", 0)
+        self.shared = Expert(hidden, shared) if shared else None
+        self.loss = None  # the auxiliary losses of the last forward
+
+    def forward(self, x):
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        logits = self.router(x).float()
+        scores = torch.sigmoid(logits) if self.sigmoid else torch.softmax(logits, dim=-1)
+        chosen = torch.topk(scores.detach() + self.expert_bias, self.k, dim=-1).indices
+        probs = scores.gather(1, chosen)
+        if self.normalize:
+            probs = probs / (probs.sum(dim=-1, keepdim=True) + 1e-20)
+        probs = probs * self.scaling
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            token, slot = (chosen == e).nonzero(as_tuple=True)
+            if token.numel() == 0:
+                continue
+            y = expert(x.index_select(0, token))
+            out.index_add_(0, token, (y * probs[token, slot].unsqueeze(-1)).to(out.dtype))
+        if self.shared is not None:
+            out = out + self.shared(x)
+        n, e = scores.shape
+        self.loss = logits.new_zeros(())
+        if self.aux > 0:
+            counts = torch.bincount(chosen.flatten(), minlength=e).float()
+            weights = scores / (scores.sum(-1, keepdim=True) + 1e-20) if self.sigmoid else scores
+            self.loss = self.loss + self.aux * e / (self.k * n * n) * (weights.sum(0) * counts).sum()
+        if self.z > 0:
+            self.loss = self.loss + self.z * (torch.logsumexp(logits, -1) ** 2).mean()
+        return out.reshape(shape)
+
+
 class Block(nn.Module):
-    def __init__(self, hidden, heads, ffn, eps):
+    def __init__(self, hidden, heads, ffn, eps, config=None):
         super().__init__()
         self.heads = heads
         self.ln_1 = nn.LayerNorm(hidden, eps=eps)
         self.c_attn = nn.Linear(hidden, 3 * hidden)
         self.attn_proj = nn.Linear(hidden, hidden)
         self.ln_2 = nn.LayerNorm(hidden, eps=eps)
-        self.c_fc = nn.Linear(hidden, ffn)
-        self.mlp_proj = nn.Linear(ffn, hidden)
+        self.moe = MoE(hidden, config) if config and config.get("num_experts", 0) else None
+        if self.moe is None:
+            self.c_fc = nn.Linear(hidden, ffn)
+            self.mlp_proj = nn.Linear(ffn, hidden)
 
     def attention(self, x, mask):
         b, t, c = x.shape
@@ -48,6 +113,8 @@ class Block(nn.Module):
 
     def forward(self, x, mask):
         x = x + self.attention(self.ln_1(x), mask)
+        if self.moe is not None:
+            return x + self.moe(self.ln_2(x))
         return x + self.mlp_proj(F.gelu(self.c_fc(self.ln_2(x)), approximate="tanh"))
 
 
@@ -61,7 +128,8 @@ class GPT(nn.Module):
         self.wte = nn.Embedding(config["vocab_size"], hidden)
         self.wpe = nn.Embedding(config["max_seq_len"], hidden)
         self.blocks = nn.ModuleList(
-            Block(hidden, config["num_heads"], ffn, eps) for _ in range(config["num_layers"]))
+            Block(hidden, config["num_heads"], ffn, eps, config)
+            for _ in range(config["num_layers"]))
         self.ln_f = nn.LayerNorm(hidden, eps=eps)
         t = config["max_seq_len"]
         self.register_buffer("mask", torch.ones(t, t, dtype=torch.bool).triu(1), persistent=False)
@@ -78,7 +146,11 @@ class GPT(nn.Module):
         for block in self.blocks:
             x = block(x, self.mask)
         logits = F.linear(self.ln_f(x), self.wte.weight)  # tied output layer
-        return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))
+        loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))
+        for block in self.blocks:  # mixture-of-experts layers add their auxiliary losses
+            if block.moe is not None:
+                loss = loss + block.moe.loss
+        return loss
 
 
 def check_config(config):
