@@ -1,6 +1,6 @@
 // The small GPTs of the inference suites: large weights (std 0.2) for clear argmax margins, in
-// two variants: GPT-2's learned positions, and RoPE with grouped-query attention, RMSNorm,
-// SwiGLU and no biases.
+// three variants: GPT-2's learned positions; RoPE with grouped-query attention, RMSNorm,
+// SwiGLU and no biases; and a mixture of experts.
 #pragma once
 
 #include <gtest/gtest.h>
@@ -38,7 +38,15 @@ inline std::vector<GptVariant> tiny_gpt_variants() {
                       {"num_gqa_groups", 2},
                       {"normalization", "rmsnorm"},
                       {"activation", "swiglu"},
-                      {"bias", false}}}};
+                      {"bias", false}}},
+          // A mixture of experts in every layer: each token routed on its own, so caching,
+          // batching and paging change nothing of what it computes.
+          GptVariant{"moe",
+                     {{"num_experts", 4},
+                      {"moe_ffn_hidden", 32},
+                      {"moe_shared_expert_ffn_hidden", 16},
+                      {"moe_router_topk", 2},
+                      {"moe_router_enable_expert_bias", true}}}};
 }
 
 inline std::string gpt_variant_name(const ::testing::TestParamInfo<GptVariant>& param) {
