@@ -116,6 +116,28 @@ run() {
   compare "$name" "$dir/reference" "$dir/candidate" --grad-rtol "$grad_rtol" \
     --update-rtol "$update_rtol" --param-rtol "$param_rtol"
 }
+# A checkpoint written at one layout resumes at another with the uninterrupted run's losses
+# (constant learning rate, so the schedule does not depend on --train-iters).
+constant=(--config "$config" --mock-data --precision fp32 --micro-batch-size 2
+  --global-batch-size 8 --log-interval 1 --eval-iters 0 --peak-gflops 100 --lr 1e-3
+  --min-lr 1e-3 --lr-warmup-iters 0)
+later() { grep -o 'iter *[456]/6 | loss [0-9.]*' | grep -o 'loss [0-9.]*' | tr '\n' ' '; }
+resume() {
+  local name="$1" save_ranks="$2" load_ranks="$3" save_flags="$4" load_flags="$5" got
+  rm -rf "$dir/ckpt"
+  # shellcheck disable=SC2086
+  OMP_NUM_THREADS=1 mpiexec -n "$save_ranks" --oversubscribe "$octet" train "${constant[@]}" \
+    --train-iters 3 --save "$dir/ckpt" $save_flags >/dev/null
+  # shellcheck disable=SC2086
+  got="$(OMP_NUM_THREADS=1 mpiexec -n "$load_ranks" --oversubscribe "$octet" train \
+    "${constant[@]}" --train-iters 6 --load "$dir/ckpt" $load_flags | later)"
+  if [ -n "$got" ] && [ "$got" = "$uninterrupted" ]; then
+    echo "ok   resume $name: $got"
+  else
+    echo "FAIL resume $name: '$got' (expected '$uninterrupted')"
+    status=1
+  fi
+}
 if [ "$layouts" = dp ]; then
   # A model with data parallelism only so far: plain, ZeRO-1 and recomputation.
   run 2 "DP=2" --no-overlap-grad-reduce
@@ -132,6 +154,11 @@ if [ "$layouts" = moe ]; then
   run 2 "PP=2 DualPipe" --pipeline-model-parallel-size 2 --pipeline-schedule dualpipe
   run 4 "PP=2 x DP=2 ZB1P ZeRO-1" --pipeline-model-parallel-size 2 --pipeline-schedule zb1p \
     --use-distributed-optimizer
+  # Checkpoints (the expert biases with them) reshard between layouts and one process.
+  uninterrupted="$(OMP_NUM_THREADS=1 "$octet" train "${constant[@]}" --train-iters 6 | later)"
+  resume "PP=2 -> 1 process" 2 1 "--pipeline-model-parallel-size 2" ""
+  resume "DP=2 ZeRO-1 -> PP=2 DualPipe" 2 2 "--use-distributed-optimizer" \
+    "--pipeline-model-parallel-size 2 --pipeline-schedule dualpipe"
   exit $status
 fi
 if [ "$layouts" = core-tied ]; then
@@ -295,29 +322,7 @@ else
   echo "FAIL FP8 stats PP=2:"; echo "$stats"; echo "expected:"; echo "$stats_reference"
   status=1
 fi
-# A checkpoint written at one layout resumes at another with the uninterrupted run's losses
-# (constant learning rate, so the schedule does not depend on --train-iters).
-constant=(--config "$config" --mock-data --precision fp32 --micro-batch-size 2
-  --global-batch-size 8 --log-interval 1 --eval-iters 0 --peak-gflops 100 --lr 1e-3
-  --min-lr 1e-3 --lr-warmup-iters 0)
-later() { grep -o 'iter *[456]/6 | loss [0-9.]*' | grep -o 'loss [0-9.]*' | tr '\n' ' '; }
 uninterrupted="$(OMP_NUM_THREADS=1 "$octet" train "${constant[@]}" --train-iters 6 | later)"
-resume() {
-  local name="$1" save_ranks="$2" load_ranks="$3" save_flags="$4" load_flags="$5" got
-  rm -rf "$dir/ckpt"
-  # shellcheck disable=SC2086
-  OMP_NUM_THREADS=1 mpiexec -n "$save_ranks" --oversubscribe "$octet" train "${constant[@]}" \
-    --train-iters 3 --save "$dir/ckpt" $save_flags >/dev/null
-  # shellcheck disable=SC2086
-  got="$(OMP_NUM_THREADS=1 mpiexec -n "$load_ranks" --oversubscribe "$octet" train \
-    "${constant[@]}" --train-iters 6 --load "$dir/ckpt" $load_flags | later)"
-  if [ -n "$got" ] && [ "$got" = "$uninterrupted" ]; then
-    echo "ok   resume $name: $got"
-  else
-    echo "FAIL resume $name: '$got' (expected '$uninterrupted')"
-    status=1
-  fi
-}
 resume "PP=2 -> 1 process" 2 1 "--pipeline-model-parallel-size 2" ""
 resume "1 process -> PP=2" 1 2 "" "--pipeline-model-parallel-size 2"
 resume "DP=2 ZeRO-1 -> PP=2 x DP=2" 2 4 "--use-distributed-optimizer" \
