@@ -506,6 +506,9 @@ struct MoELayerOptions {
   // dropped pair adds nothing to its token's output (the shared expert still sees every token).
   double capacity_factor = 0.0;
   ops::DropPolicy drop_policy = ops::DropPolicy::Probs;
+  // With a tensor-parallel group: the input and output are this rank's token rows [N/TP, C]
+  // (the norm runs on them, the tokens are gathered before the router).
+  bool sequence_parallel = false;
   float init_std = 0.02f;
   float output_init_std = 0.02f;
   uint64_t seed = 0;
@@ -572,6 +575,7 @@ class MoELayer : public Module {
 
  private:
   MoELayerOptions options_;
+  Communicator* tp_ = nullptr;  // a group of more than one rank, or null
   float loss_scale_ = 1.0f;
   Load load_;
 };

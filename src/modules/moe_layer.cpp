@@ -16,9 +16,10 @@ using modules_detail::add;
 namespace {
 
 const MoELayerOptions& checked(const MoELayerOptions& o, Communicator* tp) {
-  OCTET_CHECK(tp == nullptr || tp->size() == 1, o.name,
-              ": a mixture of experts under tensor parallelism is not supported yet (TP=",
-              tp ? tp->size() : 1, "): run its model with data or pipeline parallelism");
+  OCTET_CHECK(tp == nullptr || tp->size() == 1 || !ops::is_gated(o.activation), o.name,
+              ": gated activations (", ops::activation_name(o.activation),
+              ") in a mixture of experts under tensor parallelism are not supported yet (TP=",
+              tp ? tp->size() : 1, ")");
   OCTET_CHECK(o.hidden > 0 && o.ffn_hidden > 0, o.name,
               ": hidden and the experts' ffn_hidden expected > 0, got ", o.hidden, " and ",
               o.ffn_hidden);
@@ -63,6 +64,9 @@ GroupedLinearOptions expert_options(const MoELayerOptions& o, bool first) {
   g.init_std = first ? o.init_std : o.output_init_std;
   g.seed = o.seed * 8 + (first ? 2 : 3);
   g.name = o.name + (first ? ".experts.fc1" : ".experts.fc2");
+  // Under a tensor-parallel group: FC1 by output columns, FC2 by input columns (the sum over
+  // the group after FC2, with the biases added once).
+  g.parallel_mode = first ? ParallelMode::Column : ParallelMode::Row;
   return g;
 }
 
@@ -75,6 +79,7 @@ LinearOptions shared_options(const MoELayerOptions& o, bool first) {
   l.init_std = first ? o.init_std : o.output_init_std;
   l.seed = o.seed * 8 + (first ? 4 : 5);
   l.name = o.name + (first ? ".shared_experts.fc1" : ".shared_experts.fc2");
+  l.parallel_mode = first ? ParallelMode::Column : ParallelMode::Row;
   return l;
 }
 
@@ -95,13 +100,18 @@ Tensor activation_grad(ops::ActivationKind kind, const Tensor& da, const Tensor&
 MoELayer::MoELayer(const MoELayerOptions& options, Communicator* tp)
     : norm(checked(options, tp).norm),
       router(router_options(options)),
-      fc1(expert_options(options, true)),
-      fc2(expert_options(options, false)),
+      fc1(expert_options(options, true), tp),
+      fc2(expert_options(options, false), tp),
       expert_bias(Tensor::zeros({options.num_experts}, DType::F32)),
-      options_(options) {
+      options_(options),
+      tp_(tp != nullptr && tp->size() > 1 ? tp : nullptr) {
   if (options.shared_expert_ffn_hidden > 0) {
-    shared_fc1.emplace(shared_options(options, true));
-    shared_fc2.emplace(shared_options(options, false));
+    shared_fc1.emplace(shared_options(options, true), tp);
+    shared_fc2.emplace(shared_options(options, false), tp);
+  }
+  // Under sequence parallelism the norm sees this rank's tokens: its gradients are partial.
+  for (Parameter* p : norm.parameters()) {
+    p->shard.sequence_parallel = tp_ != nullptr && options.sequence_parallel;
   }
   load_.tokens.assign(static_cast<size_t>(options.num_experts), 0.0);
 }
@@ -144,8 +154,12 @@ Tensor MoELayer::forward(const Tensor& x, Context& ctx) {
   ctx = Context{};
   ctx.shape = x.shape();
   ctx.loss_scale = loss_scale_;
-  const int64_t n = x.numel() / o.hidden, k = o.router.topk, e = o.num_experts;
-  const Tensor xn = norm.forward(x.reshape({n, o.hidden}), ctx.norm);
+  const bool sp = tp_ != nullptr && o.sequence_parallel;
+  // Sequence parallelism: the norm on this rank's rows, then every rank's (the experts and the
+  // router see all tokens, identically on every rank).
+  Tensor xn = norm.forward(x.reshape({x.numel() / o.hidden, o.hidden}), ctx.norm);
+  if (sp) xn = tp_->all_gather(xn);
+  const int64_t n = xn.rows(), k = o.router.topk, e = o.num_experts;
   {
     // The router in FP32, never quantized: small, and its choice must not flicker with scales.
     fp8_autocast no_fp8(false);
@@ -181,8 +195,9 @@ Tensor MoELayer::forward(const Tensor& x, Context& ctx) {
   ctx.row_map = Tensor::empty({n, k}, DType::I32);
   ops::moe_permute(xn, dispatch, ctx.dropped > 0 ? e + 1 : e, permuted, ctx.row_map);
   ctx.fc1_output = fc1.forward(permuted.slice_rows(0, ctx.kept_rows), splits, ctx.fc1);
+  const int64_t local_ffn = fc1.options().out_features;  // ffn_hidden / TP (not gated)
   const Tensor y =
-      fc2.forward(activation(o.activation, ctx.fc1_output, o.ffn_hidden), splits, ctx.fc2);
+      fc2.forward(activation(o.activation, ctx.fc1_output, local_ffn), splits, ctx.fc2);
   if (ctx.dropped > 0) {
     ctx.expert_output = Tensor::zeros({n * k, o.hidden}, y.dtype());
     ctx.expert_output.slice_rows(0, ctx.kept_rows).copy_from(y);
@@ -193,10 +208,13 @@ Tensor MoELayer::forward(const Tensor& x, Context& ctx) {
   ops::moe_unpermute(ctx.expert_output, ctx.row_map, ctx.probs, out);
   if (shared_fc1) {
     ctx.shared_fc1_output = shared_fc1->forward(xn, ctx.shared_fc1);
-    out = add(out, shared_fc2->forward(
-                       activation(o.activation, ctx.shared_fc1_output, o.shared_expert_ffn_hidden),
-                       ctx.shared_fc2));
+    const int64_t local_shared = shared_fc1->options().out_features;  // its width / TP
+    out =
+        add(out, shared_fc2->forward(activation(o.activation, ctx.shared_fc1_output, local_shared),
+                                     ctx.shared_fc2));
   }
+  // Sequence parallelism: this rank's rows of the (equal on every rank) output.
+  if (sp) out = out.slice_rows(tp_->rank() * x.rows(), (tp_->rank() + 1) * x.rows()).clone();
   return out.reshape(ctx.shape);
 }
 
@@ -204,8 +222,13 @@ Tensor MoELayer::backward(const Tensor& dy, Context& ctx) {
   const auto& o = options_;
   OCTET_CHECK(ctx.expert_output.defined(), o.name, ": backward called without a forward context");
   check_shape(dy, ctx.shape, o.name + ": output gradient", "the forward's output shape");
+  const bool sp = tp_ != nullptr && o.sequence_parallel;
   const int64_t n = ctx.probs.rows(), k = o.router.topk, e = o.num_experts;
-  const Tensor dout = dy.reshape({n, o.hidden});
+  const int64_t rows = dy.numel() / o.hidden;  // this rank's (all of them without SP)
+  // Sequence parallelism: the gradient of every token (the forward's output rows were a slice
+  // of a tensor equal on every rank).
+  const Tensor dout =
+      sp ? tp_->all_gather(dy.reshape({rows, o.hidden})) : dy.reshape({n, o.hidden});
 
   // Unpermute's backward: each expert row's gradient (weighted) and the probabilities'.
   Tensor dexpert = Tensor::empty({n * k, o.hidden}, ctx.expert_output.dtype());
@@ -238,6 +261,9 @@ Tensor MoELayer::backward(const Tensor& dy, Context& ctx) {
     dxn = add(dxn, shared_fc1->backward(activation_grad(o.activation, dsa, ctx.shared_fc1_output),
                                         ctx.shared_fc1));
   }
+  // Every part of dxn is whole on every rank (the column layers' backward sums over the group):
+  // under SP this rank's rows go to the norm.
+  if (sp) dxn = dxn.slice_rows(tp_->rank() * rows, (tp_->rank() + 1) * rows).clone();
   Tensor dx = norm.backward(dxn, ctx.norm).reshape(ctx.shape);
 
   const int32_t* counts = ctx.counts.data<int32_t>();

@@ -84,6 +84,7 @@ MoELayerOptions TransformerLayer::moe_options(const TransformerLayerOptions& o) 
   m.output_init_std = o.output_init_std;
   m.seed = o.seed * 4 + 3;
   m.name = o.name + ".moe";
+  m.sequence_parallel = o.sequence_parallel;
   return m;
 }
 
