@@ -195,7 +195,8 @@ Tensor MoELayer::forward(const Tensor& x, Context& ctx) {
   ctx.row_map = Tensor::empty({n, k}, DType::I32);
   ops::moe_permute(xn, dispatch, ctx.dropped > 0 ? e + 1 : e, permuted, ctx.row_map);
   ctx.fc1_output = fc1.forward(permuted.slice_rows(0, ctx.kept_rows), splits, ctx.fc1);
-  const int64_t local_ffn = fc1.options().out_features;  // ffn_hidden / TP (not gated)
+  const int64_t halves = ops::is_gated(o.activation) ? 2 : 1;     // a gated FC1's [a | b]
+  const int64_t local_ffn = fc1.options().out_features / halves;  // ffn_hidden / TP
   const Tensor y =
       fc2.forward(activation(o.activation, ctx.fc1_output, local_ffn), splits, ctx.fc2);
   if (ctx.dropped > 0) {
@@ -208,7 +209,7 @@ Tensor MoELayer::forward(const Tensor& x, Context& ctx) {
   ops::moe_unpermute(ctx.expert_output, ctx.row_map, ctx.probs, out);
   if (shared_fc1) {
     ctx.shared_fc1_output = shared_fc1->forward(xn, ctx.shared_fc1);
-    const int64_t local_shared = shared_fc1->options().out_features;  // its width / TP
+    const int64_t local_shared = shared_fc1->options().out_features / halves;  // width / TP
     out =
         add(out, shared_fc2->forward(activation(o.activation, ctx.shared_fc1_output, local_shared),
                                      ctx.shared_fc2));
