@@ -7,6 +7,38 @@
 
 namespace octet::cli {
 
+namespace {
+
+// Mixture of experts (configs with num_experts): Megatron's flags, each overriding the config.
+void add_moe_flags(CLI::App* cmd, TrainOptions* o) {
+  cmd->add_option("--moe-router-topk", o->moe_router_topk, "Experts per token (MoE configs)")
+      ->check(at_least(1));
+  cmd->add_option("--moe-aux-loss-coeff", o->moe_aux_loss_coeff,
+                  "Switch-style load-balancing loss coefficient (MoE configs; 0: off)")
+      ->check(at_least(0));
+  cmd->add_option("--moe-z-loss-coeff", o->moe_z_loss_coeff, "Router z-loss coefficient")
+      ->check(at_least(0));
+  // A callback, so that the config's value holds unless one of the two is given.
+  cmd->add_flag_function(
+      "--moe-router-enable-expert-bias,!--no-moe-router-enable-expert-bias",
+      [o](int64_t count) { o->moe_router_enable_expert_bias = count > 0; },
+      "DeepSeek-V3's auxiliary-loss-free balancing: a per-expert bias on the routing scores, "
+      "moved after each step towards the mean load");
+  cmd->add_option("--moe-router-bias-update-rate", o->moe_router_bias_update_rate,
+                  "The expert bias's step per update (default 1e-3)")
+      ->check(at_least(0));
+  cmd->add_option("--moe-expert-capacity-factor", o->moe_expert_capacity_factor,
+                  "Token dropping: each expert computes at most ceil(tokens x topk / experts x "
+                  "factor) of its routed tokens (0: dropless, the default)")
+      ->check(at_least(0));
+  cmd->add_option("--moe-token-drop-policy", o->moe_token_drop_policy,
+                  "Which routed tokens an expert over capacity keeps: probs (the highest "
+                  "probabilities) | position (the first)")
+      ->check(CLI::IsMember({"probs", "position"}));
+}
+
+}  // namespace
+
 void register_train(CLI::App& app) {
   CLI::App* cmd = app.add_subcommand("train",
                                      "Train a GPT on a token shard, or a ViT (a config with "
@@ -95,31 +127,7 @@ void register_train(CLI::App& app) {
                 "line, a summary table at the end");
   cmd->add_flag("--recompute-activations", o->recompute_activations,
                 "Keep only layer inputs; recompute in backward");
-  // Mixture of experts (configs with num_experts): Megatron's flags override the config.
-  cmd->add_option("--moe-router-topk", o->moe_router_topk, "Experts per token (MoE configs)")
-      ->check(at_least(1));
-  cmd->add_option("--moe-aux-loss-coeff", o->moe_aux_loss_coeff,
-                  "Switch-style load-balancing loss coefficient (MoE configs; 0: off)")
-      ->check(at_least(0));
-  cmd->add_option("--moe-z-loss-coeff", o->moe_z_loss_coeff, "Router z-loss coefficient")
-      ->check(at_least(0));
-  // A callback, so that the config's value holds unless one of the two is given.
-  cmd->add_flag_function(
-      "--moe-router-enable-expert-bias,!--no-moe-router-enable-expert-bias",
-      [o](int64_t count) { o->moe_router_enable_expert_bias = count > 0; },
-      "DeepSeek-V3's auxiliary-loss-free balancing: a per-expert bias on the routing scores, "
-      "moved after each step towards the mean load");
-  cmd->add_option("--moe-router-bias-update-rate", o->moe_router_bias_update_rate,
-                  "The expert bias's step per update (default 1e-3)")
-      ->check(at_least(0));
-  cmd->add_option("--moe-expert-capacity-factor", o->moe_expert_capacity_factor,
-                  "Token dropping: each expert computes at most ceil(tokens x topk / experts x "
-                  "factor) of its routed tokens (0: dropless, the default)")
-      ->check(at_least(0));
-  cmd->add_option("--moe-token-drop-policy", o->moe_token_drop_policy,
-                  "Which routed tokens an expert over capacity keeps: probs (the highest "
-                  "probabilities) | position (the first)")
-      ->check(CLI::IsMember({"probs", "position"}));
+  add_moe_flags(cmd, o.get());
   cmd->add_option("--eval-interval", o->eval_interval, "Validate every N steps")
       ->check(at_least(0));
   cmd->add_option("--eval-iters", o->eval_iters, "Validation micro-batches")->check(at_least(0));

@@ -25,6 +25,13 @@ namespace octet::train_detail {
 
 namespace {
 
+// Whether any --moe-* flag was given (each overrides a GPT mixture-of-experts config's field).
+bool any_moe_flag(const TrainOptions& o) {
+  return o.moe_router_topk || o.moe_aux_loss_coeff || o.moe_z_loss_coeff ||
+         o.moe_router_enable_expert_bias || o.moe_router_bias_update_rate ||
+         o.moe_expert_capacity_factor || o.moe_token_drop_policy;
+}
+
 class GptFamily : public ModelFamily {
  public:
   explicit GptFamily(const TrainOptions& o) : config_(GPTConfig::load(o.config_path)) {
@@ -42,10 +49,7 @@ class GptFamily : public ModelFamily {
     } else if (o.vocab_size) {
       config_.vocab_size = o.vocab_size;
     }
-    const bool moe_flags = o.moe_router_topk || o.moe_aux_loss_coeff || o.moe_z_loss_coeff ||
-                           o.moe_router_enable_expert_bias || o.moe_router_bias_update_rate ||
-                           o.moe_expert_capacity_factor || o.moe_token_drop_policy;
-    OCTET_CHECK(!moe_flags || config_.moe(),
+    OCTET_CHECK(!any_moe_flag(o) || config_.moe(),
                 "--moe-* flags need a mixture-of-experts config "
                 "(num_experts > 0); '",
                 o.config_path, "' is dense");
@@ -493,10 +497,7 @@ class CaptionerFamily : public CaptionedImagesFamily<CaptionerConfig> {
 
 std::unique_ptr<ModelFamily> ModelFamily::from_options(const TrainOptions& o) {
   const std::string family = config_model_family(o.config_path);
-  const bool moe_flags = o.moe_router_topk || o.moe_aux_loss_coeff || o.moe_z_loss_coeff ||
-                         o.moe_router_enable_expert_bias || o.moe_router_bias_update_rate ||
-                         o.moe_expert_capacity_factor || o.moe_token_drop_policy;
-  OCTET_CHECK(!moe_flags || family == "gpt",
+  OCTET_CHECK(!any_moe_flag(o) || family == "gpt",
               "--moe-* flags are for GPT mixture-of-experts "
               "configs; '",
               o.config_path, "' is a ", family);

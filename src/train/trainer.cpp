@@ -280,7 +280,6 @@ nlohmann::json TrainingRun::balance_experts(bool applied) {
   const int64_t experts = held.front().moe->options().num_experts, width = experts + 4;
   const int64_t layers = family_->num_layers();
   Tensor sums = Tensor::zeros({layers * width}, DType::F32);
-  std::vector<MoELayer::Load> loads;
   for (const TrainableModel::MoELayerRef& ref : held) {
     const MoELayer::Load load = ref.moe->take_load();
     float* v = sums.data<float>() + ref.layer * width;
