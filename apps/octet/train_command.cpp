@@ -171,6 +171,10 @@ void register_train(CLI::App& app) {
       ->check(at_least(1));
   cmd->add_option("--pipeline-schedule", o->pipeline_schedule,
                   "1f1b | interleaved | zb1p | dualpipe | dualpipev");
+  cmd->add_option("--expert-model-parallel-size", o->expert_model_parallel_size,
+                  "Mixture of experts: ranks splitting the experts (divides the data-parallel "
+                  "size)")
+      ->check(at_least(1));
   cmd->add_option("--virtual-pipeline-model-parallel-size", o->virtual_stages,
                   "Chunks per rank of the interleaved schedule")
       ->check(at_least(1));

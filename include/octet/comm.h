@@ -120,7 +120,11 @@ class ParallelState {
  public:
   // data parallel size = world size / (tensor * pipeline); sizes that do not divide the
   // world are errors naming every size.
-  ParallelState(std::shared_ptr<Communicator> world, int tensor_size, int pipeline_size);
+  // expert_size (--expert-model-parallel-size) divides the data-parallel size: the experts of
+  // a mixture of experts are split over EP consecutive data ranks (Megatron's parallel
+  // folding with expert TP = TP: attention TP x DP, experts TP x EP x EDP, EDP = DP / EP).
+  ParallelState(std::shared_ptr<Communicator> world, int tensor_size, int pipeline_size,
+                int expert_size = 1);
   // A world of one: every group is the world.
   static ParallelState single();
 
@@ -132,6 +136,10 @@ class ParallelState {
   int tensor_rank() const { return tensor_rank_; }
   int data_rank() const { return data_rank_; }
   int pipeline_rank() const { return pipeline_rank_; }
+  int expert_size() const { return expert_size_; }
+  int expert_rank() const { return data_rank_ % expert_size_; }
+  int expert_data_size() const { return data_size_ / expert_size_; }
+  int expert_data_rank() const { return data_rank_ / expert_size_; }
   bool first_stage() const { return pipeline_rank_ == 0; }
   bool last_stage() const { return pipeline_rank_ == pipeline_size_ - 1; }
   // World rank of the process with these coordinates.
@@ -149,13 +157,19 @@ class ParallelState {
   // (they both hold the tied word embedding and sum its gradient). A middle stage's group is
   // itself alone; with one stage, the group is that rank.
   Communicator& embedding() { return *embedding_; }
-  std::string describe() const;  // "TP=2 x DP=1 x PP=2 (rank 3: tp 1, dp 0, pp 1)"
+  // Expert parallelism: the EP data ranks of one block (same tensor and pipeline rank) that
+  // split the experts and exchange tokens (all-to-all); the expert-data group, the EDP ranks
+  // holding the same experts, over which the experts' gradients are reduced. With EP = 1 the
+  // expert group is this rank alone and the expert-data group the data group.
+  Communicator& expert() { return *expert_; }
+  Communicator& expert_data() { return *expert_data_; }
+  std::string describe() const;  // "TP=2 x DP=1 x PP=2 (rank 3: tp 1, dp 0, pp 1)", EP when > 1
 
  private:
   ParallelState() = default;
   std::shared_ptr<Communicator> world_, tensor_, data_, pipeline_, tensor_and_data_, model_,
-      embedding_;
-  int tensor_size_ = 1, data_size_ = 1, pipeline_size_ = 1;
+      embedding_, expert_, expert_data_;
+  int tensor_size_ = 1, data_size_ = 1, pipeline_size_ = 1, expert_size_ = 1;
   int tensor_rank_ = 0, data_rank_ = 0, pipeline_rank_ = 0;
 };
 

@@ -37,9 +37,18 @@ struct CommStats {
   CommStats& operator+=(const CommStats& other);
 };
 
+// Expert parallelism: the experts' parameters (TensorShard::expert) are held by one rank of
+// the expert group each and reduced over the expert-data group instead of the data group.
+struct ExpertGroups {
+  Communicator* expert = nullptr;       // the ranks splitting the experts (EP)
+  Communicator* expert_data = nullptr;  // the ranks holding the same experts (EDP)
+};
+
 class DistributedDataParallel {
  public:
   struct Bucket {
+    Communicator* group = nullptr;  // the data group, or the expert-data group
+    bool expert = false;            // holds experts' parameters (reduced over expert_data)
     std::vector<Parameter*> parameters;
     std::vector<int64_t> offsets;  // element offset of each parameter in the bucket
     int64_t elements = 0;          // padded to a multiple of the data-parallel size
@@ -53,8 +62,9 @@ class DistributedDataParallel {
 
   // `parameters` in the order backward finalizes their gradients. Their current values are
   // moved into the buckets and broadcast from data-parallel rank 0, so replicas start equal.
+  // With expert groups, the experts' parameters fill buckets of their own on expert_data.
   DistributedDataParallel(std::vector<Parameter*> parameters, Communicator& data,
-                          const DataParallelOptions& options);
+                          const DataParallelOptions& options, ExpertGroups experts = {});
 
   // Only while sync is on (the last micro-batch of a step) do final gradients start
   // reducing; earlier micro-batches just accumulate.
@@ -79,6 +89,7 @@ class DistributedDataParallel {
 
   std::vector<Bucket>& buckets() { return buckets_; }
   Communicator& data() { return data_; }
+  const ExpertGroups& experts() const { return experts_; }
   const DataParallelOptions& options() const { return options_; }
   CommStats take_stats();  // since the last call
 
@@ -92,6 +103,7 @@ class DistributedDataParallel {
   void apply(EmbeddingRows& pending);
   Communicator& data_;
   DataParallelOptions options_;
+  ExpertGroups experts_;
   std::vector<Bucket> buckets_;
   std::vector<std::pair<size_t, size_t>> location_;  // per parameter index: bucket, slot
   std::vector<Parameter*> order_;

@@ -32,6 +32,10 @@ struct TensorShard {
   // Replicated but applied to token shards under sequence parallelism: each rank's gradient is
   // partial until summed over the group (all_reduce_sequence_parallel_gradients).
   bool sequence_parallel = false;
+  // One expert's of a mixture of experts: under expert parallelism only one rank of the expert
+  // group holds it (under its global name), and its gradient is reduced over the expert-data
+  // group.
+  bool expert = false;
 
   static TensorShard rows(Shape whole, std::vector<int64_t> blocks = {}) {
     TensorShard s;

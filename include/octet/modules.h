@@ -423,6 +423,10 @@ class LayerNormMLP : public Module {
 
 struct GroupedLinearOptions {
   int num_gemms = 1;
+  // The global index of GEMM 0: this module holds GEMMs [first_gemm, first_gemm + num_gemms)
+  // of a larger one (a rank's experts under expert parallelism), named and initialized as
+  // that module's.
+  int first_gemm = 0;
   int64_t in_features = 0;
   int64_t out_features = 0;
   bool bias = true;
@@ -534,6 +538,9 @@ class MoELayer : public Module {
     Tensor expert_output;  // [N*k, C]: FC2's, in permuted order
     Linear::Context shared_fc1, shared_fc2;
     Tensor shared_fc1_output;
+    // Expert parallelism: the rows this rank sends to each rank of the expert group and gets
+    // from each, and per_source[s * L + l], the rows source s sent to local expert l.
+    std::vector<int64_t> send_rows, recv_rows, per_source;
     ops::RouterLosses losses;
     float loss_scale = 1.0f;
     Shape shape;  // the input's
@@ -545,7 +552,11 @@ class MoELayer : public Module {
     double dropped = 0.0;                 // (token, choice) pairs dropped by the capacity
     int64_t micro_batches = 0;
   };
-  explicit MoELayer(const MoELayerOptions& options, Communicator* tp = nullptr);
+  // tp: expert tensor parallelism (ETP = TP). ep: the expert-parallel group; this rank holds
+  // experts [r * E / EP, (r + 1) * E / EP) (rank r of ep) under their global names, sends each
+  // routed token row to its expert's rank (all-to-all-v) and gets the outputs back.
+  explicit MoELayer(const MoELayerOptions& options, Communicator* tp = nullptr,
+                    Communicator* ep = nullptr);
   // x [..., C] F32|BF16 (N tokens) -> [..., C] in x's dtype.
   Tensor forward(const Tensor& x, Context& ctx);
   // dy shaped like forward's output -> dx; gradients accumulate. Counts the micro-batch's load.
@@ -566,7 +577,7 @@ class MoELayer : public Module {
 
   Norm norm;
   Linear router;      // weight [E, C]
-  GroupedLinear fc1;  // E x [F (2F gated), C]
+  GroupedLinear fc1;  // E x [F (2F gated), C] (E / EP of them under expert parallelism)
   GroupedLinear fc2;  // E x [C, F]
   std::optional<Linear> shared_fc1, shared_fc2;
   // [E] F32, a buffer (not a parameter: no gradient, no optimizer), checkpointed by the model
@@ -576,6 +587,7 @@ class MoELayer : public Module {
  private:
   MoELayerOptions options_;
   Communicator* tp_ = nullptr;  // a group of more than one rank, or null
+  Communicator* ep_ = nullptr;  // a group of more than one rank, or null
   float loss_scale_ = 1.0f;
   Load load_;
 };
@@ -850,7 +862,9 @@ class TransformerLayer : public Module {
     Norm::Context output_norm;
     uint64_t attention_dropout_offset = 0, inter_dropout_offset = 0, mlp_dropout_offset = 0;
   };
-  explicit TransformerLayer(const TransformerLayerOptions& options, Communicator* tp = nullptr);
+  // ep: the expert-parallel group of a mixture of experts (MoELayer); ignored otherwise.
+  explicit TransformerLayer(const TransformerLayerOptions& options, Communicator* tp = nullptr,
+                            Communicator* ep = nullptr);
   // The options (sizes, seeds, names) the layer gives its self- or cross-attention and its
   // MLP: a tensor-parallel layer derives its shards from the same ones.
   static MultiheadAttentionOptions attention_options(const TransformerLayerOptions& options,

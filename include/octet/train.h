@@ -203,6 +203,10 @@ struct TrainOptions {
   // data-parallel rank runs global_batch / (micro_batch * DP) micro-batches per step.
   int64_t tensor_model_parallel_size = 1;
   int64_t pipeline_model_parallel_size = 1;
+  // A mixture of experts' experts split over this many data-parallel ranks (Megatron's
+  // --expert-model-parallel-size; it divides DP): tokens travel to their experts' ranks and
+  // back (all-to-all), the experts' gradients are reduced over DP / EP ranks.
+  int64_t expert_model_parallel_size = 1;
   // With tensor parallelism: the residual stream, norms and position embedding on token
   // shards [B*T/TP, C] (Megatron's --sequence-parallel); ignored at TP = 1.
   bool sequence_parallel = false;

@@ -30,6 +30,9 @@ struct ModelLayout {
   // With a group: the residual stream and norms on token shards [B*T/TP, C] (B*T divisible
   // by TP at run time).
   bool sequence_parallel = false;
+  // The expert-parallel group (a mixture of experts' layers hold their share of the experts);
+  // null: none.
+  Communicator* expert = nullptr;
 };
 
 class TrainableModel : public pipeline::StagedModel {

@@ -5,8 +5,11 @@
 namespace octet {
 
 ParallelState::ParallelState(std::shared_ptr<Communicator> world, int tensor_size,
-                             int pipeline_size)
-    : world_(std::move(world)), tensor_size_(tensor_size), pipeline_size_(pipeline_size) {
+                             int pipeline_size, int expert_size)
+    : world_(std::move(world)),
+      tensor_size_(tensor_size),
+      pipeline_size_(pipeline_size),
+      expert_size_(expert_size) {
   const int n = world_->size();
   OCTET_CHECK(tensor_size >= 1 && pipeline_size >= 1,
               "--tensor-model-parallel-size and --pipeline-model-parallel-size expected >= 1, "
@@ -17,6 +20,9 @@ ParallelState::ParallelState(std::shared_ptr<Communicator> world, int tensor_siz
               ") x pipeline-model-parallel-size (", pipeline_size,
               ") = ", tensor_size * pipeline_size);
   data_size_ = n / (tensor_size * pipeline_size);
+  OCTET_CHECK(expert_size >= 1 && data_size_ % expert_size == 0, "--expert-model-parallel-size (",
+              expert_size, ") expected >= 1 and to divide the data-parallel size ", data_size_,
+              " (world ", n, " / TP ", tensor_size, " / PP ", pipeline_size, ")");
   const int r = world_->rank();
   tensor_rank_ = r % tensor_size;
   data_rank_ = (r / tensor_size) % data_size_;
@@ -31,13 +37,21 @@ ParallelState::ParallelState(std::shared_ptr<Communicator> world, int tensor_siz
   const int model_replica = tensor_rank_ + tensor_size * data_rank_;
   embedding_ = world_->split(holds_embedding ? model_replica : tensor_size * data_size_ + r,
                              pipeline_rank_, "embedding");
+  // Expert groups: consecutive data ranks (same tensor and pipeline rank) split the experts;
+  // the ranks of equal expert rank across those blocks hold the same experts.
+  const int block = data_rank_ / expert_size, slot = data_rank_ % expert_size;
+  const int stage_slice = tensor_rank_ + tensor_size * pipeline_rank_;
+  expert_ = world_->split(stage_slice + tensor_size * pipeline_size * block, slot, "expert");
+  expert_data_ =
+      world_->split(stage_slice + tensor_size * pipeline_size * slot, block, "expert-data");
 }
 
 ParallelState ParallelState::single() {
   ParallelState state;
   std::shared_ptr<Communicator> self = self_communicator();
   state.world_ = state.tensor_ = state.data_ = state.pipeline_ = self;
-  state.tensor_and_data_ = state.model_ = state.embedding_ = self;
+  state.tensor_and_data_ = state.model_ = state.embedding_ = state.expert_ = state.expert_data_ =
+      self;
   return state;
 }
 
@@ -50,9 +64,11 @@ int ParallelState::world_rank_of(int tensor_rank, int data_rank, int pipeline_ra
 }
 
 std::string ParallelState::describe() const {
-  return detail::concat("TP=", tensor_size_, " x DP=", data_size_, " x PP=", pipeline_size_,
-                        " (rank ", rank(), ": tp ", tensor_rank_, ", dp ", data_rank_, ", pp ",
-                        pipeline_rank_, ")");
+  return detail::concat(
+      "TP=", tensor_size_, " x DP=", data_size_, " x PP=", pipeline_size_, " (rank ", rank(),
+      ": tp ", tensor_rank_, ", dp ", data_rank_, ", pp ", pipeline_rank_, ")",
+      expert_size_ > 1 ? detail::concat(", EP=", expert_size_, " (ep ", expert_rank(), ")")
+                       : std::string());
 }
 
 }  // namespace octet

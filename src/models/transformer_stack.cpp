@@ -32,7 +32,7 @@ TransformerStack::TransformerStack(std::string who, int64_t num_layers, ModelLay
     for (int64_t i = stage * per_stage; i < (stage + 1) * per_stage; ++i) {
       TransformerLayerOptions options = layer(i);
       options.sequence_parallel = sequence_parallel();
-      stack.emplace_back(options, layout_.tensor);
+      stack.emplace_back(options, layout_.tensor, layout_.expert);
     }
     layers_.push_back(std::move(stack));
   }
@@ -162,10 +162,12 @@ void TransformerStack::load_state_dict(const TensorMap& tensors) {
     moe->expert_bias.copy_from(it->second);
     ++buffers;
   }
-  // Another stage's tensors are expected in a whole-model map; the whole model has no others.
-  OCTET_CHECK(layout_.stages > 1 || tensors.size() == params.size() + buffers, "checkpoint: holds ",
-              tensors.size(), " tensors, the model has ", params.size() + buffers,
-              " (parameters and buffers)");
+  // Another stage's tensors (or another expert rank's experts) are expected in a whole-model
+  // map; the whole model has no others.
+  OCTET_CHECK(
+      layout_.stages > 1 || layout_.expert != nullptr || tensors.size() == params.size() + buffers,
+      "checkpoint: holds ", tensors.size(), " tensors, the model has ", params.size() + buffers,
+      " (parameters and buffers)");
   on_parameters_updated();
 }
 

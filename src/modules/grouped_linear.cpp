@@ -38,18 +38,20 @@ GroupedLinear::GroupedLinear(const GroupedLinearOptions& options, Communicator* 
       options_(shard_options(options, tp)),
       tp_(options.parallel_mode == ParallelMode::None ? nullptr : tp),
       fp8_(options.num_gemms) {
-  OCTET_CHECK(options.num_gemms > 0, options.name, ": num_gemms must be positive, got ",
-              options.num_gemms);
+  OCTET_CHECK(options.num_gemms > 0 && options.first_gemm >= 0, options.name,
+              ": num_gemms must be positive and first_gemm >= 0, got ", options.num_gemms, " and ",
+              options.first_gemm);
   OCTET_CHECK(options.in_features > 0 && options.out_features > 0, options.name,
               ": in_features and out_features must be positive, got ", options.in_features, " and ",
               options.out_features);
   const bool column = whole_.parallel_mode == ParallelMode::Column;
   for (int i = 0; i < options.num_gemms; ++i) {
-    const std::string index = std::to_string(i);
+    const int global = options.first_gemm + i;
+    const std::string index = std::to_string(global);
     // The whole weight with the same seed, then this rank's slice: shards equal TP = 1's.
     Parameter w = modules_detail::make_parameter(
         options.name + ".weight" + index, {options.out_features, options.in_features},
-        options.init_std, options.seed * 1000003 + static_cast<uint64_t>(i));
+        options.init_std, options.seed * 1000003 + static_cast<uint64_t>(global));
     Parameter b;
     if (options.bias) {
       b = modules_detail::constant_parameter(options.name + ".bias" + index, {options.out_features},

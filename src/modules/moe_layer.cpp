@@ -4,6 +4,7 @@
 // the shared expert is a plain MLP on the same normalized tokens. Dropless: an expert with no
 // token runs no GEMM.
 #include <cmath>
+#include <cstring>
 
 #include "modules/common.h"
 #include "modules/tensor_columns.h"
@@ -54,9 +55,15 @@ LinearOptions router_options(const MoELayerOptions& o) {
   return l;
 }
 
-GroupedLinearOptions expert_options(const MoELayerOptions& o, bool first) {
+GroupedLinearOptions expert_options(const MoELayerOptions& o, bool first, Communicator* ep) {
   GroupedLinearOptions g;
-  g.num_gemms = static_cast<int>(o.num_experts);
+  // Under expert parallelism this rank's share of the experts, named and initialized as the
+  // single process's.
+  const int ranks = ep ? ep->size() : 1;
+  OCTET_CHECK(o.num_experts % ranks == 0, o.name, ": num_experts (", o.num_experts,
+              ") expected a multiple of --expert-model-parallel-size (", ranks, ")");
+  g.num_gemms = static_cast<int>(o.num_experts / ranks);
+  g.first_gemm = ep ? ep->rank() * g.num_gemms : 0;
   const int64_t fc1_out = ops::is_gated(o.activation) ? 2 * o.ffn_hidden : o.ffn_hidden;
   g.in_features = first ? o.hidden : o.ffn_hidden;
   g.out_features = first ? fc1_out : o.hidden;
@@ -95,16 +102,77 @@ Tensor activation_grad(ops::ActivationKind kind, const Tensor& da, const Tensor&
   return dh;
 }
 
+// Expert parallelism's layout pass (DeepEP's get_dispatch_layout): rows_per_expert [E] are this
+// rank's routed rows per global expert; each rank learns how many rows every source sends to
+// each of its local experts (an all-to-all of the counts).
+void exchange_layout(const Tensor& rows_per_expert, Communicator& ep, MoELayer::Context& ctx) {
+  const int64_t ranks = ep.size(), experts = rows_per_expert.numel(), local = experts / ranks;
+  const Tensor received = ep.all_to_all(rows_per_expert);
+  const int32_t* sent = rows_per_expert.data<int32_t>();
+  const int32_t* got = received.data<int32_t>();
+  ctx.send_rows.assign(static_cast<size_t>(ranks), 0);
+  ctx.recv_rows.assign(static_cast<size_t>(ranks), 0);
+  ctx.per_source.assign(got, got + experts);
+  for (int64_t r = 0; r < ranks; ++r) {
+    for (int64_t l = 0; l < local; ++l) {
+      ctx.send_rows[static_cast<size_t>(r)] += sent[r * local + l];
+      ctx.recv_rows[static_cast<size_t>(r)] += got[r * local + l];
+    }
+  }
+}
+
+// The received rows come source by source, each source's by local expert ([s][l]); the experts
+// want them expert by expert ([l][s]). to_experts: [s][l] -> [l][s]; else back.
+Tensor reorder_chunks(const Tensor& rows, const std::vector<int64_t>& per_source, int64_t ranks,
+                      bool to_experts) {
+  const int64_t local = static_cast<int64_t>(per_source.size()) / ranks;
+  std::vector<int64_t> start(per_source.size());  // each [s][l] chunk's first row in [s][l]
+  int64_t at = 0;
+  for (size_t i = 0; i < per_source.size(); ++i) {
+    start[i] = at;
+    at += per_source[i];
+  }
+  Tensor out = Tensor::empty(rows.shape(), rows.dtype());
+  const int64_t row_bytes = rows.rows() > 0 ? static_cast<int64_t>(rows.nbytes()) / rows.rows() : 0;
+  const char* in = static_cast<const char*>(rows.raw());
+  char* to = static_cast<char*>(out.raw());
+  int64_t sorted = 0;  // the chunk's first row in [l][s]
+  for (int64_t l = 0; l < local; ++l) {
+    for (int64_t s = 0; s < ranks; ++s) {
+      const size_t chunk = static_cast<size_t>(s * local + l);
+      const int64_t n = per_source[chunk], grouped = start[chunk];
+      const int64_t from = to_experts ? grouped : sorted, dest = to_experts ? sorted : grouped;
+      std::memcpy(to + dest * row_bytes, in + from * row_bytes, static_cast<size_t>(n * row_bytes));
+      sorted += n;
+    }
+  }
+  return out;
+}
+
+// rows [R, C] to the expert group: send_rows[r] of them to rank r, recv_rows[r] from rank r.
+Tensor exchange_rows(Communicator& ep, const Tensor& rows, const std::vector<int64_t>& send_rows,
+                     const std::vector<int64_t>& recv_rows, Work& work) {
+  int64_t total = 0;
+  for (int64_t n : recv_rows) total += n;
+  Tensor out = Tensor::empty({total, rows.cols()}, rows.dtype());
+  work = ep.iall_to_allv(rows, send_rows, out, recv_rows);
+  return out;
+}
+
 }  // namespace
 
-MoELayer::MoELayer(const MoELayerOptions& options, Communicator* tp)
+MoELayer::MoELayer(const MoELayerOptions& options, Communicator* tp, Communicator* ep)
     : norm(checked(options, tp).norm),
       router(router_options(options)),
-      fc1(expert_options(options, true), tp),
-      fc2(expert_options(options, false), tp),
+      fc1(expert_options(options, true, ep), tp),
+      fc2(expert_options(options, false, ep), tp),
       expert_bias(Tensor::zeros({options.num_experts}, DType::F32)),
       options_(options),
-      tp_(tp != nullptr && tp->size() > 1 ? tp : nullptr) {
+      tp_(tp != nullptr && tp->size() > 1 ? tp : nullptr),
+      ep_(ep != nullptr && ep->size() > 1 ? ep : nullptr) {
+  for (GroupedLinear* experts : {&fc1, &fc2}) {
+    for (Parameter* p : experts->parameters()) p->shard.expert = true;
+  }
   if (options.shared_expert_ffn_hidden > 0) {
     shared_fc1.emplace(shared_options(options, true), tp);
     shared_fc2.emplace(shared_options(options, false), tp);
@@ -194,11 +262,41 @@ Tensor MoELayer::forward(const Tensor& x, Context& ctx) {
   Tensor permuted = Tensor::empty({n * k, o.hidden}, xn.dtype());
   ctx.row_map = Tensor::empty({n, k}, DType::I32);
   ops::moe_permute(xn, dispatch, ctx.dropped > 0 ? e + 1 : e, permuted, ctx.row_map);
-  ctx.fc1_output = fc1.forward(permuted.slice_rows(0, ctx.kept_rows), splits, ctx.fc1);
-  const int64_t halves = ops::is_gated(o.activation) ? 2 : 1;     // a gated FC1's [a | b]
+  const int64_t halves = ops::is_gated(o.activation) ? 2 : 1;  // a gated FC1's [a | b]
+  // Expert parallelism: the rows travel to their experts' ranks while the shared expert runs.
+  Tensor expert_input = permuted.slice_rows(0, ctx.kept_rows);
+  Work dispatched;
+  if (ep_) {
+    exchange_layout(rows_per_expert, *ep_, ctx);
+    expert_input = exchange_rows(*ep_, expert_input, ctx.send_rows, ctx.recv_rows, dispatched);
+  }
+  Tensor shared;
+  if (shared_fc1) {
+    ctx.shared_fc1_output = shared_fc1->forward(xn, ctx.shared_fc1);
+    const int64_t local_shared = shared_fc1->options().out_features / halves;  // width / TP
+    shared = shared_fc2->forward(activation(o.activation, ctx.shared_fc1_output, local_shared),
+                                 ctx.shared_fc2);
+  }
+  if (ep_) {
+    dispatched.wait();
+    expert_input = reorder_chunks(expert_input, ctx.per_source, ep_->size(), true);
+    const int64_t local = fc1.options().num_gemms;
+    splits.assign(static_cast<size_t>(local), 0);
+    for (size_t i = 0; i < ctx.per_source.size(); ++i) {
+      splits[i % static_cast<size_t>(local)] += ctx.per_source[i];
+    }
+  }
+  ctx.fc1_output = fc1.forward(expert_input, splits, ctx.fc1);
   const int64_t local_ffn = fc1.options().out_features / halves;  // ffn_hidden / TP
-  const Tensor y =
-      fc2.forward(activation(o.activation, ctx.fc1_output, local_ffn), splits, ctx.fc2);
+  Tensor y = fc2.forward(activation(o.activation, ctx.fc1_output, local_ffn), splits, ctx.fc2);
+  if (ep_) {
+    // Combine: the outputs back to the ranks their tokens came from.
+    // (The input stays alive until the exchange completes.)
+    const Tensor by_source = reorder_chunks(y, ctx.per_source, ep_->size(), false);
+    Work combined;
+    y = exchange_rows(*ep_, by_source, ctx.recv_rows, ctx.send_rows, combined);
+    combined.wait();
+  }
   if (ctx.dropped > 0) {
     ctx.expert_output = Tensor::zeros({n * k, o.hidden}, y.dtype());
     ctx.expert_output.slice_rows(0, ctx.kept_rows).copy_from(y);
@@ -207,13 +305,7 @@ Tensor MoELayer::forward(const Tensor& x, Context& ctx) {
   }
   Tensor out = Tensor::empty({n, o.hidden}, x.dtype());
   ops::moe_unpermute(ctx.expert_output, ctx.row_map, ctx.probs, out);
-  if (shared_fc1) {
-    ctx.shared_fc1_output = shared_fc1->forward(xn, ctx.shared_fc1);
-    const int64_t local_shared = shared_fc1->options().out_features / halves;  // width / TP
-    out =
-        add(out, shared_fc2->forward(activation(o.activation, ctx.shared_fc1_output, local_shared),
-                                     ctx.shared_fc2));
-  }
+  if (shared_fc1) out = add(out, shared);
   // Sequence parallelism: this rank's rows of the (equal on every rank) output.
   if (sp) out = out.slice_rows(tp_->rank() * x.rows(), (tp_->rank() + 1) * x.rows()).clone();
   return out.reshape(ctx.shape);
@@ -236,16 +328,13 @@ Tensor MoELayer::backward(const Tensor& dy, Context& ctx) {
   Tensor dprobs = Tensor::empty({n, k}, DType::F32);
   ops::moe_unpermute_backward(dout, ctx.expert_output, ctx.row_map, ctx.probs, dexpert, dprobs);
   // The dropped rows' gradients (probs * dout) reach nothing: their outputs were zeros.
-  const Tensor da = fc2.backward(dexpert.slice_rows(0, ctx.kept_rows), ctx.fc2);
-  Tensor dpermuted = fc1.backward(activation_grad(o.activation, da, ctx.fc1_output), ctx.fc1);
-  if (ctx.dropped > 0) {
-    Tensor whole = Tensor::zeros({n * k, o.hidden}, dpermuted.dtype());
-    whole.slice_rows(0, ctx.kept_rows).copy_from(dpermuted);
-    dpermuted = whole;
+  // Expert parallelism: the rows' gradients travel to the experts' ranks while the router's
+  // and the shared expert's backward run.
+  Tensor dexpert_rows = dexpert.slice_rows(0, ctx.kept_rows);
+  Work dispatched;
+  if (ep_) {
+    dexpert_rows = exchange_rows(*ep_, dexpert_rows, ctx.send_rows, ctx.recv_rows, dispatched);
   }
-  Tensor dxn = Tensor::empty({n, o.hidden}, dpermuted.dtype());
-  ops::moe_permute_backward(dpermuted, ctx.row_map, dxn);
-
   // The router: the probabilities' gradient plus the auxiliary losses', scaled as the main
   // loss's gradient is.
   ops::RouterOptions route = o.router;
@@ -255,13 +344,34 @@ Tensor MoELayer::backward(const Tensor& dy, Context& ctx) {
   Tensor dlogits = Tensor::empty({n, e}, DType::F32);
   ops::router_backward(dprobs, ctx.logits, ctx.scores, ctx.experts, ctx.counts, route, dlogits);
   const Tensor drouter = router.backward(dlogits, ctx.router);
-  dxn = add(dxn, drouter.dtype() == dxn.dtype() ? drouter : drouter.to(dxn.dtype()));
-
+  Tensor dshared;
   if (shared_fc1) {
     const Tensor dsa = shared_fc2->backward(dout, ctx.shared_fc2);
-    dxn = add(dxn, shared_fc1->backward(activation_grad(o.activation, dsa, ctx.shared_fc1_output),
-                                        ctx.shared_fc1));
+    dshared = shared_fc1->backward(activation_grad(o.activation, dsa, ctx.shared_fc1_output),
+                                   ctx.shared_fc1);
   }
+  if (ep_) {
+    dispatched.wait();
+    dexpert_rows = reorder_chunks(dexpert_rows, ctx.per_source, ep_->size(), true);
+  }
+  const Tensor da = fc2.backward(dexpert_rows, ctx.fc2);
+  Tensor dpermuted = fc1.backward(activation_grad(o.activation, da, ctx.fc1_output), ctx.fc1);
+  if (ep_) {
+    const Tensor by_source = reorder_chunks(dpermuted, ctx.per_source, ep_->size(), false);
+    Work combined;
+    dpermuted = exchange_rows(*ep_, by_source, ctx.recv_rows, ctx.send_rows, combined);
+    combined.wait();
+  }
+  if (ctx.dropped > 0) {
+    Tensor whole = Tensor::zeros({n * k, o.hidden}, dpermuted.dtype());
+    whole.slice_rows(0, ctx.kept_rows).copy_from(dpermuted);
+    dpermuted = whole;
+  }
+  Tensor dxn = Tensor::empty({n, o.hidden}, dpermuted.dtype());
+  ops::moe_permute_backward(dpermuted, ctx.row_map, dxn);
+
+  dxn = add(dxn, drouter.dtype() == dxn.dtype() ? drouter : drouter.to(dxn.dtype()));
+  if (shared_fc1) dxn = add(dxn, dshared);
   // Every part of dxn is whole on every rank (the column layers' backward sums over the group):
   // under SP this rank's rows go to the norm.
   if (sp) dxn = dxn.slice_rows(tp_->rank() * rows, (tp_->rank() + 1) * rows).clone();

@@ -108,10 +108,11 @@ const TransformerLayerOptions& checked(const TransformerLayerOptions& o, Communi
 
 }  // namespace
 
-TransformerLayer::TransformerLayer(const TransformerLayerOptions& options, Communicator* tp)
+TransformerLayer::TransformerLayer(const TransformerLayerOptions& options, Communicator* tp,
+                                   Communicator* ep)
     : self_attention(attention_options(checked(options, tp), false), tp), options_(options) {
   if (options.moe.num_experts > 0) {
-    moe.emplace(moe_options(options), tp);
+    moe.emplace(moe_options(options), tp, ep);
   } else {
     layernorm_mlp.emplace(mlp_options(options), tp);
   }

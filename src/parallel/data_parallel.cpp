@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <set>
 #include <unordered_map>
 
@@ -44,27 +45,37 @@ double covered_seconds(std::vector<std::pair<Clock::time_point, Clock::time_poin
 
 DistributedDataParallel::DistributedDataParallel(std::vector<Parameter*> parameters,
                                                  Communicator& data,
-                                                 const DataParallelOptions& options)
-    : data_(data), options_(options), order_(std::move(parameters)) {
+                                                 const DataParallelOptions& options,
+                                                 ExpertGroups experts)
+    : data_(data), options_(options), experts_(experts), order_(std::move(parameters)) {
   OCTET_CHECK(options.bucket_elements > 0, "--ddp-bucket-size expected > 0, got ",
               options.bucket_elements);
-  const int64_t dp = data.size();
-  // Consecutive parameters (in backward order) fill a bucket until it holds bucket_elements.
+  OCTET_CHECK((experts.expert == nullptr) == (experts.expert_data == nullptr),
+              "data parallel: expert groups expected both or neither");
+  // Consecutive parameters (in backward order) fill a bucket until it holds bucket_elements;
+  // the experts' (under expert parallelism) fill buckets of their own.
+  size_t open[2] = {SIZE_MAX, SIZE_MAX};  // the bucket being filled: dense, experts
   for (size_t i = 0; i < order_.size(); ++i) {
     Parameter* p = order_[i];
     OCTET_CHECK(p->value.dtype() == DType::F32 && p->grad.dtype() == DType::F32 &&
                     p->grad.numel() == p->value.numel(),
                 "data parallel: parameter '", p->name, "' expected F32 value and gradient");
-    if (buckets_.empty() || buckets_.back().elements >= options.bucket_elements) {
+    const bool expert = p->shard.expert && experts.expert_data != nullptr;
+    size_t& current = open[expert ? 1 : 0];
+    if (current == SIZE_MAX || buckets_[current].elements >= options.bucket_elements) {
+      current = buckets_.size();
       buckets_.emplace_back();
+      buckets_.back().group = expert ? experts.expert_data : &data;
+      buckets_.back().expert = expert;
     }
-    Bucket& bucket = buckets_.back();
-    location_.emplace_back(buckets_.size() - 1, bucket.parameters.size());
+    Bucket& bucket = buckets_[current];
+    location_.emplace_back(current, bucket.parameters.size());
     bucket.parameters.push_back(p);
     bucket.offsets.push_back(bucket.elements);
     bucket.elements += p->value.numel();
   }
   for (Bucket& bucket : buckets_) {
+    const int64_t dp = bucket.group->size();
     bucket.elements = (bucket.elements + dp - 1) / dp * dp;
     bucket.values = Tensor::zeros({bucket.elements}, DType::F32);
     bucket.grads = Tensor::zeros({bucket.elements}, DType::F32);
@@ -79,7 +90,7 @@ DistributedDataParallel::DistributedDataParallel(std::vector<Parameter*> paramet
     if (options.distributed_optimizer) {
       bucket.grad_shard = Tensor::zeros({bucket.elements / dp}, DType::F32);
     }
-    data_.broadcast(bucket.values, 0);
+    bucket.group->broadcast(bucket.values, 0);
   }
 }
 
@@ -87,9 +98,9 @@ void DistributedDataParallel::start(Bucket& bucket) {
   bucket.started = true;
   bucket.started_at = Clock::now();
   if (options_.distributed_optimizer) {
-    bucket.work = data_.ireduce_scatter(bucket.grads, bucket.grad_shard, ReduceOp::Sum);
+    bucket.work = bucket.group->ireduce_scatter(bucket.grads, bucket.grad_shard, ReduceOp::Sum);
   } else {
-    bucket.work = data_.iall_reduce(bucket.grads, ReduceOp::Sum);
+    bucket.work = bucket.group->iall_reduce(bucket.grads, ReduceOp::Sum);
   }
   stats_.bytes += static_cast<int64_t>(bucket.grads.nbytes());
   ++stats_.operations;
@@ -144,7 +155,8 @@ void DistributedDataParallel::apply(EmbeddingRows& pending) {
     return;
   }
   // Only the part of the table inside this rank's shard of the bucket.
-  const int64_t shard = bucket.grad_shard.numel(), lo = data_.rank() * shard, hi = lo + shard;
+  const int64_t shard = bucket.grad_shard.numel(), lo = bucket.group->rank() * shard,
+                hi = lo + shard;
   const int64_t base = bucket.offsets[slot], C = pending.rows.dim(1);
   const int32_t* ids = pending.ids.data<int32_t>();
   const float* rows = pending.rows.data<float>();
@@ -184,7 +196,7 @@ void DistributedDataParallel::finish_grad_sync() {
 
 void DistributedDataParallel::gather_grad_shards() {
   if (!options_.distributed_optimizer) return;
-  for (Bucket& bucket : buckets_) data_.iall_gather(bucket.grad_shard, bucket.grads).wait();
+  for (Bucket& bucket : buckets_) bucket.group->iall_gather(bucket.grad_shard, bucket.grads).wait();
 }
 
 void DistributedDataParallel::zero_grad() {
@@ -216,8 +228,8 @@ DistributedOptimizer::DistributedOptimizer(DistributedDataParallel& ddp,
     OCTET_CHECK(found, "DistributedOptimizer: the norm scope counts '", p->name,
                 "', which no gradient bucket holds");
   }
-  const int64_t dp = ddp.data().size(), rank = ddp.data().rank();
   for (auto& bucket : ddp.buckets()) {
+    const int64_t dp = bucket.group->size(), rank = bucket.group->rank();
     const int64_t shard = bucket.elements / dp, lo = rank * shard, hi = lo + shard;
     exp_avg_.push_back(Tensor::zeros({shard}, DType::F32));
     exp_avg_sq_.push_back(Tensor::zeros({shard}, DType::F32));
@@ -237,9 +249,9 @@ DistributedOptimizer::DistributedOptimizer(DistributedDataParallel& ddp,
 
 double DistributedOptimizer::step(float lr) {
   auto& buckets = ddp_.buckets();
-  Communicator& data = ddp_.data();
-  // The global norm: squares summed over this rank's shards, then over the ranks.
-  double squares = 0;
+  // The global norm: squares summed over this rank's shards, then over the ranks (the
+  // experts' over their expert-data group, then over the expert group that splits them).
+  double squares = 0, expert_squares = 0;
   for (size_t i = 0; i < buckets.size(); ++i) {
     std::vector<Tensor> grads;
     for (const Piece& piece : pieces_[i]) {
@@ -248,9 +260,13 @@ double DistributedOptimizer::step(float lr) {
                                                        piece.shard_offset + piece.elements));
     }
     const double norm = ops::global_grad_norm(grads);
-    squares += norm * norm;
+    (buckets[i].expert ? expert_squares : squares) += norm * norm;
   }
-  squares = data.all_reduce(squares, ReduceOp::Sum);
+  squares = ddp_.data().all_reduce(squares, ReduceOp::Sum);
+  if (const ExpertGroups& experts = ddp_.experts(); experts.expert_data != nullptr) {
+    expert_squares = experts.expert_data->all_reduce(expert_squares, ReduceOp::Sum);
+    squares += experts.expert->all_reduce(expert_squares, ReduceOp::Sum);
+  }
   if (model_group_) squares = model_group_->all_reduce(squares, ReduceOp::Sum);
   const double norm = std::sqrt(squares);
   if (!std::isfinite(norm)) return norm;
@@ -277,14 +293,14 @@ double DistributedOptimizer::step(float lr) {
   ops::AdamWHyper hyper{lr, options_.beta1, options_.beta2, options_.eps, steps_};
   ops::adamw_step(tensors, hyper);
   // Every rank's updated shard to every rank, in place in the parameter buckets.
-  const int64_t dp = data.size(), rank = data.rank();
   std::vector<Work> works;
   std::vector<Clock::time_point> starts;
   for (auto& bucket : buckets) {
+    const int64_t dp = bucket.group->size(), rank = bucket.group->rank();
     const int64_t shard = bucket.elements / dp;
     Tensor mine = bucket.values.slice_rows(rank * shard, (rank + 1) * shard);
     starts.push_back(Clock::now());
-    works.push_back(data.iall_gather(mine, bucket.values));
+    works.push_back(bucket.group->iall_gather(mine, bucket.values));
     stats_.bytes += static_cast<int64_t>(mine.nbytes());
     ++stats_.operations;
   }
@@ -300,8 +316,8 @@ TensorMap DistributedOptimizer::state() {
   TensorMap out;
   auto& buckets = ddp_.buckets();
   for (size_t i = 0; i < buckets.size(); ++i) {
-    Tensor whole_avg = ddp_.data().all_gather(exp_avg_[i]);
-    Tensor whole_sq = ddp_.data().all_gather(exp_avg_sq_[i]);
+    Tensor whole_avg = buckets[i].group->all_gather(exp_avg_[i]);
+    Tensor whole_sq = buckets[i].group->all_gather(exp_avg_sq_[i]);
     for (size_t k = 0; k < buckets[i].parameters.size(); ++k) {
       Parameter* p = buckets[i].parameters[k];
       const int64_t begin = buckets[i].offsets[k], end = begin + p->value.numel();

@@ -161,11 +161,18 @@ void save_checkpoint_sharded(const std::string& dir, const Checkpoint& part,
     fs::create_directories(temp);
   }
   world.barrier();
-  const std::string suffix = "-pp" + std::to_string(parallel.pipeline_rank()) + ".safetensors";
+  // Under expert parallelism each rank of a stage's expert group writes its experts (the
+  // caller leaves the rest to expert rank 0).
+  const auto suffix_of = [&](int stage, int expert) {
+    return "-pp" + std::to_string(stage) +
+           (parallel.expert_size() > 1 ? "-ep" + std::to_string(expert) : std::string()) +
+           ".safetensors";
+  };
+  const std::string suffix = suffix_of(parallel.pipeline_rank(), parallel.expert_rank());
   // Every rank learns whether every write succeeded, so a full disk on one stage's rank
   // ends all of them with the same error instead of leaving the others at a barrier.
   std::string error;
-  if (parallel.tensor_rank() == 0 && parallel.data_rank() == 0) {
+  if (parallel.tensor_rank() == 0 && parallel.expert_data_rank() == 0) {
     try {
       save_safetensors((temp / ("model" + suffix)).string(), part.model);
       save_safetensors((temp / ("optimizer" + suffix)).string(), part.optimizer);
@@ -191,14 +198,17 @@ void save_checkpoint_sharded(const std::string& dir, const Checkpoint& part,
       std::vector<std::string> files;
       nlohmann::json model = nlohmann::json::array(), optimizer = nlohmann::json::array();
       for (int s = 0; s < parallel.pipeline_size(); ++s) {
-        model.push_back("model-pp" + std::to_string(s) + ".safetensors");
-        optimizer.push_back("optimizer-pp" + std::to_string(s) + ".safetensors");
-        files.push_back(model.back().get<std::string>());
-        files.push_back(optimizer.back().get<std::string>());
+        for (int e = 0; e < parallel.expert_size(); ++e) {
+          model.push_back("model" + suffix_of(s, e));
+          optimizer.push_back("optimizer" + suffix_of(s, e));
+          files.push_back(model.back().get<std::string>());
+          files.push_back(optimizer.back().get<std::string>());
+        }
       }
       trainer["shards"] = {{"model", model}, {"optimizer", optimizer}};
       trainer["layout"] = {{"tensor", parallel.tensor_size()},
                            {"pipeline", parallel.pipeline_size()},
+                           {"expert", parallel.expert_size()},
                            {"data", parallel.data_size()}};
       for (const auto& [name, source] : part.files) {
         copy_into(temp, name, source);

@@ -67,6 +67,13 @@ class GptFamily : public ModelFamily {
     }
     if (o.moe_token_drop_policy) config_.moe_token_drop_policy = *o.moe_token_drop_policy;
     config_.check_moe();
+    const int64_t ep = o.expert_model_parallel_size;
+    OCTET_CHECK(ep == 1 || config_.moe(), "--expert-model-parallel-size ", ep,
+                " splits a mixture of experts' experts; '", o.config_path,
+                "' is dense (num_experts = 0)");
+    OCTET_CHECK(!config_.moe() || (ep >= 1 && config_.num_experts % ep == 0), "num_experts (",
+                config_.num_experts, ") expected a multiple of --expert-model-parallel-size (", ep,
+                ")");
   }
   std::string name() const override { return config_.name; }
   nlohmann::json config_json() const override { return config_.to_json(); }
@@ -500,6 +507,9 @@ std::unique_ptr<ModelFamily> ModelFamily::from_options(const TrainOptions& o) {
   OCTET_CHECK(!any_moe_flag(o) || family == "gpt",
               "--moe-* flags are for GPT mixture-of-experts "
               "configs; '",
+              o.config_path, "' is a ", family);
+  OCTET_CHECK(o.expert_model_parallel_size == 1 || family == "gpt",
+              "--expert-model-parallel-size splits a GPT mixture of experts' experts; '",
               o.config_path, "' is a ", family);
   if (family == "vit") return std::make_unique<VitFamily>(o);
   if (family == "bert") return std::make_unique<BertFamily>(o);

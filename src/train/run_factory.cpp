@@ -70,7 +70,9 @@ TrainingRun::TrainingRun(const TrainOptions& options) : o_(options) {
   world_ = launcher_world_size() > 1 ? world_communicator() : self_communicator();
   parallel_ =
       std::make_unique<ParallelState>(world_, static_cast<int>(o_.tensor_model_parallel_size),
-                                      static_cast<int>(o_.pipeline_model_parallel_size));
+                                      static_cast<int>(o_.pipeline_model_parallel_size),
+                                      static_cast<int>(o_.expert_model_parallel_size));
+  experts_split_ = parallel_->expert_size() > 1;
   pipelined_ = parallel_->pipeline_size() > 1;
   dp_ = parallel_->data_size();
   dp_rank_ = parallel_->data_rank();
@@ -90,6 +92,10 @@ TrainingRun::TrainingRun(const TrainOptions& options) : o_(options) {
   } else {
     model_ = make_model(ModelLayout{});
   }
+  OCTET_CHECK(!experts_split_ || !model_->moe_layers().empty(), "--expert-model-parallel-size ",
+              o_.expert_model_parallel_size,
+              " splits a mixture of experts' experts: ", family_->name(),
+              " has none (give a config with num_experts > 0)");
   trained_ = select_trained();
   for (Parameter* p : model_->parameters()) {
     if (contains(trained_, p)) continue;
@@ -105,7 +111,7 @@ TrainingRun::TrainingRun(const TrainOptions& options) : o_(options) {
   build_optimizer();
   fp8_part_ = model_->fp8_states();
   fp8_index_ = model_->fp8_state_indices();
-  if (fp8_ && !o_.load.empty()) restore_fp8_state();
+  if (fp8_ && !o_.load.empty() && !experts_split_) restore_fp8_state();  // (save_fp8_states)
 
   peak_gflops_ = o_.peak_gflops > 0 ? o_.peak_gflops : measure_bf16_peak_gflops();
   flops_per_token_ = family_->train_flops_per_token(seq_len_);
@@ -181,6 +187,10 @@ void TrainingRun::check_options() {
       "--num-layers-at-start-in-bf16 (", o_.num_layers_at_start_in_bf16,
       ") + --num-layers-at-end-in-bf16 (", o_.num_layers_at_end_in_bf16,
       ") expected at most the model's ", family_->num_layers(), " layers");
+  OCTET_CHECK(o_.expert_model_parallel_size == 1 || !delayed_scaling_,
+              "--expert-model-parallel-size > 1 with --fp8-recipe delayed is not supported (each "
+              "rank's experts would need amaxes reduced over their own ranks): use "
+              "--fp8-recipe current, block or mxfp8");
   OCTET_CHECK(!o_.fp8_stats || fp8_ || fp4_,
               "--fp8-stats measures FP8 / FP4 GEMM inputs: it needs --precision fp8 or fp4, got "
               "--precision ",
@@ -203,6 +213,7 @@ std::unique_ptr<TrainableModel> TrainingRun::make_model(ModelLayout layout) cons
     layout.tensor = &parallel_->tensor();
     layout.sequence_parallel = o_.sequence_parallel;
   }
+  if (parallel_->expert_size() > 1) layout.expert = &parallel_->expert();
   return family_->make_model(std::move(layout), o_);
 }
 
@@ -324,7 +335,10 @@ void TrainingRun::build_data_parallel() {
   options.bucket_elements = o_.ddp_bucket_size;
   options.overlap_grad_reduce = overlap_;
   options.distributed_optimizer = o_.use_distributed_optimizer;
-  ddp_ = std::make_unique<DistributedDataParallel>(reduced, parallel_->data(), options);
+  // Expert parallelism: the experts' gradients reduced over the ranks holding the same experts.
+  ExpertGroups experts;
+  if (experts_split_) experts = {&parallel_->expert(), &parallel_->expert_data()};
+  ddp_ = std::make_unique<DistributedDataParallel>(reduced, parallel_->data(), options, experts);
   model_->on_parameters_updated();
   if (pipelined_) return;  // the executor reports chunks (build_pipeline)
   if (overlap_) {
@@ -384,7 +398,7 @@ void TrainingRun::build_optimizer() {
   // With the model split over tensor or pipeline ranks the clipping norm spans the model
   // group: AdamW clips nothing, the loop does (or ZeRO-1's scope).
   const bool split_model = parallel_->model().size() > 1;
-  if (o_.use_distributed_optimizer) {
+  if (o_.use_distributed_optimizer) {  // (its norm sums the experts over the expert group)
     GradNormScope scope;
     if (split_model) {
       scope.counted =
@@ -396,7 +410,7 @@ void TrainingRun::build_optimizer() {
     return;
   }
   AdamWOptions options = adam_;
-  if (split_model) options.clip_grad = 0;
+  if (split_model || experts_split_) options.clip_grad = 0;
   adamw_ = std::make_unique<AdamW>(trained_, options);
   if (!o_.load.empty()) adamw_->load_state(loaded_optimizer_, loaded_steps_);
 }
@@ -428,9 +442,13 @@ void TrainingRun::print_setup() const {
               recipe.c_str());
   const ParallelState& parallel = *parallel_;
   if (parallel.world_size() > 1) {
-    std::printf("parallel: %d processes, TP=%d x DP=%d x PP=%d%s, %s, %zu gradient bucket(s)%s\n",
+    std::printf("parallel: %d processes, TP=%d x DP=%d x PP=%d%s%s, %s, %zu gradient bucket(s)%s\n",
                 parallel.world_size(), parallel.tensor_size(), parallel.data_size(),
                 parallel.pipeline_size(),
+                experts_split_ ? (" (experts: EP=" + std::to_string(parallel.expert_size()) +
+                                  " x EDP=" + std::to_string(parallel.expert_data_size()) + ")")
+                                     .c_str()
+                               : "",
                 parallel.tensor_size() > 1 && o_.sequence_parallel ? " (sequence-parallel)" : "",
                 o_.use_distributed_optimizer ? "distributed optimizer (ZeRO-1)" : "all-reduce",
                 ddp_ ? ddp_->buckets().size() : size_t{0},

@@ -8,6 +8,7 @@
 #include <csignal>
 #include <cstdio>
 #include <optional>
+#include <set>
 #include <span>
 
 #include "octet/gemm.h"
@@ -248,7 +249,7 @@ double TrainingRun::optimizer_step(float lr) {
   double grad_norm = 0;
   if (zero_) {
     grad_norm = zero_->step(lr);
-  } else if (parallel_->model().size() == 1) {
+  } else if (parallel_->model().size() == 1 && !experts_split_) {
     grad_norm = adamw_->step(lr);  // the whole model here: AdamW clips
   } else {
     // Over the model group, each model parameter counted once.
@@ -261,7 +262,17 @@ double TrainingRun::optimizer_step(float lr) {
                                           trained_.end();
                                  }),
                   counted.end());
-    grad_norm = grad_norm_over(counted, parallel_->model());
+    if (experts_split_) {
+      // Expert parallelism: the expert ranks hold different experts, summed over them too.
+      std::vector<Parameter*> shared, experts;
+      for (Parameter* p : counted) (p->shard.expert ? experts : shared).push_back(p);
+      const double rest = grad_norm_over(shared, parallel_->model());
+      const double held = grad_norm_over(experts, parallel_->model());
+      grad_norm =
+          std::sqrt(rest * rest + parallel_->expert().all_reduce(held * held, ReduceOp::Sum));
+    } else {
+      grad_norm = grad_norm_over(counted, parallel_->model());
+    }
     clip_gradients(grad_norm, o_.clip_grad, trained_);
     if (std::isfinite(grad_norm)) adamw_->step(lr);
   }
@@ -325,7 +336,9 @@ nlohmann::json TrainingRun::balance_experts(bool applied) {
 float TrainingRun::evaluate() {
   // Data-parallel ranks split the batches; under FP8 every rank runs them all, so the amaxes
   // these forwards record (and the scales they lead to) stay equal across ranks.
-  const int64_t first = fp8_ ? 0 : dp_rank_, stride = fp8_ ? 1 : dp_;
+  // Under expert parallelism too: the ranks exchange tokens in every forward.
+  const bool every_rank = fp8_ || experts_split_;
+  const int64_t first = every_rank ? 0 : dp_rank_, stride = every_rank ? 1 : dp_;
   double sum = 0;
   for (int64_t k = first; k < o_.eval_iters; k += stride) {
     const pipeline::MicroBatch batch = valid_batches_->batch(k, o_.micro_batch_size);
@@ -341,12 +354,12 @@ float TrainingRun::evaluate() {
       if (delayed_scaling_) reduce_fp8_amax(fp8_part_, parallel_->tensor());
     }
   }
-  if (!fp8_) sum = parallel_->data().all_reduce(sum, ReduceOp::Sum);
+  if (!every_rank) sum = parallel_->data().all_reduce(sum, ReduceOp::Sum);
   if (family_->classifies()) {
     // Counted where the head ran (the last stage, tensor rank 0); under FP8 every data rank
     // ran every batch, so data rank 0's counts are the whole.
     auto [correct, seen] = model_->take_eval_counts();
-    const bool counts = !fp8_ || dp_rank_ == 0;
+    const bool counts = !every_rank || dp_rank_ == 0;
     const double total_correct =
         parallel_->world().all_reduce(counts ? static_cast<double>(correct) : 0.0, ReduceOp::Sum);
     const double total_seen =
@@ -399,9 +412,8 @@ void TrainingRun::save(int64_t iteration) {
   checkpoint.optimizer =
       gather_optimizer_state(*model_, trained_, zero_ ? zero_->state() : adamw_->state());
   checkpoint.model = model_->to_checkpoint_names(model_->state_dict());
-  for (size_t i = 0; i < fp8_part_.size(); ++i) {
-    fp8_part_[i]->save_state(checkpoint.optimizer, "fp8." + std::to_string(fp8_index_[i]) + ".");
-  }
+  save_fp8_states(checkpoint.optimizer);
+  keep_own_experts(checkpoint);
   checkpoint.trainer = trainer_state(iteration);
   if (!o_.vocab_dir.empty()) {
     for (const char* file : {"encoder.json", "vocab.bpe"})
@@ -415,12 +427,45 @@ void TrainingRun::save(int64_t iteration) {
   OCTET_CHECK(any_bad == 0, "not saving the checkpoint of iteration ", iteration, " to '", o_.save,
               "': ", bad.empty() ? std::string("another rank's tensors") : "'" + bad + "'",
               " hold NaN or infinite values; the previous checkpoint there is kept");
-  if (pipelined_) {
+  if (pipelined_ || experts_split_) {
     save_checkpoint_sharded(o_.save, checkpoint, *parallel_);
   } else if (chief_) {
     save_checkpoint(o_.save, checkpoint);
   }
   saved_iteration_ = iteration;
+}
+
+// The FP8 states (amax histories, scales) into `out`. Under expert parallelism a rank's
+// experts hold other GEMMs than one process's: their states are not kept (delayed scaling,
+// whose histories matter, is refused with EP; the other recipes scale from the current
+// tensors).
+void TrainingRun::save_fp8_states(TensorMap& out) const {
+  if (experts_split_) return;
+  for (size_t i = 0; i < fp8_part_.size(); ++i) {
+    fp8_part_[i]->save_state(out, "fp8." + std::to_string(fp8_index_[i]) + ".");
+  }
+}
+
+// Under expert parallelism expert rank 0 writes the stage's shared tensors and every expert
+// rank its own experts: the others leave out what rank 0 writes (every tensor named after a
+// parameter that is not an expert's: "NAME", "grad.NAME", "NAME.exp_avg", ...).
+void TrainingRun::keep_own_experts(Checkpoint& part) {
+  if (!experts_split_ || parallel_->expert_rank() == 0) return;
+  TensorMap experts;
+  for (Parameter* p : model_->parameters()) {
+    if (p->shard.expert) experts[p->name] = p->value;
+  }
+  std::set<std::string> kept;
+  for (const auto& [name, value] : experts) {
+    for (const char* prefix : {"", "grad.", "before.", "update."}) kept.insert(prefix + name);
+    for (const char* suffix : {".exp_avg", ".exp_avg_sq"}) kept.insert(name + suffix);
+  }
+  for (const auto& [name, value] : model_->to_checkpoint_names(experts)) kept.insert(name);
+  for (TensorMap* map : {&part.model, &part.optimizer}) {
+    for (auto it = map->begin(); it != map->end();) {
+      it = kept.count(it->first) ? std::next(it) : map->erase(it);
+    }
+  }
 }
 
 // --dump-grads: whole-model tensors under their names whatever the layout, so two layouts'
@@ -450,9 +495,8 @@ void TrainingRun::dump(int64_t step, TensorMap tensors) {
   Checkpoint part;
   part.model = whole_parameters();
   part.optimizer = with_updates(std::move(tensors), part.model);
-  for (size_t i = 0; i < fp8_part_.size(); ++i) {
-    fp8_part_[i]->save_state(part.optimizer, "fp8." + std::to_string(fp8_index_[i]) + ".");
-  }
+  save_fp8_states(part.optimizer);
+  keep_own_experts(part);
   part.trainer = {
       {"iteration", step}, {"config", family_->config_json()}, {"precision", o_.precision}};
   save_checkpoint_sharded(o_.dump_grads + "/step-" + std::to_string(step), part, *parallel_);

@@ -62,6 +62,8 @@ class TrainingRun {
   TensorMap whole_parameters();
   TensorMap whole_gradients();
   void dump(int64_t step, TensorMap tensors);
+  void save_fp8_states(TensorMap& out) const;
+  void keep_own_experts(Checkpoint& part);
   nlohmann::json record_step(int64_t iteration, double loss, float lr, double grad_norm,
                              double step_seconds);
   void print_progress(int64_t iteration, const nlohmann::json& record, double busy_seconds) const;
@@ -82,6 +84,7 @@ class TrainingRun {
   std::unique_ptr<ParallelState> parallel_;
   bool pipelined_ = false, chief_ = true, quiet_ = false, data_parallel_ = false;
   int64_t dp_ = 1, dp_rank_ = 0;
+  bool experts_split_ = false;  // expert parallelism (EP > 1)
   // Micro-batches per step on this rank; the step's k-th micro-batch of data-parallel rank d
   // is the step's (k * DP + d)-th, so any DP size sees the same global batch.
   int64_t accumulation_ = 1, micro_batches_per_step_ = 1;

@@ -19,7 +19,8 @@
 # `dp` (a model with data parallelism only) runs DP=2, ZeRO-1 and DP=4.
 # `moe` (a mixture of experts) runs DP, ZeRO-1, PP with each schedule, PP x DP and TP with
 # and without SP: the loads summed over every copy of a layer move every rank's expert biases
-# alike, so the routing of later steps matches one process's; FP8 and resumes across layouts.
+# alike, so the routing of later steps matches one process's; expert parallelism (EP=2, 4, with
+# EDP, PP, TP); FP8 and resumes across layouts.
 set -euo pipefail
 octet="$1"
 config="$2"
@@ -197,11 +198,53 @@ if [ "$layouts" = moe ]; then
     --dump-grads "$dir/fp8-reference" | fp8_losses)"
   close 2 "FP8 DP=2" 0.35
   close 2 "FP8 PP=2" 0.2 --pipeline-model-parallel-size 2
+  # Expert parallelism: each rank holds E / EP experts, tokens travel to them and back
+  # (all-to-all-v); the experts' gradients are reduced over DP / EP ranks, counted in the
+  # clipping norm over the expert ranks.
+  run 2 "EP=2" --expert-model-parallel-size 2
+  run 4 "EP=4 ZeRO-1, recompute" --expert-model-parallel-size 4 --use-distributed-optimizer \
+    --recompute-activations
+  run 4 "EP=2 x EDP=2 ZeRO-1 (DP=4)" --expert-model-parallel-size 2 --use-distributed-optimizer
+  run 4 "EP=2 x PP=2 1F1B" --expert-model-parallel-size 2 --pipeline-model-parallel-size 2 \
+    --pipeline-schedule 1f1b
+  run 4 "EP=2 x PP=2 ZB1P ZeRO-1" --expert-model-parallel-size 2 \
+    --pipeline-model-parallel-size 2 --pipeline-schedule zb1p --use-distributed-optimizer
+  # DualPipe needs 2 x PP micro-batches per rank: a global batch of 16 against its own
+  # single-process reference (the micro-batch stays 2: the auxiliary loss is per micro-batch).
+  saved=("${common[@]}") saved_reference="$reference"
+  for i in "${!common[@]}"; do
+    if [ "${common[$i]}" = --global-batch-size ]; then common[$((i + 1))]=16; fi
+  done
+  mv "$dir/reference" "$dir/reference-8"
+  reference="$(OMP_NUM_THREADS=1 "$octet" train "${common[@]}" --dump-grads "$dir/reference" |
+    losses)"
+  run 4 "EP=2 x PP=2 DualPipe" --expert-model-parallel-size 2 --pipeline-model-parallel-size 2 \
+    --pipeline-schedule dualpipe
+  rm -rf "$dir/reference"
+  mv "$dir/reference-8" "$dir/reference"
+  common=("${saved[@]}") reference="$saved_reference"
+  run 4 "EP=2 x TP=2 sequence-parallel" --expert-model-parallel-size 2 \
+    --tensor-model-parallel-size 2 --sequence-parallel
+  # FP8 with expert parallelism under block scaling (DeepSeek-V3's 1x128 / 128x128): a row's
+  # scales do not depend on the rows sharing its GEMM, so EP=2 gives one process's losses.
+  want="$(OMP_NUM_THREADS=1 "$octet" train "${fp8_common[@]}" --fp8-recipe block | fp8_losses)"
+  got="$(OMP_NUM_THREADS=1 mpiexec -n 2 --oversubscribe "$octet" train "${fp8_common[@]}" \
+    --fp8-recipe block --expert-model-parallel-size 2 | fp8_losses)"
+  if [ -n "$got" ] && [ "$got" = "$want" ]; then
+    echo "ok   FP8 block EP=2: $got"
+  else
+    echo "FAIL FP8 block EP=2: '$got' (expected '$want')"
+    status=1
+  fi
   # Checkpoints (the expert biases with them) reshard between layouts and one process.
   uninterrupted="$(OMP_NUM_THREADS=1 "$octet" train "${constant[@]}" --train-iters 6 | later)"
   resume "PP=2 -> 1 process" 2 1 "--pipeline-model-parallel-size 2" ""
   resume "DP=2 ZeRO-1 -> PP=2 DualPipe" 2 2 "--use-distributed-optimizer" \
     "--pipeline-model-parallel-size 2 --pipeline-schedule dualpipe"
+  resume "EP=2 ZeRO-1 -> 1 process" 2 1 \
+    "--expert-model-parallel-size 2 --use-distributed-optimizer" ""
+  resume "PP=2 -> EP=2 x PP=2" 2 4 "--pipeline-model-parallel-size 2" \
+    "--expert-model-parallel-size 2 --pipeline-model-parallel-size 2"
   exit $status
 fi
 if [ "$layouts" = core-tied ]; then

@@ -33,6 +33,17 @@ expect_error "moe_router_topk expected in [1, num_experts = 4], got 9" train --c
   --mock-data --train-iters 1 --peak-gflops 100 --moe-router-topk 9
 expect_error "--moe-aux-loss-coeff: expected a finite number >= 0" train --config moe-tiny \
   --mock-data --train-iters 1 --peak-gflops 100 --moe-aux-loss-coeff -1
+expect_error "--expert-model-parallel-size: expected a finite number >= 1" train --config moe-tiny \
+  --mock-data --train-iters 1 --peak-gflops 100 --expert-model-parallel-size 0
+expect_error "num_experts (4) expected a multiple of --expert-model-parallel-size (3)" train \
+  --config moe-tiny --mock-data --train-iters 1 --peak-gflops 100 --expert-model-parallel-size 3
+expect_error "--expert-model-parallel-size 2 splits a mixture of experts' experts" "${train[@]}" \
+  --expert-model-parallel-size 2
+expect_error "--expert-model-parallel-size (2) expected >= 1 and to divide the data-parallel size 1" \
+  train --config moe-tiny --mock-data --train-iters 1 --peak-gflops 100 --expert-model-parallel-size 2
+expect_error "--expert-model-parallel-size > 1 with --fp8-recipe delayed is not supported" train \
+  --config moe-tiny --mock-data --train-iters 1 --peak-gflops 100 --precision fp8 \
+  --expert-model-parallel-size 2
 expect_error "--lr: expected a finite number >= 0, got inf" "${train[@]}" --lr inf
 expect_error "--lr: expected a finite number >= 0, got -1" "${train[@]}" --lr -1
 expect_error "--clip-grad: expected a finite number >= 0" "${train[@]}" --clip-grad -0.5
