@@ -569,6 +569,17 @@ class MoELayer : public Module {
   // loss's grad_scale: 1 / micro-batches per step).
   void set_loss_scale(float scale) { loss_scale_ = scale; }
   Load take_load();
+  // Expert parallelism's token exchanges (dispatch and combine, forward and backward) since the
+  // last take: wall time in flight, the part this rank waited (not hidden), bytes sent.
+  struct ExchangeStats {
+    double transfer_seconds = 0.0, waited_seconds = 0.0;
+    int64_t bytes = 0, exchanges = 0;
+  };
+  ExchangeStats take_exchange_stats() { return std::exchange(exchange_stats_, {}); }
+  // Under fp8_autocast the forward dispatch sends E4M3 codes with a scale per 1x128 block
+  // (DeepEP's FP8 dispatch; power-of-2 scales, so Float8BlockScaling's GEMM quantizes the
+  // received values to the same codes). Off: the activation dtype travels. On by default.
+  void set_fp8_dispatch(bool on) { fp8_dispatch_ = on; }
   // DeepSeek-V3's update from tokens [E], the load summed over every rank sharing this layer's
   // bias (data-parallel ranks): expert_bias[e] += rate * sign(mean - tokens[e]). Without
   // enable_expert_bias, nothing.
@@ -590,6 +601,11 @@ class MoELayer : public Module {
   Communicator* ep_ = nullptr;  // a group of more than one rank, or null
   float loss_scale_ = 1.0f;
   Load load_;
+  bool fp8_dispatch_ = true;
+  ExchangeStats exchange_stats_;
+  // rows to the expert group's ranks (dispatch: send_rows out, recv_rows in; else back).
+  Tensor exchange(const Tensor& rows, bool dispatch, const Context& ctx, Work& work);
+  void wait(Work& work);
 };
 
 // ---------------------------------------------------------------------------------------------

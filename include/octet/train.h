@@ -170,6 +170,9 @@ struct TrainOptions {
   std::optional<bool> moe_router_enable_expert_bias;
   std::optional<float> moe_expert_capacity_factor;
   std::optional<std::string> moe_token_drop_policy;
+  // Expert parallelism under --precision fp8: the dispatched tokens travel in the activation
+  // dtype instead of E4M3 with 1x128 block scales (MoELayer::set_fp8_dispatch).
+  bool moe_dispatch_bf16 = false;
   // Frozen parameters: those whose names start with one of these prefixes (e.g.
   // "vision_model." for a CLIP's image tower) keep their values, and the optimizer holds no
   // state for them nor counts them in the clipping norm. Each prefix must name a parameter.
@@ -252,6 +255,9 @@ struct TrainResult {
   // step waited for (the rest was hidden behind backward); plus ZeRO's parameter gathers.
   double grad_comm_seconds = 0, grad_exposed_seconds = 0;
   double param_gather_seconds = 0;
+  // Expert parallelism's token exchanges (MoELayer::ExchangeStats), summed over the run.
+  double expert_comm_seconds = 0, expert_exposed_seconds = 0;
+  int64_t expert_comm_bytes = 0;
 };
 
 // Trains the model options.config_path describes, a GPT or a ViT (its "model" key), in the

@@ -149,17 +149,54 @@ Tensor reorder_chunks(const Tensor& rows, const std::vector<int64_t>& per_source
   return out;
 }
 
-// rows [R, C] to the expert group: send_rows[r] of them to rank r, recv_rows[r] from rank r.
-Tensor exchange_rows(Communicator& ep, const Tensor& rows, const std::vector<int64_t>& send_rows,
-                     const std::vector<int64_t>& recv_rows, Work& work) {
-  int64_t total = 0;
-  for (int64_t n : recv_rows) total += n;
-  Tensor out = Tensor::empty({total, rows.cols()}, rows.dtype());
-  work = ep.iall_to_allv(rows, send_rows, out, recv_rows);
-  return out;
+// FP8 dispatch: E4M3 codes [R, C] with a power-of-2 scale per 1x128 block [R, ceil(C/128)].
+constexpr int kDispatchBlock = 128;
+
+Float8Tensor quantize_rows(const Tensor& rows) {
+  if (rows.rows() > 0) {
+    return Quantizer::block(DType::E4M3, 1, kDispatchBlock, /*power_2_scale=*/true).quantize(rows);
+  }
+  Float8Tensor none;  // nothing to send (the exchange still runs: the peers may send)
+  none.data = Tensor::empty({0, rows.cols()}, DType::E4M3);
+  none.scale_inv =
+      Tensor::empty({0, (rows.cols() + kDispatchBlock - 1) / kDispatchBlock}, DType::F32);
+  return none;
+}
+
+Tensor dequantize_rows(const Tensor& codes, const Tensor& scale_inv, DType dtype) {
+  if (codes.rows() == 0) return Tensor::empty(codes.shape(), dtype);
+  Float8Tensor received;
+  received.format = DType::E4M3;
+  received.mode = ScalingMode::Block;
+  received.rows = codes.rows();
+  received.cols = codes.cols();
+  received.block_rows = 1;
+  received.block_cols = kDispatchBlock;
+  received.data = codes;
+  received.scale_inv = scale_inv;
+  const Tensor values = received.dequantize();
+  return dtype == DType::F32 ? values : values.to(dtype);
 }
 
 }  // namespace
+
+Tensor MoELayer::exchange(const Tensor& rows, bool dispatch, const Context& ctx, Work& work) {
+  const std::vector<int64_t>& send = dispatch ? ctx.send_rows : ctx.recv_rows;
+  const std::vector<int64_t>& recv = dispatch ? ctx.recv_rows : ctx.send_rows;
+  int64_t total = 0;
+  for (int64_t n : recv) total += n;
+  Tensor out = Tensor::empty({total, rows.cols()}, rows.dtype());
+  work = ep_->iall_to_allv(rows, send, out, recv);
+  exchange_stats_.bytes += static_cast<int64_t>(rows.nbytes());
+  ++exchange_stats_.exchanges;
+  return out;
+}
+
+void MoELayer::wait(Work& work) {
+  work.wait();
+  exchange_stats_.transfer_seconds += work.transfer_seconds();
+  exchange_stats_.waited_seconds += work.waited_seconds();
+}
 
 MoELayer::MoELayer(const MoELayerOptions& options, Communicator* tp, Communicator* ep)
     : norm(checked(options, tp).norm),
@@ -265,10 +302,18 @@ Tensor MoELayer::forward(const Tensor& x, Context& ctx) {
   const int64_t halves = ops::is_gated(o.activation) ? 2 : 1;  // a gated FC1's [a | b]
   // Expert parallelism: the rows travel to their experts' ranks while the shared expert runs.
   Tensor expert_input = permuted.slice_rows(0, ctx.kept_rows);
-  Work dispatched;
+  Work dispatched, dispatched_scales;
+  Float8Tensor sent;  // FP8 dispatch: alive until the exchange completes
+  Tensor codes, scales;
   if (ep_) {
     exchange_layout(rows_per_expert, *ep_, ctx);
-    expert_input = exchange_rows(*ep_, expert_input, ctx.send_rows, ctx.recv_rows, dispatched);
+    if (fp8_dispatch_ && fp8_enabled()) {
+      sent = quantize_rows(expert_input);
+      codes = exchange(sent.data, true, ctx, dispatched);
+      scales = exchange(sent.scale_inv, true, ctx, dispatched_scales);
+    } else {
+      expert_input = exchange(expert_input, true, ctx, dispatched);
+    }
   }
   Tensor shared;
   if (shared_fc1) {
@@ -278,7 +323,9 @@ Tensor MoELayer::forward(const Tensor& x, Context& ctx) {
                                  ctx.shared_fc2);
   }
   if (ep_) {
-    dispatched.wait();
+    wait(dispatched);
+    wait(dispatched_scales);
+    if (codes.defined()) expert_input = dequantize_rows(codes, scales, xn.dtype());
     expert_input = reorder_chunks(expert_input, ctx.per_source, ep_->size(), true);
     const int64_t local = fc1.options().num_gemms;
     splits.assign(static_cast<size_t>(local), 0);
@@ -294,8 +341,8 @@ Tensor MoELayer::forward(const Tensor& x, Context& ctx) {
     // (The input stays alive until the exchange completes.)
     const Tensor by_source = reorder_chunks(y, ctx.per_source, ep_->size(), false);
     Work combined;
-    y = exchange_rows(*ep_, by_source, ctx.recv_rows, ctx.send_rows, combined);
-    combined.wait();
+    y = exchange(by_source, false, ctx, combined);
+    wait(combined);
   }
   if (ctx.dropped > 0) {
     ctx.expert_output = Tensor::zeros({n * k, o.hidden}, y.dtype());
@@ -333,7 +380,7 @@ Tensor MoELayer::backward(const Tensor& dy, Context& ctx) {
   Tensor dexpert_rows = dexpert.slice_rows(0, ctx.kept_rows);
   Work dispatched;
   if (ep_) {
-    dexpert_rows = exchange_rows(*ep_, dexpert_rows, ctx.send_rows, ctx.recv_rows, dispatched);
+    dexpert_rows = exchange(dexpert_rows, true, ctx, dispatched);
   }
   // The router: the probabilities' gradient plus the auxiliary losses', scaled as the main
   // loss's gradient is.
@@ -351,7 +398,7 @@ Tensor MoELayer::backward(const Tensor& dy, Context& ctx) {
                                    ctx.shared_fc1);
   }
   if (ep_) {
-    dispatched.wait();
+    wait(dispatched);
     dexpert_rows = reorder_chunks(dexpert_rows, ctx.per_source, ep_->size(), true);
   }
   const Tensor da = fc2.backward(dexpert_rows, ctx.fc2);
@@ -359,8 +406,8 @@ Tensor MoELayer::backward(const Tensor& dy, Context& ctx) {
   if (ep_) {
     const Tensor by_source = reorder_chunks(dpermuted, ctx.per_source, ep_->size(), false);
     Work combined;
-    dpermuted = exchange_rows(*ep_, by_source, ctx.recv_rows, ctx.send_rows, combined);
-    combined.wait();
+    dpermuted = exchange(by_source, false, ctx, combined);
+    wait(combined);
   }
   if (ctx.dropped > 0) {
     Tensor whole = Tensor::zeros({n * k, o.hidden}, dpermuted.dtype());

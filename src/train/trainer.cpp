@@ -523,6 +523,21 @@ nlohmann::json TrainingRun::record_step(int64_t iteration, double loss, float lr
     result_.grad_comm_seconds += grads.total_seconds;
     result_.grad_exposed_seconds += grads.exposed_seconds;
   }
+  if (experts_split_) {
+    MoELayer::ExchangeStats sum;
+    for (const TrainableModel::MoELayerRef& ref : model_->moe_layers()) {
+      const MoELayer::ExchangeStats s = ref.moe->take_exchange_stats();
+      sum.transfer_seconds += s.transfer_seconds;
+      sum.waited_seconds += s.waited_seconds;
+      sum.bytes += s.bytes;
+    }
+    record["expert_a2a_s"] = sum.transfer_seconds;
+    record["expert_a2a_exposed_s"] = sum.waited_seconds;
+    record["expert_a2a_bytes"] = sum.bytes;
+    result_.expert_comm_seconds += sum.transfer_seconds;
+    result_.expert_exposed_seconds += sum.waited_seconds;
+    result_.expert_comm_bytes += sum.bytes;
+  }
   if (zero_) {
     const CommStats gathers = zero_->take_stats();
     record["param_gather_s"] = gathers.total_seconds;
@@ -611,6 +626,16 @@ void TrainingRun::finish(double run_seconds) {
           zero_ ? detail::concat("; parameter all-gathers ", result_.param_gather_seconds, " s")
                       .c_str()
                 : "");
+    }
+    if (experts_split_) {
+      const double total = result_.expert_comm_seconds;
+      std::printf(
+          "expert all-to-all (dispatch and combine, forward and backward; rank 0): %.2f s in "
+          "flight, %.2f s exposed (%.0f%% hidden behind compute), %.1f MB sent%s\n",
+          total, result_.expert_exposed_seconds,
+          100.0 * (total > 0 ? 1.0 - result_.expert_exposed_seconds / total : 1.0),
+          static_cast<double>(result_.expert_comm_bytes) / 1e6,
+          fp8_ && !o_.moe_dispatch_bf16 ? " (forward dispatch in FP8)" : "");
     }
     if (!fp8_summary_.empty()) {
       std::printf("%s tensors over %lld steps (underflow: mean, saturated: max):\n%s",
