@@ -488,6 +488,55 @@ class GroupedLinear : public Module {
 // Mixture of experts (Megatron-Core's MoELayer: TopKRouter, the experts as TEGroupedMLP, shared
 // experts), in the place of a TransformerLayer's LayerNormMLP.
 
+// Expert parallelism's token exchange (Megatron's MoEAlltoAllTokenDispatcher on DeepEP's
+// contract): a layout pass (how many rows each rank sends to each expert), the dispatch of the
+// rows to their experts' ranks (non-blocking all-to-all-v; FP8 with block scales optional) and
+// the combine of the experts' outputs back. Rank r of the group holds experts
+// [r * L, (r + 1) * L), L = E / EP.
+class ExpertDispatcher {
+ public:
+  struct Layout {
+    std::vector<int64_t> send_rows, recv_rows;  // [EP] rows to and from each rank
+    std::vector<int64_t> per_source;            // [EP * L]: rows source s sends local expert l
+    std::vector<int64_t> expert_rows() const;   // [L] rows each local expert receives
+  };
+  // An exchange in flight: its tensors stay alive until it is finished.
+  struct Pending {
+    Work rows, scales;
+    Tensor sent, sent_scales, received, received_scales;
+    DType dtype = DType::F32;  // the rows' dtype before FP8
+  };
+  struct Stats {  // wall time in flight, the part waited for (not hidden), bytes sent
+    double transfer_seconds = 0.0, waited_seconds = 0.0;
+    int64_t bytes = 0, exchanges = 0;
+  };
+
+  ExpertDispatcher(Communicator& ep, int64_t num_experts);
+  int64_t local_experts() const { return local_; }
+  // rows_per_expert [E] I32: this rank's rows for each global expert. Collective (the counts'
+  // all-to-all).
+  Layout layout(const Tensor& rows_per_expert);
+  // rows [R, C] grouped by global expert (R = sum of the layout's send_rows) to their experts'
+  // ranks. fp8: as E4M3 codes with a power-of-2 scale per 1x128 block (DeepEP's FP8 dispatch).
+  Pending start_dispatch(const Tensor& rows, const Layout& layout, bool fp8 = false);
+  // Waits: the rows received, grouped by local expert ([l][s]: expert l's rows from each source
+  // in rank order), in the dtype given to start_dispatch.
+  Tensor finish_dispatch(Pending& pending, const Layout& layout);
+  // Expert rows ([l][s], as finish_dispatch gives them) back to the ranks they came from.
+  Pending start_combine(const Tensor& expert_rows, const Layout& layout);
+  // Waits: this rank's rows, in the order they were dispatched.
+  Tensor finish_combine(Pending& pending);
+  Stats take_stats() { return std::exchange(stats_, {}); }
+
+ private:
+  Work send(const Tensor& rows, const std::vector<int64_t>& send_rows,
+            const std::vector<int64_t>& recv_rows, Tensor& out);
+  void wait(Work& work);
+  Communicator& ep_;
+  int64_t experts_, local_;
+  Stats stats_;
+};
+
 struct MoELayerOptions {
   int64_t hidden = 0;
   int64_t num_experts = 0;  // --num-experts
@@ -538,9 +587,7 @@ class MoELayer : public Module {
     Tensor expert_output;  // [N*k, C]: FC2's, in permuted order
     Linear::Context shared_fc1, shared_fc2;
     Tensor shared_fc1_output;
-    // Expert parallelism: the rows this rank sends to each rank of the expert group and gets
-    // from each, and per_source[s * L + l], the rows source s sent to local expert l.
-    std::vector<int64_t> send_rows, recv_rows, per_source;
+    ExpertDispatcher::Layout layout;  // expert parallelism's exchange
     ops::RouterLosses losses;
     float loss_scale = 1.0f;
     Shape shape;  // the input's
@@ -570,12 +617,10 @@ class MoELayer : public Module {
   void set_loss_scale(float scale) { loss_scale_ = scale; }
   Load take_load();
   // Expert parallelism's token exchanges (dispatch and combine, forward and backward) since the
-  // last take: wall time in flight, the part this rank waited (not hidden), bytes sent.
-  struct ExchangeStats {
-    double transfer_seconds = 0.0, waited_seconds = 0.0;
-    int64_t bytes = 0, exchanges = 0;
-  };
-  ExchangeStats take_exchange_stats() { return std::exchange(exchange_stats_, {}); }
+  // last take (empty without expert parallelism).
+  ExpertDispatcher::Stats take_exchange_stats() {
+    return dispatcher_ ? dispatcher_->take_stats() : ExpertDispatcher::Stats{};
+  }
   // Under fp8_autocast the forward dispatch sends E4M3 codes with a scale per 1x128 block
   // (DeepEP's FP8 dispatch; power-of-2 scales, so Float8BlockScaling's GEMM quantizes the
   // received values to the same codes). Off: the activation dtype travels. On by default.
@@ -597,15 +642,11 @@ class MoELayer : public Module {
 
  private:
   MoELayerOptions options_;
-  Communicator* tp_ = nullptr;  // a group of more than one rank, or null
-  Communicator* ep_ = nullptr;  // a group of more than one rank, or null
+  Communicator* tp_ = nullptr;                  // a group of more than one rank, or null
+  std::optional<ExpertDispatcher> dispatcher_;  // expert parallelism (a group of > 1 rank)
   float loss_scale_ = 1.0f;
   Load load_;
   bool fp8_dispatch_ = true;
-  ExchangeStats exchange_stats_;
-  // rows to the expert group's ranks (dispatch: send_rows out, recv_rows in; else back).
-  Tensor exchange(const Tensor& rows, bool dispatch, const Context& ctx, Work& work);
-  void wait(Work& work);
 };
 
 // ---------------------------------------------------------------------------------------------

@@ -4,7 +4,6 @@
 // the shared expert is a plain MLP on the same normalized tokens. Dropless: an expert with no
 // token runs no GEMM.
 #include <cmath>
-#include <cstring>
 
 #include "modules/common.h"
 #include "modules/tensor_columns.h"
@@ -102,101 +101,7 @@ Tensor activation_grad(ops::ActivationKind kind, const Tensor& da, const Tensor&
   return dh;
 }
 
-// Expert parallelism's layout pass (DeepEP's get_dispatch_layout): rows_per_expert [E] are this
-// rank's routed rows per global expert; each rank learns how many rows every source sends to
-// each of its local experts (an all-to-all of the counts).
-void exchange_layout(const Tensor& rows_per_expert, Communicator& ep, MoELayer::Context& ctx) {
-  const int64_t ranks = ep.size(), experts = rows_per_expert.numel(), local = experts / ranks;
-  const Tensor received = ep.all_to_all(rows_per_expert);
-  const int32_t* sent = rows_per_expert.data<int32_t>();
-  const int32_t* got = received.data<int32_t>();
-  ctx.send_rows.assign(static_cast<size_t>(ranks), 0);
-  ctx.recv_rows.assign(static_cast<size_t>(ranks), 0);
-  ctx.per_source.assign(got, got + experts);
-  for (int64_t r = 0; r < ranks; ++r) {
-    for (int64_t l = 0; l < local; ++l) {
-      ctx.send_rows[static_cast<size_t>(r)] += sent[r * local + l];
-      ctx.recv_rows[static_cast<size_t>(r)] += got[r * local + l];
-    }
-  }
-}
-
-// The received rows come source by source, each source's by local expert ([s][l]); the experts
-// want them expert by expert ([l][s]). to_experts: [s][l] -> [l][s]; else back.
-Tensor reorder_chunks(const Tensor& rows, const std::vector<int64_t>& per_source, int64_t ranks,
-                      bool to_experts) {
-  const int64_t local = static_cast<int64_t>(per_source.size()) / ranks;
-  std::vector<int64_t> start(per_source.size());  // each [s][l] chunk's first row in [s][l]
-  int64_t at = 0;
-  for (size_t i = 0; i < per_source.size(); ++i) {
-    start[i] = at;
-    at += per_source[i];
-  }
-  Tensor out = Tensor::empty(rows.shape(), rows.dtype());
-  const int64_t row_bytes = rows.rows() > 0 ? static_cast<int64_t>(rows.nbytes()) / rows.rows() : 0;
-  const char* in = static_cast<const char*>(rows.raw());
-  char* to = static_cast<char*>(out.raw());
-  int64_t sorted = 0;  // the chunk's first row in [l][s]
-  for (int64_t l = 0; l < local; ++l) {
-    for (int64_t s = 0; s < ranks; ++s) {
-      const size_t chunk = static_cast<size_t>(s * local + l);
-      const int64_t n = per_source[chunk], grouped = start[chunk];
-      const int64_t from = to_experts ? grouped : sorted, dest = to_experts ? sorted : grouped;
-      std::memcpy(to + dest * row_bytes, in + from * row_bytes, static_cast<size_t>(n * row_bytes));
-      sorted += n;
-    }
-  }
-  return out;
-}
-
-// FP8 dispatch: E4M3 codes [R, C] with a power-of-2 scale per 1x128 block [R, ceil(C/128)].
-constexpr int kDispatchBlock = 128;
-
-Float8Tensor quantize_rows(const Tensor& rows) {
-  if (rows.rows() > 0) {
-    return Quantizer::block(DType::E4M3, 1, kDispatchBlock, /*power_2_scale=*/true).quantize(rows);
-  }
-  Float8Tensor none;  // nothing to send (the exchange still runs: the peers may send)
-  none.data = Tensor::empty({0, rows.cols()}, DType::E4M3);
-  none.scale_inv =
-      Tensor::empty({0, (rows.cols() + kDispatchBlock - 1) / kDispatchBlock}, DType::F32);
-  return none;
-}
-
-Tensor dequantize_rows(const Tensor& codes, const Tensor& scale_inv, DType dtype) {
-  if (codes.rows() == 0) return Tensor::empty(codes.shape(), dtype);
-  Float8Tensor received;
-  received.format = DType::E4M3;
-  received.mode = ScalingMode::Block;
-  received.rows = codes.rows();
-  received.cols = codes.cols();
-  received.block_rows = 1;
-  received.block_cols = kDispatchBlock;
-  received.data = codes;
-  received.scale_inv = scale_inv;
-  const Tensor values = received.dequantize();
-  return dtype == DType::F32 ? values : values.to(dtype);
-}
-
 }  // namespace
-
-Tensor MoELayer::exchange(const Tensor& rows, bool dispatch, const Context& ctx, Work& work) {
-  const std::vector<int64_t>& send = dispatch ? ctx.send_rows : ctx.recv_rows;
-  const std::vector<int64_t>& recv = dispatch ? ctx.recv_rows : ctx.send_rows;
-  int64_t total = 0;
-  for (int64_t n : recv) total += n;
-  Tensor out = Tensor::empty({total, rows.cols()}, rows.dtype());
-  work = ep_->iall_to_allv(rows, send, out, recv);
-  exchange_stats_.bytes += static_cast<int64_t>(rows.nbytes());
-  ++exchange_stats_.exchanges;
-  return out;
-}
-
-void MoELayer::wait(Work& work) {
-  work.wait();
-  exchange_stats_.transfer_seconds += work.transfer_seconds();
-  exchange_stats_.waited_seconds += work.waited_seconds();
-}
 
 MoELayer::MoELayer(const MoELayerOptions& options, Communicator* tp, Communicator* ep)
     : norm(checked(options, tp).norm),
@@ -205,8 +110,8 @@ MoELayer::MoELayer(const MoELayerOptions& options, Communicator* tp, Communicato
       fc2(expert_options(options, false, ep), tp),
       expert_bias(Tensor::zeros({options.num_experts}, DType::F32)),
       options_(options),
-      tp_(tp != nullptr && tp->size() > 1 ? tp : nullptr),
-      ep_(ep != nullptr && ep->size() > 1 ? ep : nullptr) {
+      tp_(tp != nullptr && tp->size() > 1 ? tp : nullptr) {
+  if (ep != nullptr && ep->size() > 1) dispatcher_.emplace(*ep, options.num_experts);
   for (GroupedLinear* experts : {&fc1, &fc2}) {
     for (Parameter* p : experts->parameters()) p->shard.expert = true;
   }
@@ -302,18 +207,11 @@ Tensor MoELayer::forward(const Tensor& x, Context& ctx) {
   const int64_t halves = ops::is_gated(o.activation) ? 2 : 1;  // a gated FC1's [a | b]
   // Expert parallelism: the rows travel to their experts' ranks while the shared expert runs.
   Tensor expert_input = permuted.slice_rows(0, ctx.kept_rows);
-  Work dispatched, dispatched_scales;
-  Float8Tensor sent;  // FP8 dispatch: alive until the exchange completes
-  Tensor codes, scales;
-  if (ep_) {
-    exchange_layout(rows_per_expert, *ep_, ctx);
-    if (fp8_dispatch_ && fp8_enabled()) {
-      sent = quantize_rows(expert_input);
-      codes = exchange(sent.data, true, ctx, dispatched);
-      scales = exchange(sent.scale_inv, true, ctx, dispatched_scales);
-    } else {
-      expert_input = exchange(expert_input, true, ctx, dispatched);
-    }
+  ExpertDispatcher::Pending dispatched;
+  if (dispatcher_) {
+    ctx.layout = dispatcher_->layout(rows_per_expert);
+    dispatched =
+        dispatcher_->start_dispatch(expert_input, ctx.layout, fp8_dispatch_ && fp8_enabled());
   }
   Tensor shared;
   if (shared_fc1) {
@@ -322,27 +220,17 @@ Tensor MoELayer::forward(const Tensor& x, Context& ctx) {
     shared = shared_fc2->forward(activation(o.activation, ctx.shared_fc1_output, local_shared),
                                  ctx.shared_fc2);
   }
-  if (ep_) {
-    wait(dispatched);
-    wait(dispatched_scales);
-    if (codes.defined()) expert_input = dequantize_rows(codes, scales, xn.dtype());
-    expert_input = reorder_chunks(expert_input, ctx.per_source, ep_->size(), true);
-    const int64_t local = fc1.options().num_gemms;
-    splits.assign(static_cast<size_t>(local), 0);
-    for (size_t i = 0; i < ctx.per_source.size(); ++i) {
-      splits[i % static_cast<size_t>(local)] += ctx.per_source[i];
-    }
+  if (dispatcher_) {
+    expert_input = dispatcher_->finish_dispatch(dispatched, ctx.layout);
+    splits = ctx.layout.expert_rows();
   }
   ctx.fc1_output = fc1.forward(expert_input, splits, ctx.fc1);
   const int64_t local_ffn = fc1.options().out_features / halves;  // ffn_hidden / TP
   Tensor y = fc2.forward(activation(o.activation, ctx.fc1_output, local_ffn), splits, ctx.fc2);
-  if (ep_) {
+  if (dispatcher_) {
     // Combine: the outputs back to the ranks their tokens came from.
-    // (The input stays alive until the exchange completes.)
-    const Tensor by_source = reorder_chunks(y, ctx.per_source, ep_->size(), false);
-    Work combined;
-    y = exchange(by_source, false, ctx, combined);
-    wait(combined);
+    ExpertDispatcher::Pending combined = dispatcher_->start_combine(y, ctx.layout);
+    y = dispatcher_->finish_combine(combined);
   }
   if (ctx.dropped > 0) {
     ctx.expert_output = Tensor::zeros({n * k, o.hidden}, y.dtype());
@@ -378,10 +266,8 @@ Tensor MoELayer::backward(const Tensor& dy, Context& ctx) {
   // Expert parallelism: the rows' gradients travel to the experts' ranks while the router's
   // and the shared expert's backward run.
   Tensor dexpert_rows = dexpert.slice_rows(0, ctx.kept_rows);
-  Work dispatched;
-  if (ep_) {
-    dexpert_rows = exchange(dexpert_rows, true, ctx, dispatched);
-  }
+  ExpertDispatcher::Pending dispatched;
+  if (dispatcher_) dispatched = dispatcher_->start_dispatch(dexpert_rows, ctx.layout);
   // The router: the probabilities' gradient plus the auxiliary losses', scaled as the main
   // loss's gradient is.
   ops::RouterOptions route = o.router;
@@ -397,17 +283,12 @@ Tensor MoELayer::backward(const Tensor& dy, Context& ctx) {
     dshared = shared_fc1->backward(activation_grad(o.activation, dsa, ctx.shared_fc1_output),
                                    ctx.shared_fc1);
   }
-  if (ep_) {
-    wait(dispatched);
-    dexpert_rows = reorder_chunks(dexpert_rows, ctx.per_source, ep_->size(), true);
-  }
+  if (dispatcher_) dexpert_rows = dispatcher_->finish_dispatch(dispatched, ctx.layout);
   const Tensor da = fc2.backward(dexpert_rows, ctx.fc2);
   Tensor dpermuted = fc1.backward(activation_grad(o.activation, da, ctx.fc1_output), ctx.fc1);
-  if (ep_) {
-    const Tensor by_source = reorder_chunks(dpermuted, ctx.per_source, ep_->size(), false);
-    Work combined;
-    dpermuted = exchange(by_source, false, ctx, combined);
-    wait(combined);
+  if (dispatcher_) {
+    ExpertDispatcher::Pending combined = dispatcher_->start_combine(dpermuted, ctx.layout);
+    dpermuted = dispatcher_->finish_combine(combined);
   }
   if (ctx.dropped > 0) {
     Tensor whole = Tensor::zeros({n * k, o.hidden}, dpermuted.dtype());

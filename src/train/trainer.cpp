@@ -524,9 +524,9 @@ nlohmann::json TrainingRun::record_step(int64_t iteration, double loss, float lr
     result_.grad_exposed_seconds += grads.exposed_seconds;
   }
   if (experts_split_) {
-    MoELayer::ExchangeStats sum;
+    ExpertDispatcher::Stats sum;
     for (const TrainableModel::MoELayerRef& ref : model_->moe_layers()) {
-      const MoELayer::ExchangeStats s = ref.moe->take_exchange_stats();
+      const ExpertDispatcher::Stats s = ref.moe->take_exchange_stats();
       sum.transfer_seconds += s.transfer_seconds;
       sum.waited_seconds += s.waited_seconds;
       sum.bytes += s.bytes;
