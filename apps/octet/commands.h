@@ -25,6 +25,7 @@ void register_bench_train(CLI::App& bench);
 void register_bench_converge(CLI::App& bench);
 void register_bench_parallel(CLI::App& bench);
 void register_bench_infer(CLI::App& bench);
+void register_bench_moe(CLI::App& bench);
 
 // The tokenizer directory of generate / serve: --vocab-dir when given, else the tokenizer saved
 // in the checkpoint (octet train --vocab-dir), else GPT-2's.

@@ -41,6 +41,7 @@ int main(int argc, char** argv) {
   octet::cli::register_bench_converge(*bench);
   octet::cli::register_bench_parallel(*bench);
   octet::cli::register_bench_infer(*bench);
+  octet::cli::register_bench_moe(*bench);
   int status = 0;
   std::string message;
   try {

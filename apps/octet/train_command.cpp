@@ -35,9 +35,9 @@ void add_moe_flags(CLI::App* cmd, TrainOptions* o) {
                   "Which routed tokens an expert over capacity keeps: probs (the highest "
                   "probabilities) | position (the first)")
       ->check(CLI::IsMember({"probs", "position"}));
-  cmd->add_flag("--moe-dispatch-bf16", o->moe_dispatch_bf16,
-                "With --expert-model-parallel-size under --precision fp8: dispatch tokens in BF16 "
-                "instead of E4M3 with 1x128 block scales");
+  cmd->add_flag("--moe-dispatch-fp8", o->moe_dispatch_fp8,
+                "With --expert-model-parallel-size under --precision fp8: dispatch tokens as E4M3 "
+                "with 1x128 block scales (DeepEP's) instead of BF16");
 }
 
 }  // namespace

@@ -170,9 +170,9 @@ struct TrainOptions {
   std::optional<bool> moe_router_enable_expert_bias;
   std::optional<float> moe_expert_capacity_factor;
   std::optional<std::string> moe_token_drop_policy;
-  // Expert parallelism under --precision fp8: the dispatched tokens travel in the activation
-  // dtype instead of E4M3 with 1x128 block scales (MoELayer::set_fp8_dispatch).
-  bool moe_dispatch_bf16 = false;
+  // Expert parallelism under --precision fp8: the dispatched tokens travel as E4M3 with 1x128
+  // block scales instead of in the activation dtype (MoELayer::set_fp8_dispatch).
+  bool moe_dispatch_fp8 = false;
   // Frozen parameters: those whose names start with one of these prefixes (e.g.
   // "vision_model." for a CLIP's image tower) keep their values, and the optimizer holds no
   // state for them nor counts them in the clipping norm. Each prefix must name a parameter.

@@ -29,7 +29,7 @@ namespace {
 bool any_moe_flag(const TrainOptions& o) {
   return o.moe_router_topk || o.moe_aux_loss_coeff || o.moe_z_loss_coeff ||
          o.moe_router_enable_expert_bias || o.moe_router_bias_update_rate ||
-         o.moe_expert_capacity_factor || o.moe_token_drop_policy || o.moe_dispatch_bf16;
+         o.moe_expert_capacity_factor || o.moe_token_drop_policy || o.moe_dispatch_fp8;
 }
 
 class GptFamily : public ModelFamily {

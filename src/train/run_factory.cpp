@@ -97,7 +97,7 @@ TrainingRun::TrainingRun(const TrainOptions& options) : o_(options) {
               " splits a mixture of experts' experts: ", family_->name(),
               " has none (give a config with num_experts > 0)");
   for (const TrainableModel::MoELayerRef& ref : model_->moe_layers()) {
-    ref.moe->set_fp8_dispatch(!o_.moe_dispatch_bf16);
+    ref.moe->set_fp8_dispatch(o_.moe_dispatch_fp8);
   }
   trained_ = select_trained();
   for (Parameter* p : model_->parameters()) {

@@ -635,7 +635,7 @@ void TrainingRun::finish(double run_seconds) {
           total, result_.expert_exposed_seconds,
           100.0 * (total > 0 ? 1.0 - result_.expert_exposed_seconds / total : 1.0),
           static_cast<double>(result_.expert_comm_bytes) / 1e6,
-          fp8_ && !o_.moe_dispatch_bf16 ? " (forward dispatch in FP8)" : "");
+          fp8_ && o_.moe_dispatch_fp8 ? " (forward dispatch in FP8)" : "");
     }
     if (!fp8_summary_.empty()) {
       std::printf("%s tensors over %lld steps (underflow: mean, saturated: max):\n%s",

@@ -226,16 +226,20 @@ if [ "$layouts" = moe ]; then
   run 4 "EP=2 x TP=2 sequence-parallel" --expert-model-parallel-size 2 \
     --tensor-model-parallel-size 2 --sequence-parallel
   # FP8 with expert parallelism under block scaling (DeepSeek-V3's 1x128 / 128x128): a row's
-  # scales do not depend on the rows sharing its GEMM, so EP=2 gives one process's losses.
+  # scales do not depend on the rows sharing its GEMM, so EP=2 gives one process's losses; with
+  # the dispatch in FP8 too (power-of-2 1x128 scales: the GEMM requantizes to the same codes).
   want="$(OMP_NUM_THREADS=1 "$octet" train "${fp8_common[@]}" --fp8-recipe block | fp8_losses)"
-  got="$(OMP_NUM_THREADS=1 mpiexec -n 2 --oversubscribe "$octet" train "${fp8_common[@]}" \
-    --fp8-recipe block --expert-model-parallel-size 2 | fp8_losses)"
-  if [ -n "$got" ] && [ "$got" = "$want" ]; then
-    echo "ok   FP8 block EP=2: $got"
-  else
-    echo "FAIL FP8 block EP=2: '$got' (expected '$want')"
-    status=1
-  fi
+  for dispatch in "" --moe-dispatch-fp8; do
+    # shellcheck disable=SC2086
+    got="$(OMP_NUM_THREADS=1 mpiexec -n 2 --oversubscribe "$octet" train "${fp8_common[@]}" \
+      --fp8-recipe block --expert-model-parallel-size 2 $dispatch | fp8_losses)"
+    if [ -n "$got" ] && [ "$got" = "$want" ]; then
+      echo "ok   FP8 block EP=2 $dispatch: $got"
+    else
+      echo "FAIL FP8 block EP=2 $dispatch: '$got' (expected '$want')"
+      status=1
+    fi
+  done
   # Checkpoints (the expert biases with them) reshard between layouts and one process.
   uninterrupted="$(OMP_NUM_THREADS=1 "$octet" train "${constant[@]}" --train-iters 6 | later)"
   resume "PP=2 -> 1 process" 2 1 "--pipeline-model-parallel-size 2" ""

@@ -1,0 +1,401 @@
+// `octet bench moe`: expert parallelism measured against its peers in one run.
+//  1. The token exchange: ExpertDispatcher's dispatch + combine (the layout pass, the
+//     all-to-all-v there and back, the reordering by expert; BF16 and FP8 rows) against raw
+//     MPI all-to-all-v of the same BF16 rows there and back, timed by a worker under mpirun
+//     (`octet bench moe-worker`), the sides alternated within each round.
+//  2. Training moe-mini with the experts split over the ranks (EP = ranks) against the same
+//     model data-parallel (every rank all experts), each a real `mpirun octet train` run,
+//     alternated in rounds: tokens/s, and the share of the expert all-to-all that compute hid.
+//  3. The single-process peers (`octet bench train --config moe-mini`): PyTorch 1.13's MoE of
+//     the same routing, and the dense model of the same active size.
+// Every ratio is the median of per-round ratios, with its spread.
+#include <unistd.h>
+
+#include <CLI/CLI.hpp>
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "bench_common.h"
+#include "commands.h"
+#include "octet/comm.h"
+#include "octet/error.h"
+#include "octet/modules.h"
+
+namespace octet::cli {
+
+namespace {
+
+struct Options {
+  int ranks = 2;
+  int64_t tokens = 4096;  // per rank, each sent to topk experts
+  int64_t hidden = 384;
+  int64_t experts = 8;
+  int64_t topk = 2;
+  int repeats = 10;
+  int rounds = 5;
+  std::string config = "moe-mini";
+  int64_t micro_batch_size = 4;
+  int64_t seq_length = 256;
+  int64_t iters = 6;
+  int64_t warmup = 2;
+  int train_rounds = 2;
+  bool no_train = false;
+  bool no_peers = false;
+  bool json = false;
+};
+
+struct WorkerOptions {
+  int64_t tokens = 4096, hidden = 384, experts = 8, topk = 2;
+  int repeats = 10, rounds = 5;
+  std::string out;
+};
+
+std::string self_exe() {
+  std::error_code error;
+  const auto exe = std::filesystem::read_symlink("/proc/self/exe", error);
+  OCTET_CHECK(!error, "bench moe: cannot find the octet executable (/proc/self/exe)");
+  return exe.string();
+}
+
+std::string mpirun(int ranks) {
+  std::string command = "OMP_WAIT_POLICY=passive OMP_NUM_THREADS=1 ";
+  if (::geteuid() == 0) command += "OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 ";
+  return command + "mpirun -np " + std::to_string(ranks) + " --oversubscribe ";
+}
+
+std::string read_tail(const std::string& path) {
+  std::ifstream in(path);
+  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  return text.substr(text.size() > 2000 ? text.size() - 2000 : 0);
+}
+
+// ---- the worker: one rank of the exchange measurement ---------------------------------------
+
+// Median over repeats of the slowest rank's seconds for `body`, a barrier before each.
+template <typename Body>
+double time_exchange(Communicator& world, int repeats, Body&& body) {
+  body();  // warm-up
+  std::vector<double> seconds;
+  for (int i = 0; i < repeats; ++i) {
+    world.barrier();
+    const auto start = std::chrono::steady_clock::now();
+    body();
+    const double mine =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    seconds.push_back(world.all_reduce(mine, ReduceOp::Max));
+  }
+  return bench::median(seconds);
+}
+
+void run_worker(const WorkerOptions& w) {
+  std::shared_ptr<Communicator> world = world_communicator();
+  const int rank = world->rank();
+  OCTET_CHECK(w.experts % world->size() == 0, "bench moe: --experts (", w.experts,
+              ") expected a multiple of the ranks (", world->size(), ")");
+  // Uniform random routing of tokens x topk pairs, grouped by expert as after the permute.
+  std::mt19937 random(static_cast<uint32_t>(1234 + rank));
+  std::uniform_int_distribution<int64_t> pick(0, w.experts - 1);
+  Tensor counts = Tensor::zeros({w.experts}, DType::I32);
+  for (int64_t i = 0; i < w.tokens * w.topk; ++i) ++counts.data<int32_t>()[pick(random)];
+  Tensor rows = Tensor::empty({w.tokens * w.topk, w.hidden}, DType::BF16);
+  {
+    std::normal_distribution<float> normal(0.0f, 1.0f);
+    std::vector<float> values(static_cast<size_t>(rows.numel()));
+    for (float& v : values) v = normal(random);
+    rows.copy_from(Tensor::from_floats(rows.shape(), values).to(DType::BF16));
+  }
+  ExpertDispatcher dispatcher(*world, w.experts);
+  const ExpertDispatcher::Layout layout = dispatcher.layout(counts);
+  auto raw = [&] {
+    Tensor there, back;
+    int64_t received = 0;
+    for (int64_t n : layout.recv_rows) received += n;
+    there = Tensor::empty({received, w.hidden}, DType::BF16);
+    world->iall_to_allv(rows, layout.send_rows, there, layout.recv_rows).wait();
+    back = Tensor::empty(rows.shape(), DType::BF16);
+    world->iall_to_allv(there, layout.recv_rows, back, layout.send_rows).wait();
+  };
+  auto ours = [&](bool fp8) {
+    const ExpertDispatcher::Layout l = dispatcher.layout(counts);
+    ExpertDispatcher::Pending p = dispatcher.start_dispatch(rows, l, fp8);
+    const Tensor at_experts = dispatcher.finish_dispatch(p, l);
+    ExpertDispatcher::Pending c = dispatcher.start_combine(at_experts, l);
+    dispatcher.finish_combine(c);
+  };
+  int64_t sent = 0;
+  for (int64_t n : layout.send_rows) sent += n;
+  nlohmann::json out = {{"ranks", world->size()},
+                        {"rows_per_rank", sent},
+                        {"bytes_per_rank", 2 * sent * w.hidden * 2},
+                        {"raw_s", nlohmann::json::array()},
+                        {"bf16_s", nlohmann::json::array()},
+                        {"fp8_s", nlohmann::json::array()}};
+  for (int round = 0; round < w.rounds; ++round) {
+    double raw_s = 0, bf16_s = 0, fp8_s = 0;
+    auto measure_raw = [&] { raw_s = time_exchange(*world, w.repeats, raw); };
+    if (round % 2 == 0) measure_raw();
+    bf16_s = time_exchange(*world, w.repeats, [&] { ours(false); });
+    fp8_s = time_exchange(*world, w.repeats, [&] { ours(true); });
+    if (round % 2 == 1) measure_raw();
+    out["raw_s"].push_back(raw_s);
+    out["bf16_s"].push_back(bf16_s);
+    out["fp8_s"].push_back(fp8_s);
+  }
+  if (rank == 0) {
+    std::ofstream file(w.out);
+    file << out.dump() << "\n";
+    OCTET_CHECK(file.good(), "bench moe-worker: cannot write '", w.out, "'");
+  }
+}
+
+// ---- part 1: the exchange ------------------------------------------------------------------
+
+struct Exchange {
+  std::vector<double> bf16_share, fp8_share;         // raw seconds / ours, per round
+  double raw_gbps = 0, bf16_gbps = 0, fp8_gbps = 0;  // medians, BF16 bytes per second
+  int64_t rows_per_rank = 0;
+  std::string error;
+};
+
+Exchange measure_exchange(const Options& o) {
+  Exchange e;
+  const auto dir =
+      std::filesystem::temp_directory_path() / ("octet-bench-moe-" + std::to_string(::getpid()));
+  std::filesystem::create_directories(dir);
+  const std::string result = (dir / "exchange.json").string(), log = (dir / "log.txt").string();
+  const std::string command =
+      mpirun(o.ranks) + self_exe() + " bench moe-worker --tokens " + std::to_string(o.tokens) +
+      " --hidden " + std::to_string(o.hidden) + " --experts " + std::to_string(o.experts) +
+      " --topk " + std::to_string(o.topk) + " --repeats " + std::to_string(o.repeats) +
+      " --rounds " + std::to_string(o.rounds) + " --out " + result + " > " + log + " 2>&1";
+  if (std::system(command.c_str()) != 0) {
+    e.error = "failed: " + command + "\n" + read_tail(log);
+    std::filesystem::remove_all(dir);
+    return e;
+  }
+  std::ifstream in(result);
+  const nlohmann::json r = nlohmann::json::parse(in, nullptr, false);
+  std::filesystem::remove_all(dir);
+  if (r.is_discarded() || !r.contains("raw_s")) {
+    e.error = "bench moe-worker wrote no result";
+    return e;
+  }
+  const std::vector<double> raw = r["raw_s"], bf16 = r["bf16_s"], fp8 = r["fp8_s"];
+  for (size_t i = 0; i < raw.size(); ++i) {
+    bench::push_finite(e.bf16_share, raw[i] / bf16[i]);
+    bench::push_finite(e.fp8_share, raw[i] / fp8[i]);
+  }
+  const double bytes = r["bytes_per_rank"].get<double>();
+  e.raw_gbps = bytes / bench::median(raw) / 1e9;
+  e.bf16_gbps = bytes / bench::median(bf16) / 1e9;
+  e.fp8_gbps = bytes / bench::median(fp8) / 1e9;
+  e.rows_per_rank = r["rows_per_rank"].get<int64_t>();
+  return e;
+}
+
+// ---- part 2: training with the experts split, against data parallelism ---------------------
+
+struct TrainRun {
+  double tokens_per_s = NAN, a2a_ms = 0, exposed_ms = 0;
+  std::string error;
+};
+
+TrainRun run_training(const Options& o, bool split) {
+  TrainRun t;
+  const auto dir = std::filesystem::temp_directory_path() /
+                   ("octet-bench-moe-train-" + std::to_string(::getpid()));
+  std::filesystem::create_directories(dir);
+  const std::string metrics = (dir / "metrics.jsonl").string(), log = (dir / "log.txt").string();
+  const std::string command =
+      mpirun(o.ranks) + self_exe() + " train --config " + resolve_config(o.config).string() +
+      " --mock-data --precision bf16 --micro-batch-size " + std::to_string(o.micro_batch_size) +
+      " --global-batch-size " + std::to_string(o.micro_batch_size * o.ranks) + " --seq-length " +
+      std::to_string(o.seq_length) + " --train-iters " + std::to_string(o.iters) +
+      " --eval-iters 0 --log-interval 0 --peak-gflops 100 --metrics " + metrics +
+      (split ? " --expert-model-parallel-size " + std::to_string(o.ranks) : std::string()) + " > " +
+      log + " 2>&1";
+  if (std::system(command.c_str()) != 0) {
+    t.error = "failed: " + command + "\n" + read_tail(log);
+    std::filesystem::remove_all(dir);
+    return t;
+  }
+  std::ifstream in(metrics);
+  std::string line;
+  std::vector<double> tokens;
+  int64_t steps = 0;
+  while (std::getline(in, line)) {
+    const auto record = nlohmann::json::parse(line, nullptr, false);
+    if (record.is_discarded() || record.value("step", 0) <= o.warmup) continue;
+    tokens.push_back(record.value("tokens_per_s", 0.0));
+    t.a2a_ms += 1e3 * record.value("expert_a2a_s", 0.0);
+    t.exposed_ms += 1e3 * record.value("expert_a2a_exposed_s", 0.0);
+    ++steps;
+  }
+  std::filesystem::remove_all(dir);
+  if (steps == 0) {
+    t.error = "no measured steps in " + metrics;
+    return t;
+  }
+  t.tokens_per_s = bench::median(tokens);
+  t.a2a_ms /= static_cast<double>(steps);
+  t.exposed_ms /= static_cast<double>(steps);
+  return t;
+}
+
+void run(const Options& o) {
+  const Exchange e = measure_exchange(o);
+  std::vector<double> ep_over_dp, hidden, ep_tokens, dp_tokens, a2a_ms;
+  std::string train_error;
+  for (int round = 0; !o.no_train && round < o.train_rounds; ++round) {
+    if (!o.json) {
+      std::fprintf(stderr, "bench moe: round %d/%d: %s EP=%d and DP=%d ...\n", round + 1,
+                   o.train_rounds, o.config.c_str(), o.ranks, o.ranks);
+    }
+    TrainRun split, replicated;
+    if (round % 2 == 0) split = run_training(o, true);
+    replicated = run_training(o, false);
+    if (round % 2 == 1) split = run_training(o, true);
+    if (!split.error.empty() || !replicated.error.empty()) {
+      train_error = split.error.empty() ? replicated.error : split.error;
+      continue;
+    }
+    bench::push_finite(ep_over_dp, split.tokens_per_s / replicated.tokens_per_s);
+    bench::push_finite(hidden, split.a2a_ms > 0 ? 1.0 - split.exposed_ms / split.a2a_ms : NAN);
+    ep_tokens.push_back(split.tokens_per_s);
+    dp_tokens.push_back(replicated.tokens_per_s);
+    a2a_ms.push_back(split.a2a_ms);
+  }
+  if (o.json) {
+    nlohmann::json line = {
+        {"bench", "moe"},
+        {"ranks", o.ranks},
+        {"tokens_per_rank", o.tokens},
+        {"hidden", o.hidden},
+        {"experts", o.experts},
+        {"topk", o.topk},
+        {"exchange_error", e.error},
+        {"raw_gbps", e.raw_gbps},
+        {"dispatch_combine_bf16_gbps", e.bf16_gbps},
+        {"dispatch_combine_fp8_gbps", e.fp8_gbps},
+        {"bf16_share_of_raw", bench::json_number(bench::median_or_nan(e.bf16_share))},
+        {"bf16_share_rounds", e.bf16_share},
+        {"fp8_vs_raw_bf16", bench::json_number(bench::median_or_nan(e.fp8_share))},
+        {"fp8_rounds", e.fp8_share},
+        {"train_config", o.config},
+        {"train_error", train_error},
+        {"ep_tokens_per_s", bench::json_number(bench::median_or_nan(ep_tokens))},
+        {"dp_tokens_per_s", bench::json_number(bench::median_or_nan(dp_tokens))},
+        {"ep_over_dp", bench::json_number(bench::median_or_nan(ep_over_dp))},
+        {"ep_over_dp_rounds", ep_over_dp},
+        {"a2a_ms_per_step", bench::json_number(bench::median_or_nan(a2a_ms))},
+        {"a2a_hidden", bench::json_number(bench::median_or_nan(hidden))}};
+    std::printf("%s\n", line.dump().c_str());
+  } else {
+    std::printf(
+        "octet bench moe: %d ranks (one thread each), %lld tokens x top-%lld per rank, "
+        "hidden %lld, %lld experts (%lld per rank)\n",
+        o.ranks, (long long)o.tokens, (long long)o.topk, (long long)o.hidden, (long long)o.experts,
+        (long long)(o.experts / o.ranks));
+    if (!e.error.empty()) {
+      std::printf("exchange: %s\n", e.error.c_str());
+    } else {
+      std::printf(
+          "dispatch + combine, %lld rows there and back per rank (medians of %d repeats, %d "
+          "rounds):\n",
+          (long long)e.rows_per_rank, o.repeats, o.rounds);
+      std::printf("  raw MPI all-to-all-v (BF16)      %6.2f GB/s\n", e.raw_gbps);
+      std::printf("  ExpertDispatcher, BF16           %6.2f GB/s  %s of raw (goal >= 0.80x)\n",
+                  e.bf16_gbps, bench::median_range(e.bf16_share).c_str());
+      std::printf(
+          "  ExpertDispatcher, FP8 dispatch   %6.2f GB/s  %s raw's time for the same tokens "
+          "(BF16 bytes counted)\n",
+          e.fp8_gbps, bench::median_range(e.fp8_share).c_str());
+    }
+    if (!o.no_train) {
+      if (ep_over_dp.empty()) {
+        std::printf("training: %s\n", train_error.c_str());
+      } else {
+        std::printf(
+            "training %s, bf16, micro-batch %lld x seq %lld per rank, %lld steps (first %lld "
+            "left out), %d rounds:\n",
+            o.config.c_str(), (long long)o.micro_batch_size, (long long)o.seq_length,
+            (long long)o.iters, (long long)o.warmup, o.train_rounds);
+        std::printf(
+            "  EP=%d (experts split)  %8.0f tok/s, expert all-to-all %.1f ms/step, %s "
+            "hidden behind compute\n",
+            o.ranks, bench::median(ep_tokens), bench::median(a2a_ms),
+            bench::median_range(hidden, "%.2f").c_str());
+        std::printf("  DP=%d (experts copied) %8.0f tok/s\n", o.ranks, bench::median(dp_tokens));
+        std::printf("  EP / DP tokens/s: %s\n", bench::median_range(ep_over_dp).c_str());
+      }
+    }
+  }
+  if (!o.no_peers && !o.json) {
+    // The single-process peers: PyTorch's MoE of the same routing, the dense model.
+    std::fflush(stdout);
+    const std::string command = self_exe() + " bench train --config " +
+                                resolve_config(o.config).string() + " --precision bf16";
+    if (std::system(command.c_str()) != 0) std::printf("(%s failed)\n", command.c_str());
+  }
+}
+
+}  // namespace
+
+void register_bench_moe(CLI::App& bench) {
+  auto o = std::make_shared<Options>();
+  CLI::App* cmd = bench.add_subcommand(
+      "moe",
+      "Expert parallelism: dispatch + combine against raw all-to-all-v, training with the "
+      "experts split against data parallelism, and the single-process peers");
+  cmd->add_option("--ranks", o->ranks, "Processes (the expert-parallel size)")->check(at_least(2));
+  cmd->add_option("--tokens", o->tokens, "Tokens per rank in the exchange")->check(at_least(1));
+  cmd->add_option("--hidden", o->hidden, "Row width of the exchange")->check(at_least(1));
+  cmd->add_option("--experts", o->experts, "Experts (a multiple of --ranks)")->check(at_least(1));
+  cmd->add_option("--topk", o->topk, "Experts per token")->check(at_least(1));
+  cmd->add_option("--repeats", o->repeats, "Timed exchanges per side and round")
+      ->check(at_least(1));
+  cmd->add_option("--rounds", o->rounds, "Exchange rounds, the sides alternated")
+      ->check(at_least(1));
+  cmd->add_option("--config", o->config, "The trained MoE config (name or path)");
+  cmd->add_option("--micro-batch-size", o->micro_batch_size, "Sequences per rank and step")
+      ->check(at_least(1));
+  cmd->add_option("--seq-length", o->seq_length, "Tokens per sequence")->check(at_least(1));
+  cmd->add_option("--iters", o->iters, "Training steps per run")->check(at_least(1));
+  cmd->add_option("--warmup", o->warmup, "Steps left out of the figures")->check(at_least(0));
+  cmd->add_option("--train-rounds", o->train_rounds, "Training rounds, EP and DP alternated")
+      ->check(at_least(1));
+  cmd->add_flag("--no-train", o->no_train, "Only the exchange");
+  cmd->add_flag("--no-peers", o->no_peers,
+                "Skip the single-process peers (octet bench train --config CONFIG)");
+  cmd->add_flag("--json", o->json, "One JSON object (no peers)");
+  cmd->callback([o] {
+    OCTET_CHECK(o->experts % o->ranks == 0, "bench moe: --experts (", o->experts,
+                ") expected a multiple of --ranks (", o->ranks, ")");
+    OCTET_CHECK(o->topk <= o->experts, "bench moe: --topk (", o->topk,
+                ") expected at most --experts (", o->experts, ")");
+    run(*o);
+  });
+
+  auto w = std::make_shared<WorkerOptions>();
+  CLI::App* worker =
+      bench.add_subcommand("moe-worker", "One rank of the exchange measurement (bench moe)");
+  worker->group("");  // hidden
+  worker->add_option("--tokens", w->tokens, "Tokens per rank");
+  worker->add_option("--hidden", w->hidden, "Row width");
+  worker->add_option("--experts", w->experts, "Experts");
+  worker->add_option("--topk", w->topk, "Experts per token");
+  worker->add_option("--repeats", w->repeats, "Timed exchanges per side and round");
+  worker->add_option("--rounds", w->rounds, "Rounds");
+  worker->add_option("--out", w->out, "Result JSON (rank 0)")->required();
+  worker->callback([w] { run_worker(*w); });
+}
+
+}  // namespace octet::cli
