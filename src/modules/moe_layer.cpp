@@ -213,13 +213,16 @@ Tensor MoELayer::forward(const Tensor& x, Context& ctx) {
     dispatched =
         dispatcher_->start_dispatch(expert_input, ctx.layout, fp8_dispatch_ && fp8_enabled());
   }
+  // The shared expert's FC1 under the dispatch, its FC2 under the combine.
   Tensor shared;
   if (shared_fc1) {
     ctx.shared_fc1_output = shared_fc1->forward(xn, ctx.shared_fc1);
     const int64_t local_shared = shared_fc1->options().out_features / halves;  // width / TP
-    shared = shared_fc2->forward(activation(o.activation, ctx.shared_fc1_output, local_shared),
-                                 ctx.shared_fc2);
+    shared = activation(o.activation, ctx.shared_fc1_output, local_shared);
   }
+  auto shared_fc2_forward = [&] {
+    if (shared_fc1) shared = shared_fc2->forward(shared, ctx.shared_fc2);
+  };
   if (dispatcher_) {
     expert_input = dispatcher_->finish_dispatch(dispatched, ctx.layout);
     splits = ctx.layout.expert_rows();
@@ -230,7 +233,10 @@ Tensor MoELayer::forward(const Tensor& x, Context& ctx) {
   if (dispatcher_) {
     // Combine: the outputs back to the ranks their tokens came from.
     ExpertDispatcher::Pending combined = dispatcher_->start_combine(y, ctx.layout);
+    shared_fc2_forward();
     y = dispatcher_->finish_combine(combined);
+  } else {
+    shared_fc2_forward();
   }
   if (ctx.dropped > 0) {
     ctx.expert_output = Tensor::zeros({n * k, o.hidden}, y.dtype());
@@ -277,18 +283,24 @@ Tensor MoELayer::backward(const Tensor& dy, Context& ctx) {
   Tensor dlogits = Tensor::empty({n, e}, DType::F32);
   ops::router_backward(dprobs, ctx.logits, ctx.scores, ctx.experts, ctx.counts, route, dlogits);
   const Tensor drouter = router.backward(dlogits, ctx.router);
+  // The shared expert's FC2 backward under the gradients' dispatch, its FC1's under the combine.
   Tensor dshared;
   if (shared_fc1) {
-    const Tensor dsa = shared_fc2->backward(dout, ctx.shared_fc2);
-    dshared = shared_fc1->backward(activation_grad(o.activation, dsa, ctx.shared_fc1_output),
-                                   ctx.shared_fc1);
+    dshared = activation_grad(o.activation, shared_fc2->backward(dout, ctx.shared_fc2),
+                              ctx.shared_fc1_output);
   }
+  auto shared_fc1_backward = [&] {
+    if (shared_fc1) dshared = shared_fc1->backward(dshared, ctx.shared_fc1);
+  };
   if (dispatcher_) dexpert_rows = dispatcher_->finish_dispatch(dispatched, ctx.layout);
   const Tensor da = fc2.backward(dexpert_rows, ctx.fc2);
   Tensor dpermuted = fc1.backward(activation_grad(o.activation, da, ctx.fc1_output), ctx.fc1);
   if (dispatcher_) {
     ExpertDispatcher::Pending combined = dispatcher_->start_combine(dpermuted, ctx.layout);
+    shared_fc1_backward();
     dpermuted = dispatcher_->finish_combine(combined);
+  } else {
+    shared_fc1_backward();
   }
   if (ctx.dropped > 0) {
     Tensor whole = Tensor::zeros({n * k, o.hidden}, dpermuted.dtype());

@@ -328,6 +328,7 @@ nlohmann::json TrainingRun::balance_experts(bool applied) {
   }
   const double count = static_cast<double>(layers);
   return {{"load_max_over_mean", worst},
+          {"tokens_per_expert", tokens},  // [layer][expert], this step's (for windowed balance)
           {"aux_loss", aux / count},
           {"z_loss", z / count},
           {"dropped", routed > 0 ? dropped / routed : 0.0}};
