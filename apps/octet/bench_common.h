@@ -16,6 +16,7 @@
 #include <csignal>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <nlohmann/json.hpp>
 #include <optional>
@@ -155,6 +156,17 @@ void parallel_for(int64_t count, const Body& body) {
 // ---- the PyTorch peer ----------------------------------------------------------------------
 
 // bench/peers/<name> beside the source tree, or above the running binary.
+// This octet executable (a bench that runs `octet train` or a worker under mpirun).
+inline std::string self_exe() {
+  std::error_code error;
+  const auto exe = std::filesystem::read_symlink("/proc/self/exe", error);
+  if (error) {
+    std::fprintf(stderr, "octet bench: cannot find the octet executable (/proc/self/exe)\n");
+    std::exit(1);
+  }
+  return exe.string();
+}
+
 inline std::filesystem::path find_peer_script(const std::string& name) {
   const std::filesystem::path relative = std::filesystem::path("bench/peers") / name;
   std::vector<std::filesystem::path> candidates = {std::filesystem::path(OCTET_SOURCE_DIR) /

@@ -58,13 +58,6 @@ struct WorkerOptions {
   std::string out;
 };
 
-std::string self_exe() {
-  std::error_code error;
-  const auto exe = std::filesystem::read_symlink("/proc/self/exe", error);
-  OCTET_CHECK(!error, "bench moe: cannot find the octet executable (/proc/self/exe)");
-  return exe.string();
-}
-
 std::string mpirun(int ranks) {
   std::string command = "OMP_WAIT_POLICY=passive OMP_NUM_THREADS=1 ";
   if (::geteuid() == 0) command += "OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 ";
@@ -171,11 +164,12 @@ Exchange measure_exchange(const Options& o) {
       std::filesystem::temp_directory_path() / ("octet-bench-moe-" + std::to_string(::getpid()));
   std::filesystem::create_directories(dir);
   const std::string result = (dir / "exchange.json").string(), log = (dir / "log.txt").string();
-  const std::string command =
-      mpirun(o.ranks) + self_exe() + " bench moe-worker --tokens " + std::to_string(o.tokens) +
-      " --hidden " + std::to_string(o.hidden) + " --experts " + std::to_string(o.experts) +
-      " --topk " + std::to_string(o.topk) + " --repeats " + std::to_string(o.repeats) +
-      " --rounds " + std::to_string(o.rounds) + " --out " + result + " > " + log + " 2>&1";
+  const std::string command = mpirun(o.ranks) + bench::self_exe() + " bench moe-worker --tokens " +
+                              std::to_string(o.tokens) + " --hidden " + std::to_string(o.hidden) +
+                              " --experts " + std::to_string(o.experts) + " --topk " +
+                              std::to_string(o.topk) + " --repeats " + std::to_string(o.repeats) +
+                              " --rounds " + std::to_string(o.rounds) + " --out " + result + " > " +
+                              log + " 2>&1";
   if (std::system(command.c_str()) != 0) {
     e.error = "failed: " + command + "\n" + read_tail(log);
     std::filesystem::remove_all(dir);
@@ -215,7 +209,7 @@ TrainRun run_training(const Options& o, bool split) {
   std::filesystem::create_directories(dir);
   const std::string metrics = (dir / "metrics.jsonl").string(), log = (dir / "log.txt").string();
   const std::string command =
-      mpirun(o.ranks) + self_exe() + " train --config " + resolve_config(o.config).string() +
+      mpirun(o.ranks) + bench::self_exe() + " train --config " + resolve_config(o.config).string() +
       " --mock-data --precision bf16 --micro-batch-size " + std::to_string(o.micro_batch_size) +
       " --global-batch-size " + std::to_string(o.micro_batch_size * o.ranks) + " --seq-length " +
       std::to_string(o.seq_length) + " --train-iters " + std::to_string(o.iters) +
@@ -341,7 +335,7 @@ void run(const Options& o) {
   if (!o.no_peers && !o.json) {
     // The single-process peers: PyTorch's MoE of the same routing, the dense model.
     std::fflush(stdout);
-    const std::string command = self_exe() + " bench train --config " +
+    const std::string command = bench::self_exe() + " bench train --config " +
                                 resolve_config(o.config).string() + " --precision bf16";
     if (std::system(command.c_str()) != 0) std::printf("(%s failed)\n", command.c_str());
   }

@@ -80,13 +80,6 @@ struct Measured {
   std::string error;
 };
 
-std::string self_exe() {
-  std::error_code error;
-  const auto exe = std::filesystem::read_symlink("/proc/self/exe", error);
-  OCTET_CHECK(!error, "bench parallel: cannot find the octet executable (/proc/self/exe)");
-  return exe.string();
-}
-
 std::string config_path(const std::string& config) {
   return resolve_config(config).string();
 }
@@ -115,13 +108,13 @@ Measured run_layout(const Options& o, const Layout& layout, double peak_gflops) 
     }
     command += "mpirun -np " + std::to_string(layout.processes) + " --oversubscribe ";
   }
-  command += self_exe() + " train --config " + config_path(o.config) + " --mock-data --precision " +
-             o.precision + " --micro-batch-size " + std::to_string(o.micro_batch_size) +
-             " --global-batch-size " + std::to_string(o.micro_batch_size * o.ranks) +
-             " --seq-length " + std::to_string(o.seq_length) + " --train-iters " +
-             std::to_string(o.iters) + " --eval-iters 0 --log-interval 0 --peak-gflops " +
-             std::to_string(peak_gflops) + " --metrics " + metrics + " " + layout.flags + " > " +
-             log + " 2>&1";
+  command += bench::self_exe() + " train --config " + config_path(o.config) +
+             " --mock-data --precision " + o.precision + " --micro-batch-size " +
+             std::to_string(o.micro_batch_size) + " --global-batch-size " +
+             std::to_string(o.micro_batch_size * o.ranks) + " --seq-length " +
+             std::to_string(o.seq_length) + " --train-iters " + std::to_string(o.iters) +
+             " --eval-iters 0 --log-interval 0 --peak-gflops " + std::to_string(peak_gflops) +
+             " --metrics " + metrics + " " + layout.flags + " > " + log + " 2>&1";
   if (std::system(command.c_str()) != 0) {
     std::ifstream in(log);
     std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
@@ -423,7 +416,7 @@ PipelineMeasured run_pipeline_layout(const Options& o, const std::string& schedu
   const std::string log = (dir / "log.txt").string();
   std::string command = "OMP_WAIT_POLICY=passive OMP_NUM_THREADS=1 ";
   if (::geteuid() == 0) command += "OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 ";
-  command += "mpirun -np " + std::to_string(o.ranks) + " --oversubscribe " + self_exe() +
+  command += "mpirun -np " + std::to_string(o.ranks) + " --oversubscribe " + bench::self_exe() +
              " bench pipeline-worker --config " + o.config + " --layers " +
              std::to_string(o.pipeline_layers) + " --vocab " + std::to_string(o.pipeline_vocab) +
              " --schedule " + schedule_text + " --virtual-stages " +
@@ -792,7 +785,7 @@ void run(const Options& o) {
   if (!layouts.empty()) print_layouts_table(o, layouts, peers);
   print_pipeline_table(o, pipelines);
   // The pipeline schedules, from the simulator.
-  const std::string command = self_exe() + " schedule --pipeline-model-parallel-size " +
+  const std::string command = bench::self_exe() + " schedule --pipeline-model-parallel-size " +
                               std::to_string(o.pipeline_ranks) + " --num-microbatches " +
                               std::to_string(o.micro_batches);
   if (std::system(command.c_str()) != 0) {
