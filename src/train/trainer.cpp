@@ -136,7 +136,15 @@ TrainResult TrainingRun::run() {
     const double step_seconds = seconds_since(step_start);
     busy_seconds += step_seconds;
     nlohmann::json record = record_step(iteration, loss, lr, grad_norm, step_seconds);
-    if (!moe.is_null()) record["moe"] = moe;
+    if (!moe.is_null()) {
+      record["moe"] = moe;
+      recent_loads_.push_back(moe["tokens_per_expert"].get<std::vector<std::vector<double>>>());
+      recent_step_balance_.push_back(moe["load_max_over_mean"].get<double>());
+      if (recent_loads_.size() > kBalanceWindow) {
+        recent_loads_.pop_front();
+        recent_step_balance_.pop_front();
+      }
+    }
     if (o_.skip_nonfinite_steps) record["skipped_steps"] = result_.skipped_steps;
     if (o_.fp8_stats) {
       record["fp8"] = fp8_stats;
@@ -627,6 +635,30 @@ void TrainingRun::finish(double run_seconds) {
           zero_ ? detail::concat("; parameter all-gathers ", result_.param_gather_seconds, " s")
                       .c_str()
                 : "");
+    }
+    if (!recent_loads_.empty()) {
+      // Balance over the window: each layer's tokens per expert summed over the last steps
+      // (what the expert bias steers), beside the single steps' (one batch's content moves it).
+      double worst = 0.0;
+      for (size_t layer = 0; layer < recent_loads_.front().size(); ++layer) {
+        std::vector<double> sum(recent_loads_.front()[layer].size(), 0.0);
+        for (const auto& step : recent_loads_) {
+          for (size_t e = 0; e < sum.size(); ++e) sum[e] += step[layer][e];
+        }
+        double total = 0.0, most = 0.0;
+        for (double t : sum) {
+          total += t;
+          most = std::max(most, t);
+        }
+        if (total > 0) worst = std::max(worst, most * static_cast<double>(sum.size()) / total);
+      }
+      double per_step = 0.0;
+      for (double b : recent_step_balance_) per_step += b;
+      per_step /= static_cast<double>(recent_step_balance_.size());
+      std::printf(
+          "experts: tokens per expert over the last %zu steps, worst layer max/mean %.3f (single "
+          "steps: %.3f on average)\n",
+          recent_loads_.size(), worst, per_step);
     }
     if (experts_split_) {
       const double total = result_.expert_comm_seconds;

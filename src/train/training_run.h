@@ -6,6 +6,7 @@
 #pragma once
 
 #include <chrono>
+#include <deque>
 #include <memory>
 #include <string>
 #include <vector>
@@ -122,6 +123,11 @@ class TrainingRun {
   TrainResult result_;
   std::vector<CurvePoint> train_curve_, valid_curve_;
   std::vector<CurvePoint> accuracy_curve_;  // classifiers: validation accuracy in percent
+  // Mixture of experts: the tokens per expert of the last kBalanceWindow steps ([layer][expert]
+  // each), and the steps' worst-layer max/mean, for the summary's balance over a window.
+  static constexpr size_t kBalanceWindow = 100;
+  std::deque<std::vector<std::vector<double>>> recent_loads_;
+  std::deque<double> recent_step_balance_;
 };
 
 }  // namespace octet::train_detail
