@@ -8,8 +8,6 @@
 #include <csignal>
 #include <cstdio>
 #include <optional>
-#include <set>
-#include <span>
 
 #include "octet/gemm.h"
 #include "octet/ops/elementwise.h"
@@ -138,12 +136,7 @@ TrainResult TrainingRun::run() {
     nlohmann::json record = record_step(iteration, loss, lr, grad_norm, step_seconds);
     if (!moe.is_null()) {
       record["moe"] = moe;
-      recent_loads_.push_back(moe["tokens_per_expert"].get<std::vector<std::vector<double>>>());
-      recent_step_balance_.push_back(moe["load_max_over_mean"].get<double>());
-      if (recent_loads_.size() > kBalanceWindow) {
-        recent_loads_.pop_front();
-        recent_step_balance_.pop_front();
-      }
+      remember_balance(moe);
     }
     if (o_.skip_nonfinite_steps) record["skipped_steps"] = result_.skipped_steps;
     if (o_.fp8_stats) {
@@ -288,60 +281,6 @@ double TrainingRun::optimizer_step(float lr) {
   return grad_norm;
 }
 
-nlohmann::json TrainingRun::balance_experts(bool applied) {
-  const std::vector<TrainableModel::MoELayerRef> held = model_->moe_layers();
-  // A mixture-of-experts model has one in every layer: every stage holds some, or none does.
-  if (held.empty()) return nullptr;
-  // Per layer of the whole model: E loads, then the auxiliary and z losses, the dropped pairs
-  // and the micro-batches, filled where held and summed over the world: every copy of a layer
-  // (data replicas, pipeline ranks under DualPipe) adds its micro-batches. Tensor ranks hold
-  // the same tokens: their sum is divided out.
-  const int64_t experts = held.front().moe->options().num_experts, width = experts + 4;
-  const int64_t layers = family_->num_layers();
-  Tensor sums = Tensor::zeros({layers * width}, DType::F32);
-  for (const TrainableModel::MoELayerRef& ref : held) {
-    const MoELayer::Load load = ref.moe->take_load();
-    float* v = sums.data<float>() + ref.layer * width;
-    for (int64_t e = 0; e < experts; ++e)
-      v[e] += static_cast<float>(load.tokens[static_cast<size_t>(e)]);
-    v[experts] += static_cast<float>(load.aux_loss);
-    v[experts + 1] += static_cast<float>(load.z_loss);
-    v[experts + 2] += static_cast<float>(load.dropped);
-    v[experts + 3] += static_cast<float>(load.micro_batches);
-  }
-  parallel_->world().all_reduce(sums, ReduceOp::Sum);
-  ops::scale(std::span<Tensor>(&sums, 1), 1.0f / static_cast<float>(parallel_->tensor().size()));
-  double worst = 0.0, aux = 0.0, z = 0.0, dropped = 0.0, routed = 0.0;
-  std::vector<std::vector<double>> tokens(static_cast<size_t>(layers));
-  for (int64_t layer = 0; layer < layers; ++layer) {
-    const float* v = sums.data<float>() + layer * width;
-    std::vector<double>& t = tokens[static_cast<size_t>(layer)];
-    t.assign(v, v + experts);
-    double total = 0.0, most = 0.0;
-    for (double x : t) {
-      total += x;
-      most = std::max(most, x);
-    }
-    const double micro_batches = std::max<double>(v[experts + 3], 1.0);
-    if (total > 0) worst = std::max(worst, most / (total / static_cast<double>(experts)));
-    aux += v[experts] / micro_batches;
-    z += v[experts + 1] / micro_batches;
-    dropped += v[experts + 2];
-    routed += total;
-  }
-  if (applied) {
-    for (const TrainableModel::MoELayerRef& ref : held) {
-      ref.moe->update_expert_bias(tokens[static_cast<size_t>(ref.layer)]);
-    }
-  }
-  const double count = static_cast<double>(layers);
-  return {{"load_max_over_mean", worst},
-          {"tokens_per_expert", tokens},  // [layer][expert], this step's (for windowed balance)
-          {"aux_loss", aux / count},
-          {"z_loss", z / count},
-          {"dropped", routed > 0 ? dropped / routed : 0.0}};
-}
-
 float TrainingRun::evaluate() {
   // Data-parallel ranks split the batches; under FP8 every rank runs them all, so the amaxes
   // these forwards record (and the scales they lead to) stay equal across ranks.
@@ -455,28 +394,6 @@ void TrainingRun::save_fp8_states(TensorMap& out) const {
   }
 }
 
-// Under expert parallelism expert rank 0 writes the stage's shared tensors and every expert
-// rank its own experts: the others leave out what rank 0 writes (every tensor named after a
-// parameter that is not an expert's: "NAME", "grad.NAME", "NAME.exp_avg", ...).
-void TrainingRun::keep_own_experts(Checkpoint& part) {
-  if (!experts_split_ || parallel_->expert_rank() == 0) return;
-  TensorMap experts;
-  for (Parameter* p : model_->parameters()) {
-    if (p->shard.expert) experts[p->name] = p->value;
-  }
-  std::set<std::string> kept;
-  for (const auto& [name, value] : experts) {
-    for (const char* prefix : {"", "grad.", "before.", "update."}) kept.insert(prefix + name);
-    for (const char* suffix : {".exp_avg", ".exp_avg_sq"}) kept.insert(name + suffix);
-  }
-  for (const auto& [name, value] : model_->to_checkpoint_names(experts)) kept.insert(name);
-  for (TensorMap* map : {&part.model, &part.optimizer}) {
-    for (auto it = map->begin(); it != map->end();) {
-      it = kept.count(it->first) ? std::next(it) : map->erase(it);
-    }
-  }
-}
-
 // --dump-grads: whole-model tensors under their names whatever the layout, so two layouts'
 // dumps compare tensor by tensor (tests/distributed/train_layouts.sh).
 TensorMap TrainingRun::whole_parameters() {
@@ -532,21 +449,7 @@ nlohmann::json TrainingRun::record_step(int64_t iteration, double loss, float lr
     result_.grad_comm_seconds += grads.total_seconds;
     result_.grad_exposed_seconds += grads.exposed_seconds;
   }
-  if (experts_split_) {
-    ExpertDispatcher::Stats sum;
-    for (const TrainableModel::MoELayerRef& ref : model_->moe_layers()) {
-      const ExpertDispatcher::Stats s = ref.moe->take_exchange_stats();
-      sum.transfer_seconds += s.transfer_seconds;
-      sum.waited_seconds += s.waited_seconds;
-      sum.bytes += s.bytes;
-    }
-    record["expert_a2a_s"] = sum.transfer_seconds;
-    record["expert_a2a_exposed_s"] = sum.waited_seconds;
-    record["expert_a2a_bytes"] = sum.bytes;
-    result_.expert_comm_seconds += sum.transfer_seconds;
-    result_.expert_exposed_seconds += sum.waited_seconds;
-    result_.expert_comm_bytes += sum.bytes;
-  }
+  if (experts_split_) record_exchange_stats(record);
   if (zero_) {
     const CommStats gathers = zero_->take_stats();
     record["param_gather_s"] = gathers.total_seconds;
@@ -636,40 +539,7 @@ void TrainingRun::finish(double run_seconds) {
                       .c_str()
                 : "");
     }
-    if (!recent_loads_.empty()) {
-      // Balance over the window: each layer's tokens per expert summed over the last steps
-      // (what the expert bias steers), beside the single steps' (one batch's content moves it).
-      double worst = 0.0;
-      for (size_t layer = 0; layer < recent_loads_.front().size(); ++layer) {
-        std::vector<double> sum(recent_loads_.front()[layer].size(), 0.0);
-        for (const auto& step : recent_loads_) {
-          for (size_t e = 0; e < sum.size(); ++e) sum[e] += step[layer][e];
-        }
-        double total = 0.0, most = 0.0;
-        for (double t : sum) {
-          total += t;
-          most = std::max(most, t);
-        }
-        if (total > 0) worst = std::max(worst, most * static_cast<double>(sum.size()) / total);
-      }
-      double per_step = 0.0;
-      for (double b : recent_step_balance_) per_step += b;
-      per_step /= static_cast<double>(recent_step_balance_.size());
-      std::printf(
-          "experts: tokens per expert over the last %zu steps, worst layer max/mean %.3f (single "
-          "steps: %.3f on average)\n",
-          recent_loads_.size(), worst, per_step);
-    }
-    if (experts_split_) {
-      const double total = result_.expert_comm_seconds;
-      std::printf(
-          "expert all-to-all (dispatch and combine, forward and backward; rank 0): %.2f s in "
-          "flight, %.2f s exposed (%.0f%% hidden behind compute), %.1f MB sent%s\n",
-          total, result_.expert_exposed_seconds,
-          100.0 * (total > 0 ? 1.0 - result_.expert_exposed_seconds / total : 1.0),
-          static_cast<double>(result_.expert_comm_bytes) / 1e6,
-          fp8_ && o_.moe_dispatch_fp8 ? " (forward dispatch in FP8)" : "");
-    }
+    print_experts_summary();
     if (!fp8_summary_.empty()) {
       std::printf("%s tensors over %lld steps (underflow: mean, saturated: max):\n%s",
                   fp4_ ? "FP4" : "FP8", (long long)trained, fp8_summary_.table().c_str());

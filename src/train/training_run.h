@@ -64,7 +64,11 @@ class TrainingRun {
   TensorMap whole_gradients();
   void dump(int64_t step, TensorMap tensors);
   void save_fp8_states(TensorMap& out) const;
+  // Mixture of experts (experts.cpp).
   void keep_own_experts(Checkpoint& part);
+  void remember_balance(const nlohmann::json& moe);
+  void record_exchange_stats(nlohmann::json& record);
+  void print_experts_summary() const;
   nlohmann::json record_step(int64_t iteration, double loss, float lr, double grad_norm,
                              double step_seconds);
   void print_progress(int64_t iteration, const nlohmann::json& record, double busy_seconds) const;
