@@ -40,6 +40,43 @@ void add_moe_flags(CLI::App* cmd, TrainOptions* o) {
                 "with 1x128 block scales (DeepEP's) instead of BF16");
 }
 
+// Parallelism: run under `mpirun -np N`; data-parallel size = N / (TP x PP).
+void add_parallel_flags(CLI::App* cmd, TrainOptions* o) {
+  cmd->add_option("--tensor-model-parallel-size", o->tensor_model_parallel_size,
+                  "Tensor-parallel ranks (consecutive ranks)")
+      ->check(at_least(1));
+  cmd->add_flag("--sequence-parallel", o->sequence_parallel,
+                "With tensor parallelism: norms, residuals and dropout-free adds on token shards");
+  cmd->add_flag(
+      "--tp-comm-overlap", o->tp_comm_overlap,
+      "With --sequence-parallel: overlap each all-gather with the GEMM of the local rows");
+  cmd->add_option("--pipeline-model-parallel-size", o->pipeline_model_parallel_size,
+                  "Pipeline stages")
+      ->check(at_least(1));
+  cmd->add_option("--pipeline-schedule", o->pipeline_schedule,
+                  "1f1b | interleaved | zb1p | dualpipe | dualpipev");
+  cmd->add_option("--expert-model-parallel-size", o->expert_model_parallel_size,
+                  "Mixture of experts: ranks splitting the experts (divides the data-parallel "
+                  "size)")
+      ->check(at_least(1));
+  cmd->add_option("--context-parallel-size", o->context_parallel_size,
+                  "Ranks splitting each sequence (divides the data-parallel size): attention "
+                  "exchanges keys and values")
+      ->check(at_least(1));
+  cmd->add_option("--cp-comm-type", o->cp_comm_type,
+                  "Context parallelism's exchange: p2p (ring attention) | a2a (Ulysses)")
+      ->check(CLI::IsMember({"p2p", "a2a"}));
+  cmd->add_option("--virtual-pipeline-model-parallel-size", o->virtual_stages,
+                  "Chunks per rank of the interleaved schedule")
+      ->check(at_least(1));
+  cmd->add_flag("--use-distributed-optimizer", o->use_distributed_optimizer,
+                "ZeRO-1: shard AdamW state and master weights across data-parallel ranks");
+  cmd->add_flag("--overlap-grad-reduce,!--no-overlap-grad-reduce", o->overlap_grad_reduce,
+                "Reduce each gradient bucket as soon as backward finalizes it (default on)");
+  cmd->add_option("--ddp-bucket-size", o->ddp_bucket_size, "Elements per gradient bucket")
+      ->check(at_least(1));
+}
+
 }  // namespace
 
 void register_train(CLI::App& app) {
@@ -160,33 +197,7 @@ void register_train(CLI::App& app) {
   cmd->add_option("--peak-gflops", o->peak_gflops,
                   "BF16 GEMM peak for MFU (default: measured at start-up)")
       ->check(at_least(0));
-  // Parallelism: run under `mpirun -np N`; data-parallel size = N / (TP x PP).
-  cmd->add_option("--tensor-model-parallel-size", o->tensor_model_parallel_size,
-                  "Tensor-parallel ranks (consecutive ranks)")
-      ->check(at_least(1));
-  cmd->add_flag("--sequence-parallel", o->sequence_parallel,
-                "With tensor parallelism: norms, residuals and dropout-free adds on token shards");
-  cmd->add_flag(
-      "--tp-comm-overlap", o->tp_comm_overlap,
-      "With --sequence-parallel: overlap each all-gather with the GEMM of the local rows");
-  cmd->add_option("--pipeline-model-parallel-size", o->pipeline_model_parallel_size,
-                  "Pipeline stages")
-      ->check(at_least(1));
-  cmd->add_option("--pipeline-schedule", o->pipeline_schedule,
-                  "1f1b | interleaved | zb1p | dualpipe | dualpipev");
-  cmd->add_option("--expert-model-parallel-size", o->expert_model_parallel_size,
-                  "Mixture of experts: ranks splitting the experts (divides the data-parallel "
-                  "size)")
-      ->check(at_least(1));
-  cmd->add_option("--virtual-pipeline-model-parallel-size", o->virtual_stages,
-                  "Chunks per rank of the interleaved schedule")
-      ->check(at_least(1));
-  cmd->add_flag("--use-distributed-optimizer", o->use_distributed_optimizer,
-                "ZeRO-1: shard AdamW state and master weights across data-parallel ranks");
-  cmd->add_flag("--overlap-grad-reduce,!--no-overlap-grad-reduce", o->overlap_grad_reduce,
-                "Reduce each gradient bucket as soon as backward finalizes it (default on)");
-  cmd->add_option("--ddp-bucket-size", o->ddp_bucket_size, "Elements per gradient bucket")
-      ->check(at_least(1));
+  add_parallel_flags(cmd, o.get());
   auto comm_timeout = std::make_shared<double>(kDefaultCommunicationTimeout);
   CLI::Option* comm_timeout_flag =
       cmd->add_option("--comm-timeout", *comm_timeout,

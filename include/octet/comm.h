@@ -123,8 +123,11 @@ class ParallelState {
   // expert_size (--expert-model-parallel-size) divides the data-parallel size: the experts of
   // a mixture of experts are split over EP consecutive data ranks (Megatron's parallel
   // folding with expert TP = TP: attention TP x DP, experts TP x EP x EDP, EDP = DP / EP).
+  // context_size (--context-parallel-size) divides the data-parallel size too: the sequence of
+  // each sample is split over CP consecutive data ranks (Megatron's order tp-cp-dp-pp), which
+  // read the same samples; the data group (DP x CP ranks) still reduces every gradient.
   ParallelState(std::shared_ptr<Communicator> world, int tensor_size, int pipeline_size,
-                int expert_size = 1);
+                int expert_size = 1, int context_size = 1);
   // A world of one: every group is the world.
   static ParallelState single();
 
@@ -140,6 +143,11 @@ class ParallelState {
   int expert_rank() const { return data_rank_ % expert_size_; }
   int expert_data_size() const { return data_size_ / expert_size_; }
   int expert_data_rank() const { return data_rank_ / expert_size_; }
+  int context_size() const { return context_size_; }
+  int context_rank() const { return data_rank_ % context_size_; }
+  // The data ranks that read different samples: DP / CP of them, this one's index among them.
+  int sample_size() const { return data_size_ / context_size_; }
+  int sample_rank() const { return data_rank_ / context_size_; }
   bool first_stage() const { return pipeline_rank_ == 0; }
   bool last_stage() const { return pipeline_rank_ == pipeline_size_ - 1; }
   // World rank of the process with these coordinates.
@@ -163,13 +171,17 @@ class ParallelState {
   // expert group is this rank alone and the expert-data group the data group.
   Communicator& expert() { return *expert_; }
   Communicator& expert_data() { return *expert_data_; }
-  std::string describe() const;  // "TP=2 x DP=1 x PP=2 (rank 3: tp 1, dp 0, pp 1)", EP when > 1
+  // Context parallelism: the CP data ranks (same tensor and pipeline rank, same samples) that
+  // split each sequence and exchange keys and values in attention; this rank alone at CP = 1.
+  Communicator& context() { return *context_; }
+  // "TP=2 x DP=1 x PP=2 (rank 3: tp 1, dp 0, pp 1)", EP and CP when > 1
+  std::string describe() const;
 
  private:
   ParallelState() = default;
   std::shared_ptr<Communicator> world_, tensor_, data_, pipeline_, tensor_and_data_, model_,
-      embedding_, expert_, expert_data_;
-  int tensor_size_ = 1, data_size_ = 1, pipeline_size_ = 1, expert_size_ = 1;
+      embedding_, expert_, expert_data_, context_;
+  int tensor_size_ = 1, data_size_ = 1, pipeline_size_ = 1, expert_size_ = 1, context_size_ = 1;
   int tensor_rank_ = 0, data_rank_ = 0, pipeline_rank_ = 0;
 };
 

@@ -197,6 +197,10 @@ class GPT : public TransformerStack {
   // ids [B,T] -> token + position embeddings [B*T(/TP), C] F32, and their backward from dx.
   Tensor embed(const Tensor& ids);
   void embed_backward(const Tensor& ids, const Tensor& dx);
+  // Learned positions over rows first_row.. of [B*T] (a context-parallel rank's chunks at
+  // their own positions): x += wpe rows; wpe.grad += dx rows.
+  void add_positions(Tensor& x, int64_t T, int64_t first_row) const;
+  void positions_backward(const Tensor& dx, int64_t T, int64_t first_row);
   // The tied output layer + loss over hidden [B*T(/TP), C]; dhidden shaped like hidden.
   float output_loss(const Tensor& hidden, const Tensor& targets, DType dtype, float grad_scale,
                     Tensor* dhidden);

@@ -665,6 +665,18 @@ enum class AttentionType { Self, Cross };
 enum class LayerType { Encoder, Decoder };
 struct InferenceParams;  // the KV cache, declared at the end
 
+// Context parallelism's exchange inside attention (TransformerEngine's cp_comm_type): P2P is
+// ring attention (K/V blocks passed around the group under each block's attention, merged by
+// log-sum-exp); A2A is Ulysses (all-to-all from token shards to head shards and back).
+enum class CpCommType { P2P, A2A };
+// "p2p" | "a2a"; anything else is an error naming the choices.
+CpCommType parse_cp_comm_type(const std::string& name);
+// Under context parallelism rank r of CP holds two of each sequence's 2CP equal chunks, r and
+// 2CP-1-r (the causal load balance): the chunk that half `half` (0 or 1) of its tokens is.
+inline int64_t context_parallel_chunk(int rank, int size, int half) {
+  return half == 0 ? rank : 2 * static_cast<int64_t>(size) - 1 - rank;
+}
+
 struct DotProductAttentionOptions {
   int64_t num_attention_heads = 0;  // H
   int64_t kv_channels = 0;          // D, the head size
@@ -721,13 +733,23 @@ class DotProductAttention : public Module {
   void set_rng_offset(uint64_t offset) { rng_offset_ = offset; }
   // FP8 attention's scales and amax histories (unused unless the recipe asks for fp8_dpa).
   Fp8State& fp8_state() { return fp8_; }
+  // Context parallelism (TransformerEngine's set_context_parallel_group): with a group of CP
+  // ranks, q, k and v hold this rank's T / CP tokens of each sequence - chunks r and 2CP-1-r of
+  // its 2CP equal chunks, the causal load balance - and out is their attention over the whole
+  // sequence, exchanged as `type` says. Causal or no mask; a window, padding, a bias, dropout
+  // and FP8 attention are refused. A2A needs H and Hkv divisible by CP. null: none.
+  void set_context_parallel(Communicator* group, CpCommType type = CpCommType::P2P);
+  Communicator* context_parallel_group() const { return cp_; }
 
  private:
+  bool context_parallel() const;
   Tensor forward_fp8(const Tensor& q, const Tensor& k, const Tensor& v, Context& ctx);
   void backward_fp8(const Tensor& dout, Context& ctx, Tensor& dq, Tensor& dk, Tensor& dv);
   DotProductAttentionOptions options_;
   uint64_t rng_offset_ = 0;
   Fp8State fp8_{2};
+  Communicator* cp_ = nullptr;
+  CpCommType cp_type_ = CpCommType::P2P;
 };
 
 struct MultiheadAttentionOptions {

@@ -210,6 +210,12 @@ struct TrainOptions {
   // --expert-model-parallel-size; it divides DP): tokens travel to their experts' ranks and
   // back (all-to-all), the experts' gradients are reduced over DP / EP ranks.
   int64_t expert_model_parallel_size = 1;
+  // Each sequence split over this many data-parallel ranks (Megatron's --context-parallel-size;
+  // it divides DP): they read the same samples, each holds chunks r and 2CP-1-r of every
+  // sequence, and self-attention exchanges keys and values - ring attention ("p2p") or
+  // Ulysses' all-to-all over heads ("a2a", heads divisible by CP). GPT configs only.
+  int64_t context_parallel_size = 1;
+  std::string cp_comm_type = "p2p";
   // With tensor parallelism: the residual stream, norms and position embedding on token
   // shards [B*T/TP, C] (Megatron's --sequence-parallel); ignored at TP = 1.
   bool sequence_parallel = false;

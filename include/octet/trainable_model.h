@@ -33,7 +33,19 @@ struct ModelLayout {
   // The expert-parallel group (a mixture of experts' layers hold their share of the experts);
   // null: none.
   Communicator* expert = nullptr;
+  // The context-parallel group: micro-batches hold this rank's T / CP tokens of each sequence
+  // (chunks r and 2CP-1-r, see context_parallel_chunk), positions are the tokens' own, and
+  // self-attention spans the whole sequence, exchanged as cp_comm_type says. null: none.
+  Communicator* context = nullptr;
+  CpCommType cp_comm_type = CpCommType::P2P;
 };
+
+// Context parallelism's share of a micro-batch: every [B, T] tensor of `batch` (ids,
+// targets) becomes [B, T / CP] holding chunks r and 2CP-1-r of its 2CP equal chunks (r = the
+// group's rank); the batch itself at CP = 1. T not divisible by 2CP, or a tensor of another
+// rank, is an error.
+pipeline::MicroBatch context_parallel_split(const pipeline::MicroBatch& batch,
+                                            const Communicator& group);
 
 class TrainableModel : public pipeline::StagedModel {
  public:

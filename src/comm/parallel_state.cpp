@@ -5,11 +5,12 @@
 namespace octet {
 
 ParallelState::ParallelState(std::shared_ptr<Communicator> world, int tensor_size,
-                             int pipeline_size, int expert_size)
+                             int pipeline_size, int expert_size, int context_size)
     : world_(std::move(world)),
       tensor_size_(tensor_size),
       pipeline_size_(pipeline_size),
-      expert_size_(expert_size) {
+      expert_size_(expert_size),
+      context_size_(context_size) {
   const int n = world_->size();
   OCTET_CHECK(tensor_size >= 1 && pipeline_size >= 1,
               "--tensor-model-parallel-size and --pipeline-model-parallel-size expected >= 1, "
@@ -22,6 +23,9 @@ ParallelState::ParallelState(std::shared_ptr<Communicator> world, int tensor_siz
   data_size_ = n / (tensor_size * pipeline_size);
   OCTET_CHECK(expert_size >= 1 && data_size_ % expert_size == 0, "--expert-model-parallel-size (",
               expert_size, ") expected >= 1 and to divide the data-parallel size ", data_size_,
+              " (world ", n, " / TP ", tensor_size, " / PP ", pipeline_size, ")");
+  OCTET_CHECK(context_size >= 1 && data_size_ % context_size == 0, "--context-parallel-size (",
+              context_size, ") expected >= 1 and to divide the data-parallel size ", data_size_,
               " (world ", n, " / TP ", tensor_size, " / PP ", pipeline_size, ")");
   const int r = world_->rank();
   tensor_rank_ = r % tensor_size;
@@ -44,6 +48,10 @@ ParallelState::ParallelState(std::shared_ptr<Communicator> world, int tensor_siz
   expert_ = world_->split(stage_slice + tensor_size * pipeline_size * block, slot, "expert");
   expert_data_ =
       world_->split(stage_slice + tensor_size * pipeline_size * slot, block, "expert-data");
+  // Context groups: consecutive data ranks (same tensor and pipeline rank) share each sample.
+  const int sample = data_rank_ / context_size;
+  context_ = world_->split(stage_slice + tensor_size * pipeline_size * sample,
+                           data_rank_ % context_size, "context");
 }
 
 ParallelState ParallelState::single() {
@@ -51,7 +59,7 @@ ParallelState ParallelState::single() {
   std::shared_ptr<Communicator> self = self_communicator();
   state.world_ = state.tensor_ = state.data_ = state.pipeline_ = self;
   state.tensor_and_data_ = state.model_ = state.embedding_ = state.expert_ = state.expert_data_ =
-      self;
+      state.context_ = self;
   return state;
 }
 
@@ -68,7 +76,9 @@ std::string ParallelState::describe() const {
       "TP=", tensor_size_, " x DP=", data_size_, " x PP=", pipeline_size_, " (rank ", rank(),
       ": tp ", tensor_rank_, ", dp ", data_rank_, ", pp ", pipeline_rank_, ")",
       expert_size_ > 1 ? detail::concat(", EP=", expert_size_, " (ep ", expert_rank(), ")")
-                       : std::string());
+                       : std::string(),
+      context_size_ > 1 ? detail::concat(", CP=", context_size_, " (cp ", context_rank(), ")")
+                        : std::string());
 }
 
 }  // namespace octet

@@ -216,10 +216,55 @@ void GPT::check_micro_batch(const Tensor& ids, DType dtype) const {
               ") divisible by TP=", sequence_parallel() ? layout_.tensor->size() : 1);
 }
 
+namespace {
+
+// Rows [0, rows) of x are tokens first_row.. of a [B*T] token matrix; under context parallelism
+// (cp given) each sequence's T tokens are two chunks of T / 2, at the positions of chunks
+// context_parallel_chunk(rank, size, 0 / 1). f(begin, end, seq_len, first_row, offset) gets
+// runs of rows for ops::position_embedding_forward / _backward.
+template <typename F>
+void position_runs(int64_t rows, int64_t T, int64_t first_row, const Communicator* cp, F f) {
+  if (cp == nullptr || cp->size() == 1) {
+    f(0, rows, T, first_row, 0);
+    return;
+  }
+  const int64_t c = T / 2;
+  for (int64_t r = 0; r < rows;) {
+    const int64_t t = (first_row + r) % T, within = t % c;
+    const int64_t n = std::min(rows - r, c - within);
+    f(r, r + n, c, within,
+      context_parallel_chunk(cp->rank(), cp->size(), static_cast<int>(t / c)) * c);
+    r += n;
+  }
+}
+
+}  // namespace
+
+void GPT::add_positions(Tensor& x, int64_t T, int64_t first_row) const {
+  position_runs(x.rows(), T, first_row, layout_.context,
+                [&](int64_t begin, int64_t end, int64_t seq_len, int64_t first, int64_t offset) {
+                  Tensor rows = x.slice_rows(begin, end);
+                  ops::position_embedding_forward(rows, wpe.value, seq_len, first, offset);
+                });
+}
+
+void GPT::positions_backward(const Tensor& dx, int64_t T, int64_t first_row) {
+  position_runs(dx.rows(), T, first_row, layout_.context,
+                [&](int64_t begin, int64_t end, int64_t seq_len, int64_t first, int64_t offset) {
+                  ops::position_embedding_backward(dx.slice_rows(begin, end), seq_len, wpe.grad,
+                                                   first, offset);
+                });
+}
+
 Tensor GPT::embed(const Tensor& ids) {
   Communicator* tp = layout_.tensor;
-  if (tp == nullptr) return gpt_parts::embed(ids, wte, wpe, 0);
   const int64_t T = ids.dim(1), N = ids.numel();
+  if (tp == nullptr) {
+    Tensor x = Tensor::empty({N, config_.hidden}, DType::F32);
+    ops::embedding_forward(ids.reshape({N}), wte.value, x);
+    if (wpe.value.defined()) add_positions(x, T, 0);
+    return x;
+  }
   Tensor partial = Tensor::empty({N, config_.hidden}, DType::F32);
   ops::embedding_part_forward(ids.reshape({N}), wte.value, vocab_.begin, config_.vocab_size,
                               partial);
@@ -228,7 +273,7 @@ Tensor GPT::embed(const Tensor& ids) {
   if (wpe.value.defined()) {
     // x's rows are tokens first_row.. of the whole [B*T].
     const int64_t first_row = sequence_parallel() ? tp->rank() * x.rows() : 0;
-    ops::position_embedding_forward(x, wpe.value, T, first_row);
+    add_positions(x, T, first_row);
   }
   return x;
 }
@@ -239,7 +284,7 @@ void GPT::embed_backward(const Tensor& ids, const Tensor& dx) {
   if (wpe.value.defined()) {
     // Under SP this rank's token rows give a partial gradient (summed over the group later).
     const int64_t first_row = sequence_parallel() ? tp->rank() * dx.rows() : 0;
-    ops::position_embedding_backward(dx, T, wpe.grad, first_row);
+    positions_backward(dx, T, first_row);
   }
   if (tp == nullptr) {
     if (embedding_grad_hook_) {

@@ -1,6 +1,7 @@
 // TransformerStack: the layer stack a model part holds (pipeline stages, tensor shards), and the
 // training interface's layout-only answers built on it.
 #include <algorithm>
+#include <cstring>
 #include <memory>
 #include <optional>
 #include <utility>
@@ -13,6 +14,32 @@
 namespace octet {
 
 using models_detail::HighPrecisionScope;
+
+pipeline::MicroBatch context_parallel_split(const pipeline::MicroBatch& batch,
+                                            const Communicator& group) {
+  const int P = group.size(), r = group.rank();
+  if (P == 1) return batch;
+  pipeline::MicroBatch out;
+  for (const auto& [name, t] : batch) {
+    OCTET_CHECK(t.ndim() == 2 && t.dim(1) % (2 * P) == 0, "context parallelism: batch tensor '",
+                name, "' expected [B,T] with T a multiple of 2 x CP = ", 2 * P, ", got ",
+                shape_str(t.shape()));
+    const int64_t B = t.dim(0), T = t.dim(1), c = T / (2 * P);
+    const size_t unit = dtype_bytes(t.dtype());
+    Tensor part = Tensor::empty({B, 2 * c}, t.dtype());
+    for (int64_t b = 0; b < B; ++b) {
+      for (int half = 0; half < 2; ++half) {
+        std::memcpy(
+            static_cast<char*>(part.raw()) + static_cast<size_t>(b * 2 * c + half * c) * unit,
+            static_cast<const char*>(t.raw()) +
+                static_cast<size_t>(b * T + context_parallel_chunk(r, P, half) * c) * unit,
+            static_cast<size_t>(c) * unit);
+      }
+    }
+    out.emplace(name, std::move(part));
+  }
+  return out;
+}
 
 TransformerStack::TransformerStack(std::string who, int64_t num_layers, ModelLayout layout,
                                    const std::function<TransformerLayerOptions(int64_t)>& layer)
@@ -33,6 +60,8 @@ TransformerStack::TransformerStack(std::string who, int64_t num_layers, ModelLay
       TransformerLayerOptions options = layer(i);
       options.sequence_parallel = sequence_parallel();
       stack.emplace_back(options, layout_.tensor, layout_.expert);
+      stack.back().self_attention.core_attention.set_context_parallel(layout_.context,
+                                                                      layout_.cp_comm_type);
     }
     layers_.push_back(std::move(stack));
   }

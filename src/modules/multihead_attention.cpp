@@ -8,6 +8,7 @@
 #include <cstring>
 
 #include "modules/common.h"
+#include "modules/context_parallel.h"
 #include "modules/tensor_columns.h"
 #include "octet/ops/rope.h"
 
@@ -28,6 +29,36 @@ DotProductAttention::DotProductAttention(const DotProductAttentionOptions& optio
               o.num_gqa_groups);
   OCTET_CHECK(o.attention_dropout >= 0.0f && o.attention_dropout < 1.0f, o.name,
               ": attention_dropout expected in [0, 1), got ", o.attention_dropout);
+}
+
+CpCommType parse_cp_comm_type(const std::string& name) {
+  if (name == "p2p") return CpCommType::P2P;
+  if (name == "a2a") return CpCommType::A2A;
+  fail(detail::concat("--cp-comm-type expected p2p or a2a, got '", name, "'"));
+}
+
+void DotProductAttention::set_context_parallel(Communicator* group, CpCommType type) {
+  const auto& o = options_;
+  if (group != nullptr && group->size() > 1) {
+    OCTET_CHECK(
+        o.attn_mask_type == AttnMaskType::Causal || o.attn_mask_type == AttnMaskType::NoMask,
+        o.name, ": context parallelism needs a causal mask or none");
+    OCTET_CHECK(o.window_size.first < 0 && o.window_size.second < 0, o.name,
+                ": context parallelism with a sliding window is not supported");
+    OCTET_CHECK(o.attention_dropout == 0.0f, o.name,
+                ": context parallelism needs attention_dropout 0 (got ", o.attention_dropout, ")");
+    OCTET_CHECK(type != CpCommType::A2A || (o.num_attention_heads % group->size() == 0 &&
+                                            o.num_gqa_groups % group->size() == 0),
+                o.name, ": context parallelism (a2a) needs ", o.num_attention_heads, " query and ",
+                o.num_gqa_groups, " key/value heads divisible by CP=", group->size(),
+                " (use --cp-comm-type p2p)");
+  }
+  cp_ = group;
+  cp_type_ = type;
+}
+
+bool DotProductAttention::context_parallel() const {
+  return cp_ != nullptr && cp_->size() > 1;
 }
 
 namespace {
@@ -86,7 +117,15 @@ Tensor DotProductAttention::forward(const Tensor& q, const Tensor& k, const Tens
     const auto* delayed = std::get_if<recipe::DelayedScaling>(&fp8_recipe());
     OCTET_CHECK(!(delayed && delayed->fp8_dpa && bias), o.name,
                 ": FP8 attention (fp8_dpa) with an attention bias is not supported");
+    OCTET_CHECK(!(delayed && delayed->fp8_dpa && context_parallel()), o.name,
+                ": FP8 attention (fp8_dpa) under context parallelism is not supported");
     if (delayed && delayed->fp8_dpa) return forward_fp8(q, k, v, ctx);
+  }
+  if (context_parallel()) {
+    OCTET_CHECK(!bias, o.name, ": an attention bias under context parallelism is not supported");
+    ctx.dtype = q.dtype();
+    return modules_detail::cp_attention_forward(q, k, v, kernel_options(o, ctx), *cp_, cp_type_,
+                                                ctx);
   }
   Tensor out = Tensor::empty(q.shape(), q.dtype());
   // lse as hi + lo: the backward's probabilities then keep F32 accuracy at any score magnitude.
@@ -176,6 +215,12 @@ void DotProductAttention::backward(const Tensor& dout, Context& ctx, Tensor& dq,
   if (ctx.fp8) {
     check_shape(dout, ctx.q_shape, options_.name + ": dout", "B,T,H,D");
     backward_fp8(dout, ctx, dq, dk, dv);
+    return;
+  }
+  if (context_parallel()) {
+    modules_detail::cp_attention_backward(dout, ctx, kernel_options(options_, ctx), *cp_, cp_type_,
+                                          dq, dk, dv);
+    ctx = Context{};
     return;
   }
   check_shape(dout, ctx.q.shape(), options_.name + ": dout", "B,T,H,D");
@@ -405,6 +450,32 @@ ops::RopeOptions rope_options(const MultiheadAttentionOptions& o) {
   return r;
 }
 
+// RoPE in place over x [B,T,heads,D] at the tokens' positions in the whole sequence: under
+// context parallelism x holds chunks r and 2CP-1-r, each rotated from its own first position.
+void rotate(Tensor& x, const ops::RopeOptions& options, const Communicator* cp, bool backward) {
+  const auto apply = [backward](Tensor& part, const ops::RopeOptions& at) {
+    if (backward) {
+      ops::rope_backward(part, at);
+    } else {
+      ops::rope_forward(part, at);
+    }
+  };
+  if (cp == nullptr || cp->size() == 1) {
+    apply(x, options);
+    return;
+  }
+  const int64_t B = x.dim(0), c = x.dim(1) / 2;
+  Tensor halves = x.reshape({B * 2, c, x.dim(2), x.dim(3)});
+  for (int64_t b = 0; b < B; ++b) {
+    for (int half = 0; half < 2; ++half) {
+      Tensor part = halves.slice_rows(2 * b + half, 2 * b + half + 1);
+      ops::RopeOptions at = options;
+      at.position_offset = modules_detail::cp_chunk(cp->rank(), cp->size(), half) * c;
+      apply(part, at);
+    }
+  }
+}
+
 // The norm over D of every head: x [B,T,heads,D] seen as [B*T*heads, D].
 Tensor norm_heads(Norm& norm, const Tensor& x, Norm::Context& ctx) {
   return norm.forward(x.reshape({x.numel() / x.dim(3), x.dim(3)}), ctx).reshape(x.shape());
@@ -433,8 +504,9 @@ void MultiheadAttention::position_qk(Context& ctx, Tensor& q, Tensor& k) {
     k = norm_heads(*k_norm, k, ctx.k_norm);
   }
   if (o.rope) {
-    ops::rope_forward(q, rope_options(o));  // q and k are fresh tensors: rotate in place
-    ops::rope_forward(k, rope_options(o));
+    // q and k are fresh tensors: rotated in place
+    rotate(q, rope_options(o), core_attention.context_parallel_group(), false);
+    rotate(k, rope_options(o), core_attention.context_parallel_group(), false);
   }
   if (o.qk_norm && !o.qk_norm_before_rope) {
     q = norm_heads(*q_norm, q, ctx.q_norm);
@@ -816,8 +888,8 @@ Tensor MultiheadAttention::backward(const Tensor& dy, Context& ctx, Tensor* d_en
     dk = norm_heads_backward(*k_norm, dk, ctx.k_norm);
   }
   if (o.rope) {
-    ops::rope_backward(dq, rope_options(o));
-    ops::rope_backward(dk, rope_options(o));
+    rotate(dq, rope_options(o), core_attention.context_parallel_group(), true);
+    rotate(dk, rope_options(o), core_attention.context_parallel_group(), true);
   }
   if (o.qk_norm && o.qk_norm_before_rope) {
     dq = norm_heads_backward(*q_norm, dq, ctx.q_norm);

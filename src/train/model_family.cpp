@@ -74,6 +74,22 @@ class GptFamily : public ModelFamily {
     OCTET_CHECK(!config_.moe() || (ep >= 1 && config_.num_experts % ep == 0), "num_experts (",
                 config_.num_experts, ") expected a multiple of --expert-model-parallel-size (", ep,
                 ")");
+    const int64_t cp = o.context_parallel_size, T = seq_len(o);
+    OCTET_CHECK(cp >= 1 && T % (2 * cp) == 0, "--context-parallel-size ", cp,
+                " splits each sequence into 2 x CP = ", 2 * cp, " chunks: the sequence length ", T,
+                " expected a multiple of ", 2 * cp);
+    const int64_t heads = config_.num_heads / o.tensor_model_parallel_size;
+    const int64_t kv_heads =
+        (config_.num_gqa_groups > 0 ? config_.num_gqa_groups : config_.num_heads) /
+        o.tensor_model_parallel_size;
+    OCTET_CHECK(cp == 1 || o.cp_comm_type != "a2a" || (heads % cp == 0 && kv_heads % cp == 0),
+                "--cp-comm-type a2a splits each rank's attention heads over CP: ", heads,
+                " query and ", kv_heads,
+                " key/value heads per tensor rank are not divisible by "
+                "--context-parallel-size ",
+                cp, " (use --cp-comm-type p2p)");
+    OCTET_CHECK(cp == 1 || config_.dropout == 0.0f, "--context-parallel-size needs dropout 0 ('",
+                o.config_path, "' has ", config_.dropout, ")");
   }
   std::string name() const override { return config_.name; }
   nlohmann::json config_json() const override { return config_.to_json(); }
@@ -511,6 +527,9 @@ std::unique_ptr<ModelFamily> ModelFamily::from_options(const TrainOptions& o) {
   OCTET_CHECK(o.expert_model_parallel_size == 1 || family == "gpt",
               "--expert-model-parallel-size splits a GPT mixture of experts' experts; '",
               o.config_path, "' is a ", family);
+  OCTET_CHECK(o.context_parallel_size == 1 || family == "gpt",
+              "--context-parallel-size splits a GPT's sequences; '", o.config_path, "' is a ",
+              family);
   if (family == "vit") return std::make_unique<VitFamily>(o);
   if (family == "bert") return std::make_unique<BertFamily>(o);
   if (family == "t5") return std::make_unique<T5Family>(o);

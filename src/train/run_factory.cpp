@@ -68,20 +68,23 @@ TrainingRun::TrainingRun(const TrainOptions& options) : o_(options) {
   check_options();
   // Without a launcher the world is this process alone, and MPI is never started.
   world_ = launcher_world_size() > 1 ? world_communicator() : self_communicator();
-  parallel_ =
-      std::make_unique<ParallelState>(world_, static_cast<int>(o_.tensor_model_parallel_size),
-                                      static_cast<int>(o_.pipeline_model_parallel_size),
-                                      static_cast<int>(o_.expert_model_parallel_size));
+  parallel_ = std::make_unique<ParallelState>(
+      world_, static_cast<int>(o_.tensor_model_parallel_size),
+      static_cast<int>(o_.pipeline_model_parallel_size),
+      static_cast<int>(o_.expert_model_parallel_size), static_cast<int>(o_.context_parallel_size));
   experts_split_ = parallel_->expert_size() > 1;
   pipelined_ = parallel_->pipeline_size() > 1;
   dp_ = parallel_->data_size();
-  dp_rank_ = parallel_->data_rank();
-  OCTET_CHECK(global_batch_ % (o_.micro_batch_size * dp_) == 0, "--global-batch-size (",
+  samples_ = parallel_->sample_size();
+  sample_rank_ = parallel_->sample_rank();
+  cp_ = parallel_->context_size();
+  OCTET_CHECK(global_batch_ % (o_.micro_batch_size * samples_) == 0, "--global-batch-size (",
               global_batch_, ") must be a multiple of --micro-batch-size (", o_.micro_batch_size,
-              ") x data-parallel size (", dp_, ")");
+              ") x data-parallel size (", samples_, cp_ > 1 ? " after context parallelism" : "",
+              ")");
   chief_ = parallel_->rank() == 0;  // prints, writes metrics, plots, checkpoints
   quiet_ = o_.quiet || !chief_;
-  accumulation_ = global_batch_ / (o_.micro_batch_size * dp_);
+  accumulation_ = global_batch_ / (o_.micro_batch_size * samples_);
   micro_batches_per_step_ = global_batch_ / o_.micro_batch_size;
   data_parallel_ = dp_ > 1 || o_.use_distributed_optimizer;
   adam_ = AdamWOptions{o_.adam_beta1, o_.adam_beta2, 1e-8f, o_.weight_decay, o_.clip_grad};
@@ -217,6 +220,10 @@ std::unique_ptr<TrainableModel> TrainingRun::make_model(ModelLayout layout) cons
     layout.sequence_parallel = o_.sequence_parallel;
   }
   if (parallel_->expert_size() > 1) layout.expert = &parallel_->expert();
+  if (cp_ > 1) {
+    layout.context = &parallel_->context();
+    layout.cp_comm_type = parse_cp_comm_type(o_.cp_comm_type);
+  }
   return family_->make_model(std::move(layout), o_);
 }
 

@@ -179,8 +179,10 @@ TrainResult TrainingRun::run() {
 double TrainingRun::run_micro_batches(int64_t iteration) {
   const float grad_scale = 1.0f / static_cast<float>(accumulation_ * dp_);
   auto batch = [&](int64_t micro) {
-    return train_batches_->batch(iteration * micro_batches_per_step_ + micro * dp_ + dp_rank_,
-                                 o_.micro_batch_size);
+    return context_parallel_split(
+        train_batches_->batch(iteration * micro_batches_per_step_ + micro * samples_ + sample_rank_,
+                              o_.micro_batch_size),
+        parallel_->context());
   };
   // Training micro-batches only: evaluation's forwards would overwrite the stats.
   fp8_stats_scope stats_scope(o_.fp8_stats);
@@ -286,10 +288,12 @@ float TrainingRun::evaluate() {
   // these forwards record (and the scales they lead to) stay equal across ranks.
   // Under expert parallelism too: the ranks exchange tokens in every forward.
   const bool every_rank = fp8_ || experts_split_;
-  const int64_t first = every_rank ? 0 : dp_rank_, stride = every_rank ? 1 : dp_;
+  // Under context parallelism the CP ranks of a sample run its batches (each its chunks).
+  const int64_t first = every_rank ? 0 : sample_rank_, stride = every_rank ? 1 : samples_;
   double sum = 0;
   for (int64_t k = first; k < o_.eval_iters; k += stride) {
-    const pipeline::MicroBatch batch = valid_batches_->batch(k, o_.micro_batch_size);
+    const pipeline::MicroBatch batch =
+        context_parallel_split(valid_batches_->batch(k, o_.micro_batch_size), parallel_->context());
     fp8_autocast scope(fp8_, recipe_);
     fp4_autocast fp4_scope(fp4_, fp4_options_);
     if (executor_) {
@@ -302,12 +306,17 @@ float TrainingRun::evaluate() {
       if (delayed_scaling_) reduce_fp8_amax(fp8_part_, parallel_->tensor());
     }
   }
-  if (!every_rank) sum = parallel_->data().all_reduce(sum, ReduceOp::Sum);
+  // Each CP rank's losses are the means over its chunks: averaged over the CP ranks.
+  if (!every_rank) {
+    sum = parallel_->data().all_reduce(sum, ReduceOp::Sum) / static_cast<double>(cp_);
+  } else if (cp_ > 1) {
+    sum = parallel_->context().all_reduce(sum, ReduceOp::Sum) / static_cast<double>(cp_);
+  }
   if (family_->classifies()) {
     // Counted where the head ran (the last stage, tensor rank 0); under FP8 every data rank
     // ran every batch, so data rank 0's counts are the whole.
     auto [correct, seen] = model_->take_eval_counts();
-    const bool counts = !every_rank || dp_rank_ == 0;
+    const bool counts = !every_rank || parallel_->data_rank() == 0;
     const double total_correct =
         parallel_->world().all_reduce(counts ? static_cast<double>(correct) : 0.0, ReduceOp::Sum);
     const double total_seen =

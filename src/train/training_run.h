@@ -88,10 +88,13 @@ class TrainingRun {
   std::shared_ptr<Communicator> world_;
   std::unique_ptr<ParallelState> parallel_;
   bool pipelined_ = false, chief_ = true, quiet_ = false, data_parallel_ = false;
-  int64_t dp_ = 1, dp_rank_ = 0;
+  // dp_: the data group that reduces gradients (DP x CP ranks); samples_: the ranks of it that
+  // read different samples (DP / CP), sample_rank_ this rank's index among them; cp_: the ranks
+  // that split each of those samples' sequences.
+  int64_t dp_ = 1, samples_ = 1, sample_rank_ = 0, cp_ = 1;
   bool experts_split_ = false;  // expert parallelism (EP > 1)
-  // Micro-batches per step on this rank; the step's k-th micro-batch of data-parallel rank d
-  // is the step's (k * DP + d)-th, so any DP size sees the same global batch.
+  // Micro-batches per step on this rank; the step's k-th micro-batch of sample rank d is the
+  // step's (k * samples + d)-th, so any DP size sees the same global batch.
   int64_t accumulation_ = 1, micro_batches_per_step_ = 1;
 
   std::unique_ptr<DataSource> train_batches_, valid_batches_;

@@ -9,7 +9,7 @@
 #   AdamW's sign-like first update hides from the losses) fails the run;
 # - the printed per-step losses (4 decimals) and gradient norms (3 decimals) must be equal.
 # Usage:
-#   train_layouts.sh OCTET_BINARY CONFIG [all|core|core-tied|dp|moe]
+#   train_layouts.sh OCTET_BINARY CONFIG [all|core|core-tied|dp|moe|cp]
 # `core` (for another model family on the same trainer, e.g. a ViT config) runs one layout of
 # each kind - ZeRO-1, TP, PP, TP x DP with SP, TP x PP with SP and recomputation, PP x DP -
 # in FP32 instead of every schedule, option, FP8 layout and resume.
@@ -17,6 +17,7 @@
 # tables, the captioner's token embedding on its bridge and last stage) adds PP=4 and PP=2
 # interleaved (4 stages), whose tied copies sit on ranks other than the first and the last.
 # `dp` (a model with data parallelism only) runs DP=2, ZeRO-1 and DP=4.
+# `cp` runs context parallelism (CP=2, 4, both exchanges, with DP, TP, PP; resumes).
 # `moe` (a mixture of experts) runs DP, ZeRO-1, PP with each schedule, PP x DP and TP with
 # and without SP: the loads summed over every copy of a layer move every rank's expert biases
 # alike, so the routing of later steps matches one process's; expert parallelism (EP=2, 4, with
@@ -249,6 +250,29 @@ if [ "$layouts" = moe ]; then
     "--expert-model-parallel-size 2 --use-distributed-optimizer" ""
   resume "PP=2 -> EP=2 x PP=2" 2 4 "--pipeline-model-parallel-size 2" \
     "--expert-model-parallel-size 2 --pipeline-model-parallel-size 2"
+  exit $status
+fi
+if [ "$layouts" = cp ]; then
+  # Context parallelism: each sequence split over CP ranks (chunks r and 2CP-1-r), attention
+  # by ring exchange (p2p) or all-to-all over heads (a2a), alone and with DP, TP, PP.
+  run 2 "CP=2 p2p" --context-parallel-size 2 --cp-comm-type p2p
+  run 2 "CP=2 a2a" --context-parallel-size 2 --cp-comm-type a2a
+  run 4 "CP=4 p2p ZeRO-1" --context-parallel-size 4 --use-distributed-optimizer
+  run 4 "CP=4 a2a" --context-parallel-size 4 --cp-comm-type a2a
+  run 4 "CP=2 x DP=2 p2p ZeRO-1, recompute" --context-parallel-size 2 \
+    --use-distributed-optimizer --recompute-activations
+  run 4 "CP=2 x TP=2 a2a sequence-parallel" --context-parallel-size 2 --cp-comm-type a2a \
+    --tensor-model-parallel-size 2 --sequence-parallel
+  run 4 "CP=2 x TP=2 p2p" --context-parallel-size 2 --tensor-model-parallel-size 2
+  run 4 "CP=2 x PP=2 p2p 1F1B" --context-parallel-size 2 --pipeline-model-parallel-size 2 \
+    --pipeline-schedule 1f1b
+  run 4 "CP=2 x PP=2 a2a DualPipe" --context-parallel-size 2 --cp-comm-type a2a \
+    --pipeline-model-parallel-size 2 --pipeline-schedule dualpipe
+  # Checkpoints need no resharding (CP ranks hold whole replicas): saved at one layout, resumed
+  # at the other, the uninterrupted losses.
+  uninterrupted="$(OMP_NUM_THREADS=1 "$octet" train "${constant[@]}" --train-iters 6 | later)"
+  resume "CP=2 ZeRO-1 -> 1 process" 2 1 "--context-parallel-size 2 --use-distributed-optimizer" ""
+  resume "1 process -> CP=2 x DP=2 a2a" 1 4 "" "--context-parallel-size 2 --cp-comm-type a2a"
   exit $status
 fi
 if [ "$layouts" = core-tied ]; then
