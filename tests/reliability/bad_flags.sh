@@ -41,6 +41,18 @@ expect_error "--expert-model-parallel-size 2 splits a mixture of experts' expert
   --expert-model-parallel-size 2
 expect_error "--expert-model-parallel-size (2) expected >= 1 and to divide the data-parallel size 1" \
   train --config moe-tiny --mock-data --train-iters 1 --peak-gflops 100 --expert-model-parallel-size 2
+# Context parallelism: sizes, the sequence's chunks, a2a's heads, families.
+expect_error "--context-parallel-size: expected a finite number >= 1" "${train[@]}" \
+  --context-parallel-size 0
+expect_error "--context-parallel-size (2) expected >= 1 and to divide the data-parallel size 1" \
+  "${train[@]}" --context-parallel-size 2
+expect_error "the sequence length 30 expected a multiple of 8" "${train[@]}" \
+  --context-parallel-size 4 --seq-length 30
+expect_error "--cp-comm-type a2a splits each rank's attention heads over CP" "${train[@]}" \
+  --context-parallel-size 3 --cp-comm-type a2a --seq-length 48
+expect_error "--cp-comm-type: " "${train[@]}" --cp-comm-type ring
+expect_error "--context-parallel-size splits a GPT's sequences" train --config vit-tiny \
+  --mock-data --train-iters 1 --peak-gflops 100 --context-parallel-size 2
 expect_error "--expert-model-parallel-size > 1 with --fp8-recipe delayed is not supported" train \
   --config moe-tiny --mock-data --train-iters 1 --peak-gflops 100 --precision fp8 \
   --expert-model-parallel-size 2
