@@ -6,7 +6,10 @@
 //  2. Training moe-mini with the experts split over the ranks (EP = ranks) against the same
 //     model data-parallel (every rank all experts), each a real `mpirun octet train` run,
 //     alternated in rounds: tokens/s, and the share of the expert all-to-all that compute hid.
-//  3. The single-process peers (`octet bench train --config moe-mini`): PyTorch 1.13's MoE of
+//  3. Context parallelism's attention (the same workers): forward + backward of causal
+//     attention over a T-token sequence split over the ranks (ring p2p and Ulysses a2a)
+//     against one process of one thread doing the whole sequence, alternated in rounds.
+//  4. The single-process peers (`octet bench train --config moe-mini`): PyTorch 1.13's MoE of
 //     the same routing, and the dense model of the same active size.
 // Every ratio is the median of per-round ratios, with its spread.
 #include <unistd.h>
@@ -18,6 +21,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <nlohmann/json.hpp>
 #include <random>
 #include <string>
@@ -47,6 +51,8 @@ struct Options {
   int64_t iters = 6;
   int64_t warmup = 2;
   int train_rounds = 2;
+  int64_t cp_seq = 4096;  // context parallelism's sequence; 0: not measured
+  int cp_repeats = 3;
   bool no_train = false;
   bool no_peers = false;
   bool json = false;
@@ -55,8 +61,38 @@ struct Options {
 struct WorkerOptions {
   int64_t tokens = 4096, hidden = 384, experts = 8, topk = 2;
   int repeats = 10, rounds = 5;
+  int64_t cp_seq = 0;
+  int cp_repeats = 3;
   std::string out;
 };
+
+// Context parallelism's attention: gpt-mini's heads (6 x 64), BF16, causal, one sequence.
+constexpr int64_t kCpHeads = 6, kCpHeadDim = 64;
+
+// Forward + backward of attention over this rank's share of `whole` tokens: all of them when
+// group is null, else chunks r and 2CP-1-r.
+std::function<void()> cp_attention(Communicator* group, CpCommType type, int64_t whole) {
+  const int64_t local = group ? whole / group->size() : whole;
+  DotProductAttentionOptions o;
+  o.num_attention_heads = kCpHeads;
+  o.kv_channels = kCpHeadDim;
+  auto module = std::make_shared<DotProductAttention>(o);
+  module->set_context_parallel(group, type);
+  std::mt19937 random(static_cast<uint32_t>(7 + (group ? group->rank() : 0)));
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  auto make = [&] {
+    std::vector<float> values(static_cast<size_t>(local * kCpHeads * kCpHeadDim));
+    for (float& v : values) v = normal(random);
+    return Tensor::from_floats({1, local, kCpHeads, kCpHeadDim}, values).to(DType::BF16);
+  };
+  const Tensor q = make(), k = make(), v = make(), dout = make();
+  return [module, q, k, v, dout] {
+    DotProductAttention::Context ctx;
+    module->forward(q, k, v, ctx);
+    Tensor dq, dk, dv;
+    module->backward(dout, ctx, dq, dk, dv);
+  };
+}
 
 std::string mpirun(int ranks) {
   std::string command = "OMP_WAIT_POLICY=passive OMP_NUM_THREADS=1 ";
@@ -131,7 +167,32 @@ void run_worker(const WorkerOptions& w) {
                         {"raw_s", nlohmann::json::array()},
                         {"bf16_s", nlohmann::json::array()},
                         {"fp8_s", nlohmann::json::array()}};
+  std::function<void()> whole, ring, ulysses;
+  if (w.cp_seq > 0) {
+    OCTET_CHECK(w.cp_seq % (2 * world->size()) == 0, "bench moe: --cp-seq (", w.cp_seq,
+                ") expected a multiple of 2 x ranks");
+    if (rank == 0) whole = cp_attention(nullptr, CpCommType::P2P, w.cp_seq);
+    ring = cp_attention(world.get(), CpCommType::P2P, w.cp_seq);
+    if (kCpHeads % world->size() == 0) {
+      ulysses = cp_attention(world.get(), CpCommType::A2A, w.cp_seq);
+    }
+    out["cp_whole_s"] = out["cp_p2p_s"] = out["cp_a2a_s"] = nlohmann::json::array();
+  }
   for (int round = 0; round < w.rounds; ++round) {
+    if (w.cp_seq > 0) {
+      // One process alone (the other ranks idle) and the sequence split, alternated.
+      double whole_s = 0;
+      auto measure_whole = [&] {
+        whole_s = time_exchange(*world, w.cp_repeats, [&] {
+          if (whole) whole();
+        });
+      };
+      if (round % 2 == 0) measure_whole();
+      out["cp_p2p_s"].push_back(time_exchange(*world, w.cp_repeats, ring));
+      if (ulysses) out["cp_a2a_s"].push_back(time_exchange(*world, w.cp_repeats, ulysses));
+      if (round % 2 == 1) measure_whole();
+      out["cp_whole_s"].push_back(whole_s);
+    }
     double raw_s = 0, bf16_s = 0, fp8_s = 0;
     auto measure_raw = [&] { raw_s = time_exchange(*world, w.repeats, raw); };
     if (round % 2 == 0) measure_raw();
@@ -152,7 +213,10 @@ void run_worker(const WorkerOptions& w) {
 // ---- part 1: the exchange ------------------------------------------------------------------
 
 struct Exchange {
-  std::vector<double> bf16_share, fp8_share;         // raw seconds / ours, per round
+  std::vector<double> bf16_share, fp8_share;  // raw seconds / ours, per round
+  // Context parallelism: whole-sequence seconds / split seconds, per round; median seconds.
+  std::vector<double> p2p_speedup, a2a_speedup;
+  double whole_s = NAN, p2p_s = NAN, a2a_s = NAN;
   double raw_gbps = 0, bf16_gbps = 0, fp8_gbps = 0;  // medians, BF16 bytes per second
   int64_t rows_per_rank = 0;
   std::string error;
@@ -164,12 +228,13 @@ Exchange measure_exchange(const Options& o) {
       std::filesystem::temp_directory_path() / ("octet-bench-moe-" + std::to_string(::getpid()));
   std::filesystem::create_directories(dir);
   const std::string result = (dir / "exchange.json").string(), log = (dir / "log.txt").string();
-  const std::string command = mpirun(o.ranks) + bench::self_exe() + " bench moe-worker --tokens " +
-                              std::to_string(o.tokens) + " --hidden " + std::to_string(o.hidden) +
-                              " --experts " + std::to_string(o.experts) + " --topk " +
-                              std::to_string(o.topk) + " --repeats " + std::to_string(o.repeats) +
-                              " --rounds " + std::to_string(o.rounds) + " --out " + result + " > " +
-                              log + " 2>&1";
+  const std::string command =
+      mpirun(o.ranks) + bench::self_exe() + " bench moe-worker --tokens " +
+      std::to_string(o.tokens) + " --hidden " + std::to_string(o.hidden) + " --experts " +
+      std::to_string(o.experts) + " --topk " + std::to_string(o.topk) + " --repeats " +
+      std::to_string(o.repeats) + " --rounds " + std::to_string(o.rounds) + " --cp-seq " +
+      std::to_string(o.cp_seq) + " --cp-repeats " + std::to_string(o.cp_repeats) + " --out " +
+      result + " > " + log + " 2>&1";
   if (std::system(command.c_str()) != 0) {
     e.error = "failed: " + command + "\n" + read_tail(log);
     std::filesystem::remove_all(dir);
@@ -192,6 +257,16 @@ Exchange measure_exchange(const Options& o) {
   e.bf16_gbps = bytes / bench::median(bf16) / 1e9;
   e.fp8_gbps = bytes / bench::median(fp8) / 1e9;
   e.rows_per_rank = r["rows_per_rank"].get<int64_t>();
+  if (r.contains("cp_whole_s")) {
+    const std::vector<double> whole = r["cp_whole_s"], p2p = r["cp_p2p_s"], a2a = r["cp_a2a_s"];
+    for (size_t i = 0; i < whole.size(); ++i) {
+      if (i < p2p.size()) bench::push_finite(e.p2p_speedup, whole[i] / p2p[i]);
+      if (i < a2a.size()) bench::push_finite(e.a2a_speedup, whole[i] / a2a[i]);
+    }
+    e.whole_s = bench::median_or_nan(whole);
+    e.p2p_s = bench::median_or_nan(p2p);
+    e.a2a_s = bench::median_or_nan(a2a);
+  }
   return e;
 }
 
@@ -283,6 +358,14 @@ void run(const Options& o) {
         {"bf16_share_rounds", e.bf16_share},
         {"fp8_vs_raw_bf16", bench::json_number(bench::median_or_nan(e.fp8_share))},
         {"fp8_rounds", e.fp8_share},
+        {"cp_seq", o.cp_seq},
+        {"cp_whole_ms", bench::json_number(e.whole_s * 1e3)},
+        {"cp_p2p_ms", bench::json_number(e.p2p_s * 1e3)},
+        {"cp_a2a_ms", bench::json_number(e.a2a_s * 1e3)},
+        {"cp_p2p_speedup", bench::json_number(bench::median_or_nan(e.p2p_speedup))},
+        {"cp_p2p_speedup_rounds", e.p2p_speedup},
+        {"cp_a2a_speedup", bench::json_number(bench::median_or_nan(e.a2a_speedup))},
+        {"cp_a2a_speedup_rounds", e.a2a_speedup},
         {"train_config", o.config},
         {"train_error", train_error},
         {"ep_tokens_per_s", bench::json_number(bench::median_or_nan(ep_tokens))},
@@ -312,6 +395,20 @@ void run(const Options& o) {
           "  ExpertDispatcher, FP8 dispatch   %6.2f GB/s  %s raw's time for the same tokens "
           "(BF16 bytes counted)\n",
           e.fp8_gbps, bench::median_range(e.fp8_share).c_str());
+      if (o.cp_seq > 0) {
+        std::printf(
+            "context parallelism: causal attention forward + backward, T=%lld, %lld heads x "
+            "%lld, BF16 (medians of %d repeats, %d rounds):\n",
+            (long long)o.cp_seq, (long long)kCpHeads, (long long)kCpHeadDim, o.cp_repeats,
+            o.rounds);
+        std::printf("  one process, one thread      %8.1f ms\n", e.whole_s * 1e3);
+        std::printf("  CP=%d ring (p2p)              %8.1f ms  %s faster (ideal %d.00x)\n", o.ranks,
+                    e.p2p_s * 1e3, bench::median_range(e.p2p_speedup).c_str(), o.ranks);
+        if (!e.a2a_speedup.empty()) {
+          std::printf("  CP=%d Ulysses (a2a)           %8.1f ms  %s faster\n", o.ranks,
+                      e.a2a_s * 1e3, bench::median_range(e.a2a_speedup).c_str());
+        }
+      }
     }
     if (!o.no_train) {
       if (ep_over_dp.empty()) {
@@ -366,7 +463,12 @@ void register_bench_moe(CLI::App& bench) {
   cmd->add_option("--warmup", o->warmup, "Steps left out of the figures")->check(at_least(0));
   cmd->add_option("--train-rounds", o->train_rounds, "Training rounds, EP and DP alternated")
       ->check(at_least(1));
-  cmd->add_flag("--no-train", o->no_train, "Only the exchange");
+  cmd->add_option("--cp-seq", o->cp_seq,
+                  "Context parallelism's attention over this many tokens (0: not measured)")
+      ->check(at_least(0));
+  cmd->add_option("--cp-repeats", o->cp_repeats, "Timed attentions per side and round")
+      ->check(at_least(1));
+  cmd->add_flag("--no-train", o->no_train, "Only the exchange and the attention");
   cmd->add_flag("--no-peers", o->no_peers,
                 "Skip the single-process peers (octet bench train --config CONFIG)");
   cmd->add_flag("--json", o->json, "One JSON object (no peers)");
@@ -388,6 +490,8 @@ void register_bench_moe(CLI::App& bench) {
   worker->add_option("--topk", w->topk, "Experts per token");
   worker->add_option("--repeats", w->repeats, "Timed exchanges per side and round");
   worker->add_option("--rounds", w->rounds, "Rounds");
+  worker->add_option("--cp-seq", w->cp_seq, "Context parallelism's sequence (0: none)");
+  worker->add_option("--cp-repeats", w->cp_repeats, "Timed attentions per side and round");
   worker->add_option("--out", w->out, "Result JSON (rank 0)")->required();
   worker->callback([w] { run_worker(*w); });
 }
