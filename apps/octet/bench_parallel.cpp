@@ -705,6 +705,9 @@ void run(const Options& o) {
         {"DP=" + n + ", ZeRO-1, overlapped", o.ranks, "--use-distributed-optimizer"},
         {"TP=" + n + ", sequence-parallel", o.ranks,
          "--tensor-model-parallel-size " + n + " --sequence-parallel"},
+        {"CP=" + n + ", ring attention (p2p)", o.ranks, "--context-parallel-size " + n},
+        {"CP=" + n + ", Ulysses (a2a)", o.ranks,
+         "--context-parallel-size " + n + " --cp-comm-type a2a"},
     };
     for (const Layout& layout : all) {
       LayoutRounds r;
