@@ -452,17 +452,22 @@ void TrainingRun::print_setup() const {
               recipe.c_str());
   const ParallelState& parallel = *parallel_;
   if (parallel.world_size() > 1) {
-    std::printf("parallel: %d processes, TP=%d x DP=%d x PP=%d%s%s, %s, %zu gradient bucket(s)%s\n",
-                parallel.world_size(), parallel.tensor_size(), parallel.data_size(),
-                parallel.pipeline_size(),
-                experts_split_ ? (" (experts: EP=" + std::to_string(parallel.expert_size()) +
-                                  " x EDP=" + std::to_string(parallel.expert_data_size()) + ")")
-                                     .c_str()
-                               : "",
-                parallel.tensor_size() > 1 && o_.sequence_parallel ? " (sequence-parallel)" : "",
-                o_.use_distributed_optimizer ? "distributed optimizer (ZeRO-1)" : "all-reduce",
-                ddp_ ? ddp_->buckets().size() : size_t{0},
-                ddp_ && ddp_->options().overlap_grad_reduce ? " reduced during backward" : "");
+    const std::string context = cp_ > 1 ? " (context: CP=" + std::to_string(cp_) +
+                                              " x DP=" + std::to_string(samples_) + ", " +
+                                              o_.cp_comm_type + ")"
+                                        : std::string();
+    std::printf(
+        "parallel: %d processes, TP=%d x DP=%d x PP=%d%s%s%s, %s, %zu gradient bucket(s)%s\n",
+        parallel.world_size(), parallel.tensor_size(), parallel.data_size(),
+        parallel.pipeline_size(), context.c_str(),
+        experts_split_ ? (" (experts: EP=" + std::to_string(parallel.expert_size()) +
+                          " x EDP=" + std::to_string(parallel.expert_data_size()) + ")")
+                             .c_str()
+                       : "",
+        parallel.tensor_size() > 1 && o_.sequence_parallel ? " (sequence-parallel)" : "",
+        o_.use_distributed_optimizer ? "distributed optimizer (ZeRO-1)" : "all-reduce",
+        ddp_ ? ddp_->buckets().size() : size_t{0},
+        ddp_ && ddp_->options().overlap_grad_reduce ? " reduced during backward" : "");
   }
   std::printf("measured BF16 GEMM peak %.0f GFLOP/s; %.3g GFLOP per token\n", peak_gflops_,
               flops_per_token_ / 1e9);
