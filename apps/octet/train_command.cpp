@@ -66,6 +66,9 @@ void add_parallel_flags(CLI::App* cmd, TrainOptions* o) {
   cmd->add_option("--cp-comm-type", o->cp_comm_type,
                   "Context parallelism's exchange: p2p (ring attention) | a2a (Ulysses)")
       ->check(CLI::IsMember({"p2p", "a2a"}));
+  cmd->add_flag("--dualpipe-overlap,!--no-dualpipe-overlap", o->dualpipe_overlap,
+                "DualPipe with expert or context parallelism: run each F&B pair's forward and "
+                "backward at once, one's exchanges under the other's compute (default on)");
   cmd->add_option("--virtual-pipeline-model-parallel-size", o->virtual_stages,
                   "Chunks per rank of the interleaved schedule")
       ->check(at_least(1));

@@ -163,9 +163,9 @@ void check_schedule(const Schedule& schedule);
 // BackwardInput runs the chunk's backward with its weight-gradient GEMMs deferred
 // (defer_weight_gradients: each Linear queues dy^T x), so the input gradient goes upstream at
 // once; BackwardWeight runs that queue. Bias and norm gradients (column sums) are computed
-// in BackwardInput. A chunk's gradients are final after its last W of the step. Not executed
-// as scheduled: ForwardBackward runs its forward, then its backward, one after the other (no
-// overlap of the two).
+// in BackwardInput. A chunk's gradients are final after its last W of the step.
+// ForwardBackward (DualPipe's F&B pair) runs its forward, then its backward, or with
+// overlap_forward_backward both at once on two threads.
 struct ExecutorOptions {
   DType dtype = DType::F32;  // compute dtype: F32 or BF16
   // A receive or send pending this long is an error naming it and the peer's state (0: the
@@ -180,6 +180,12 @@ struct ExecutorOptions {
   // embedding's copies are summed after the schedule, so wte must not be reduced from here.
   // Not called for DualPipe, whose two model copies are summed after the schedule.
   std::function<void(int chunk)> chunk_gradients_final;
+  // DualPipe's overlapped F&B: the pair's backward runs on a second thread while the forward
+  // runs on this one, so that either one's communication (a mixture of experts' all-to-all,
+  // context parallelism's exchanges) waits while the other computes. The model's two chunks
+  // must then be independent and exchange over communicators of their own (see
+  // ModelLayout::chunk_expert); tensor parallelism's collectives are not split that way.
+  bool overlap_forward_backward = false;
 };
 
 // The pipeline stage each chunk of `rank` holds (StagedModel::stage_of_chunk); Schedule::stages
@@ -198,8 +204,12 @@ struct StepTiming {
   double forward_seconds = 0.0;   // Forward actions and the forward half of F&B
   double backward_seconds = 0.0;  // Backward, BackwardInput and the backward half of F&B
   double weight_seconds = 0.0;    // BackwardWeight: the deferred weight-gradient GEMMs
-  double wait_seconds = 0.0;      // blocked in receives (irecv + wait) and in the send waits
-  double reduce_seconds = 0.0;    // after the schedule: gradient and loss all-reduces
+  // Overlapped F&B pairs: their wall time, and the sum of their forwards' and backwards' own
+  // times (more than the wall time by what the overlap saved, waits included).
+  double overlapped_pair_seconds = 0.0;
+  double overlapped_pair_compute_seconds = 0.0;
+  double wait_seconds = 0.0;    // blocked in receives (irecv + wait) and in the send waits
+  double reduce_seconds = 0.0;  // after the schedule: gradient and loss all-reduces
   // Each forward / backward of one (micro-batch, chunk), in execution order: for medians.
   std::vector<double> forward_samples;
   std::vector<double> backward_samples;        // whole backwards (B, the half of F&B)

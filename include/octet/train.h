@@ -215,6 +215,10 @@ struct TrainOptions {
   // sequence, and self-attention exchanges keys and values - ring attention ("p2p") or
   // Ulysses' all-to-all over heads ("a2a", heads divisible by CP). GPT configs only.
   int64_t context_parallel_size = 1;
+  // DualPipe with expert or context parallelism (and TP = 1): each F&B pair's forward and
+  // backward run at once on two threads, so that one's all-to-all / K/V exchange waits while the
+  // other computes.
+  bool dualpipe_overlap = true;
   std::string cp_comm_type = "p2p";
   // With tensor parallelism: the residual stream, norms and position embedding on token
   // shards [B*T/TP, C] (Megatron's --sequence-parallel); ignored at TP = 1.

@@ -38,6 +38,10 @@ struct ModelLayout {
   // self-attention spans the whole sequence, exchanged as cp_comm_type says. null: none.
   Communicator* context = nullptr;
   CpCommType cp_comm_type = CpCommType::P2P;
+  // Per chunk (indexed like stage_of_chunk), groups of the same ranks that replace `expert` /
+  // `context` for that chunk's layers: DualPipe's overlapped F&B pairs run two chunks at once
+  // on two threads, whose exchanges must not share a communicator. Empty: `expert` / `context`.
+  std::vector<Communicator*> chunk_expert = {}, chunk_context = {};
 };
 
 // Context parallelism's share of a micro-batch: every [B, T] tensor of `batch` (ids,

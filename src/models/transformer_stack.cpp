@@ -56,11 +56,16 @@ TransformerStack::TransformerStack(std::string who, int64_t num_layers, ModelLay
     has_last_ = has_last_ || stage == stages - 1;
     std::vector<TransformerLayer> stack;
     stack.reserve(static_cast<size_t>(per_stage));
+    const size_t chunk = layers_.size();
+    Communicator* expert =
+        chunk < layout_.chunk_expert.size() ? layout_.chunk_expert[chunk] : layout_.expert;
+    Communicator* context =
+        chunk < layout_.chunk_context.size() ? layout_.chunk_context[chunk] : layout_.context;
     for (int64_t i = stage * per_stage; i < (stage + 1) * per_stage; ++i) {
       TransformerLayerOptions options = layer(i);
       options.sequence_parallel = sequence_parallel();
-      stack.emplace_back(options, layout_.tensor, layout_.expert);
-      stack.back().self_attention.core_attention.set_context_parallel(layout_.context,
+      stack.emplace_back(options, layout_.tensor, expert);
+      stack.back().self_attention.core_attention.set_context_parallel(context,
                                                                       layout_.cp_comm_type);
     }
     layers_.push_back(std::move(stack));

@@ -231,10 +231,27 @@ void TrainingRun::build_pipeline() {
   pipeline::Schedule schedule = pipeline::make_schedule(
       pipeline::parse_schedule_kind(o_.pipeline_schedule), parallel_->pipeline_size(),
       static_cast<int>(accumulation_), static_cast<int>(o_.virtual_stages));
-  model_ = make_model(
-      ModelLayout{schedule.stages, pipeline::stages_of_rank(schedule, parallel_->pipeline_rank())});
+  ModelLayout layout{schedule.stages,
+                     pipeline::stages_of_rank(schedule, parallel_->pipeline_rank())};
   pipeline::ExecutorOptions options;
   options.dtype = dtype_;
+  // DualPipe's F&B pairs overlapped (two threads): worth it where the chunks exchange tokens
+  // (experts) or keys and values (context), each chunk on its own copy of those groups.
+  // Tensor parallelism's collectives run inside many modules on one group: not overlapped.
+  if (schedule.model_copies == 2 && o_.dualpipe_overlap && parallel_->tensor_size() == 1 &&
+      (experts_split_ || cp_ > 1)) {
+    options.overlap_forward_backward = true;
+    const int rank = parallel_->rank();
+    if (experts_split_) {
+      expert_copy_ = parallel_->expert().split(0, rank, "expert-copy");
+      layout.chunk_expert = {&parallel_->expert(), expert_copy_.get()};
+    }
+    if (cp_ > 1) {
+      context_copy_ = parallel_->context().split(0, rank, "context-copy");
+      layout.chunk_context = {&parallel_->context(), context_copy_.get()};
+    }
+  }
+  model_ = make_model(std::move(layout));
   if (delayed_scaling_ && parallel_->tensor_and_data().size() > 1) {
     // The stage's tensor x data ranks run the same action list: after each chunk's forward
     // and backward their amaxes become the group's maximum, as after a micro-batch.

@@ -87,6 +87,8 @@ class TrainingRun {
 
   std::shared_ptr<Communicator> world_;
   std::unique_ptr<ParallelState> parallel_;
+  // DualPipe's overlapped F&B: second copies of the expert and context groups for chunk 1.
+  std::shared_ptr<Communicator> expert_copy_, context_copy_;
   bool pipelined_ = false, chief_ = true, quiet_ = false, data_parallel_ = false;
   // dp_: the data group that reduces gradients (DP x CP ranks); samples_: the ranks of it that
   // read different samples (DP / CP), sample_rank_ this rank's index among them; cp_: the ranks

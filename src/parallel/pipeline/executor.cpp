@@ -2,15 +2,20 @@
 // model (any StagedModel) and point-to-point messages over the pipeline group.
 #include <algorithm>
 #include <chrono>
+#include <exception>
 #include <map>
 #include <string>
+#include <thread>
 #include <utility>
 
 #include "octet/comm.h"
 #include "octet/error.h"
+#include "octet/fp4.h"
 #include "octet/module.h"
+#include "octet/modules.h"
 #include "octet/pipeline.h"
 #include "octet/pipeline_stage.h"
+#include "octet/recipe.h"
 
 namespace octet::pipeline {
 
@@ -139,60 +144,155 @@ struct PipelineExecutor::State {
     return Tensor::empty(model.boundary_shape(batch, stage), options.dtype);
   }
 
-  void forward(const Key& key) {
-    const int s = stage(key);
-    Tensor input = s > 0 ? take(inputs, key, "input activation") : Tensor();
+  // Forward and backward each in three parts: begin and end touch the step's bookkeeping (this
+  // thread only), compute runs the model - for an overlapped F&B pair, on two threads at once.
+  struct ForwardJob {
+    Key key;
+    int stage = 0;
+    Tensor input, output;
+    StagedModel::Context* ctx = nullptr;
+    double seconds = 0;
+  };
+  struct BackwardJob {
+    Key key;
+    int stage = 0;
+    bool deferred = false;
+    Tensor doutput, dinput;
+    StagedModel::Context* ctx = nullptr;
+    WeightGradientQueue* queue = nullptr;  // deferred: the weight-gradient GEMMs wait here
+    double seconds = 0;
+  };
+
+  ForwardJob forward_begin(const Key& key) {
+    ForwardJob job;
+    job.key = key;
+    job.stage = stage(key);
+    job.input = job.stage > 0 ? take(inputs, key, "input activation") : Tensor();
     std::unique_ptr<StagedModel::Context>& slot = contexts[key];
     slot = model.make_context();
-    StagedModel::Context& ctx = *slot;
-    const size_t m = static_cast<size_t>(key.first);
+    job.ctx = slot.get();
+    return job;
+  }
+
+  void forward_compute(ForwardJob& job) {
+    const size_t m = static_cast<size_t>(job.key.first);
     const Clock::time_point start = Clock::now();
-    Tensor out = model.forward(key.second, input, (*batches)[m], options.dtype, grad_scale, ctx);
-    const double seconds = seconds_since(start);
-    timing.forward_seconds += seconds;
-    timing.forward_samples.push_back(seconds);
+    job.output = model.forward(job.key.second, job.input, (*batches)[m], options.dtype, grad_scale,
+                               *job.ctx);
+    job.seconds = seconds_since(start);
+  }
+
+  void forward_end(ForwardJob& job) {
+    timing.forward_seconds += job.seconds;
+    timing.forward_samples.push_back(job.seconds);
     if (options.after_compute) options.after_compute();
-    if (s == schedule.stages - 1) {
-      loss_sum += ctx.loss;
+    if (job.stage == schedule.stages - 1) {
+      loss_sum += job.ctx->loss;
       return;
     }
-    const Place& next = schedule.place(key.first, s + 1);
+    const Place& next = schedule.place(job.key.first, job.stage + 1);
     if (next.rank == rank) {
-      inputs[{key.first, next.chunk}] = out;
+      inputs[{job.key.first, next.chunk}] = job.output;
     } else {
-      outputs[key] = out;
+      outputs[job.key] = job.output;
     }
+  }
+
+  void forward(const Key& key) {
+    ForwardJob job = forward_begin(key);
+    forward_compute(job);
+    forward_end(job);
   }
 
   // The whole backward, or with `deferred` its input-gradient part: the weight-gradient GEMMs
   // wait in weight_gradients[key] for the BackwardWeight action.
-  void backward(const Key& key, bool deferred = false) {
-    const int s = stage(key);
-    Tensor doutput = s < schedule.stages - 1 ? take(doutputs, key, "output gradient") : Tensor();
+  BackwardJob backward_begin(const Key& key, bool deferred) {
+    BackwardJob job;
+    job.key = key;
+    job.stage = stage(key);
+    job.deferred = deferred;
+    job.doutput =
+        job.stage < schedule.stages - 1 ? take(doutputs, key, "output gradient") : Tensor();
     auto it = contexts.find(key);
     OCTET_CHECK(it != contexts.end(), "backward before its forward");
-    const Clock::time_point start = Clock::now();
-    Tensor dinput;
+    job.ctx = it->second.get();
     if (deferred) {
       OCTET_CHECK(!weight_gradients.count(key), "a second BackwardInput");
-      defer_weight_gradients scope(weight_gradients[key]);
-      dinput = model.backward(key.second, doutput, *it->second);
-    } else {
-      dinput = model.backward(key.second, doutput, *it->second);
+      job.queue = &weight_gradients[key];
     }
-    const double seconds = seconds_since(start);
-    timing.backward_seconds += seconds;
-    (deferred ? timing.backward_input_samples : timing.backward_samples).push_back(seconds);
+    return job;
+  }
+
+  void backward_compute(BackwardJob& job) {
+    const Clock::time_point start = Clock::now();
+    if (job.queue) {
+      defer_weight_gradients scope(*job.queue);
+      job.dinput = model.backward(job.key.second, job.doutput, *job.ctx);
+    } else {
+      job.dinput = model.backward(job.key.second, job.doutput, *job.ctx);
+    }
+    job.seconds = seconds_since(start);
+  }
+
+  void backward_end(BackwardJob& job) {
+    timing.backward_seconds += job.seconds;
+    (job.deferred ? timing.backward_input_samples : timing.backward_samples).push_back(job.seconds);
     if (options.after_compute) options.after_compute();
-    contexts.erase(it);
-    if (!deferred) weight_gradients_done(key.second);
-    if (s == 0) return;
-    const Place& previous = schedule.place(key.first, s - 1);
+    contexts.erase(job.key);
+    if (!job.deferred) weight_gradients_done(job.key.second);
+    if (job.stage == 0) return;
+    const Place& previous = schedule.place(job.key.first, job.stage - 1);
     if (previous.rank == rank) {
-      doutputs[{key.first, previous.chunk}] = dinput;
+      doutputs[{job.key.first, previous.chunk}] = job.dinput;
     } else {
-      dinputs[key] = dinput;
+      dinputs[job.key] = job.dinput;
     }
+  }
+
+  void backward(const Key& key, bool deferred = false) {
+    BackwardJob job = backward_begin(key, deferred);
+    backward_compute(job);
+    backward_end(job);
+  }
+
+  // DualPipe's F&B pair: with options.overlap_forward_backward the backward runs on a second
+  // thread (under this thread's FP8 / FP4 scopes) while this one runs the forward, so that
+  // either one's communication waits while the other computes.
+  void forward_backward(const Key& forward_key, const Key& backward_key) {
+    ForwardJob f = forward_begin(forward_key);
+    BackwardJob b = backward_begin(backward_key, false);
+    if (options.overlap_forward_backward) {
+      const Clock::time_point start = Clock::now();
+      std::exception_ptr failed;
+      const bool fp8 = fp8_enabled(), fp4 = fp4_enabled(), stats = fp8_stats_enabled();
+      const recipe::Recipe fp8_scope_recipe = fp8_recipe();
+      const Fp4Options fp4_scope_options = fp4_options();
+      std::thread worker([&] {
+        try {
+          fp8_autocast fp8_scope(fp8, fp8_scope_recipe);
+          fp4_autocast fp4_scope(fp4, fp4_scope_options);
+          fp8_stats_scope stats_scope(stats);
+          backward_compute(b);
+        } catch (...) {
+          failed = std::current_exception();
+        }
+      });
+      try {
+        forward_compute(f);
+      } catch (...) {
+        worker.join();
+        throw;
+      }
+      worker.join();
+      if (failed) std::rethrow_exception(failed);
+      timing.overlapped_pair_seconds += seconds_since(start);
+      timing.overlapped_pair_compute_seconds += f.seconds + b.seconds;
+    } else {
+      forward_compute(f);
+      backward_compute(b);
+    }
+    forward_end(f);
+    backward_end(b);
   }
 
   void backward_weight(const Key& key) {
@@ -258,8 +358,7 @@ struct PipelineExecutor::State {
         backward_weight(key);
         break;
       case ActionKind::ForwardBackward:
-        forward(key);
-        backward({action.backward_micro_batch, action.backward_chunk});
+        forward_backward(key, {action.backward_micro_batch, action.backward_chunk});
         break;
       case ActionKind::SendForward:
         send(action, outputs, false);
