@@ -5,6 +5,7 @@
 
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <vector>
@@ -197,6 +198,7 @@ class GPT : public TransformerStack {
   // ids [B,T] -> token + position embeddings [B*T(/TP), C] F32, and their backward from dx.
   Tensor embed(const Tensor& ids);
   void embed_backward(const Tensor& ids, const Tensor& dx);
+  void accumulate_embedding_grad(const Tensor& ids, const Tensor& dx);
   // Learned positions over rows first_row.. of [B*T] (a context-parallel rank's chunks at
   // their own positions): x += wpe rows; wpe.grad += dx rows.
   void add_positions(Tensor& x, int64_t T, int64_t first_row) const;
@@ -216,6 +218,10 @@ class GPT : public TransformerStack {
   VocabRange vocab_;
   std::optional<Norm> final_norm_;  // last stage only
   TiedOutputCache output_cache_;
+  // The tied table's gradient takes the output layer's part (in the last stage's forward) and
+  // the embedding's (in the first stage's backward): DualPipe's overlapped F&B may run those
+  // two stages on two threads at once, so each holds this lock while it accumulates.
+  std::shared_ptr<std::mutex> tied_grad_mutex_ = std::make_shared<std::mutex>();
   std::optional<Fp8WeightOnly> wte_fp8_;  // set_inference_fp8_weights
 };
 

@@ -107,4 +107,23 @@ class defer_weight_gradients {
 // The innermost active scope's queue on this thread, or nullptr.
 WeightGradientQueue* deferred_weight_gradients();
 
+// DualPipe's overlapped F&B pair runs one chunk's forward and another's backward on two
+// threads; a gradient both add into (a tied table's: the output layer's part in the last
+// stage's forward, the embedding's in the first stage's backward) would then be summed in
+// whichever order the threads reach it. While a defer_shared_gradients scope is active on this
+// thread, such sums are queued instead, and the executor runs the queue after the pair, in the
+// order the pair run one after the other makes them: the same bits either way.
+class defer_shared_gradients {
+ public:
+  explicit defer_shared_gradients(WeightGradientQueue& queue);
+  ~defer_shared_gradients();
+  defer_shared_gradients(const defer_shared_gradients&) = delete;
+  defer_shared_gradients& operator=(const defer_shared_gradients&) = delete;
+
+ private:
+  WeightGradientQueue* previous_;
+};
+// The innermost active scope's queue on this thread, or nullptr.
+WeightGradientQueue* deferred_shared_gradients();
+
 }  // namespace octet

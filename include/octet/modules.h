@@ -497,6 +497,16 @@ class GroupedLinear : public Module {
 // dispatch (codes with block scales) is an option.
 class ExpertDispatcher {
  public:
+  // Process-wide: the threads running model work (the trainer's; DualPipe's overlapped F&B adds
+  // a second while a pair runs). A dispatcher's wait is exposed only while every such thread
+  // waits: while another computes, it is hidden. leave() / enter() bracket a thread's pause
+  // (waits call them; the executor calls enter() for the thread it starts and leave() at its
+  // end, and leave() / enter() around joining it). take_exposed_seconds(): the seconds every
+  // such thread spent waiting at once since the last call.
+  static void leave_compute();
+  static void enter_compute();
+  static double take_exposed_seconds();
+
   struct Layout {
     std::vector<int64_t> send_counts;           // [E] this rank's rows for each global expert
     std::vector<int64_t> per_source;            // [EP * L]: rows source s sends local expert l

@@ -279,6 +279,17 @@ Tensor GPT::embed(const Tensor& ids) {
 }
 
 void GPT::embed_backward(const Tensor& ids, const Tensor& dx) {
+  // The tied table's gradient is shared with the output layer (DualPipe's overlapped F&B may
+  // run the two on two threads): queued to run after the pair, in a fixed order.
+  if (WeightGradientQueue* queue = deferred_shared_gradients()) {
+    queue->push([this, ids, dx] { accumulate_embedding_grad(ids, dx); });
+    return;
+  }
+  accumulate_embedding_grad(ids, dx);
+}
+
+void GPT::accumulate_embedding_grad(const Tensor& ids, const Tensor& dx) {
+  std::lock_guard<std::mutex> lock(*tied_grad_mutex_);
   Communicator* tp = layout_.tensor;
   const int64_t T = ids.dim(1), N = ids.numel();
   if (wpe.value.defined()) {
@@ -303,6 +314,7 @@ void GPT::embed_backward(const Tensor& ids, const Tensor& dx) {
 
 float GPT::output_loss(const Tensor& hidden, const Tensor& targets, DType dtype, float grad_scale,
                        Tensor* dhidden) {
+  std::lock_guard<std::mutex> lock(*tied_grad_mutex_);
   Communicator* tp = layout_.tensor;
   if (tp == nullptr) {
     return gpt_parts::tied_output_loss(hidden, targets, wte, dtype, grad_scale, dhidden,

@@ -4,6 +4,7 @@
 // the source's expert-grouped rows.
 #include <algorithm>
 #include <chrono>
+#include <mutex>
 
 #include "modules/common.h"
 
@@ -158,7 +159,52 @@ void ExpertDispatcher::post(const Tensor& rows, const Layout& layout, bool dispa
   ++stats_.exchanges;
 }
 
+namespace {
+
+struct ComputeThreads {
+  std::mutex mutex;
+  int computing = 1;  // the trainer's thread
+  std::chrono::steady_clock::time_point idle_since;
+  double exposed = 0.0;
+};
+
+ComputeThreads& compute_threads() {
+  static ComputeThreads threads;
+  return threads;
+}
+
+}  // namespace
+
+void ExpertDispatcher::leave_compute() {
+  ComputeThreads& t = compute_threads();
+  std::lock_guard<std::mutex> lock(t.mutex);
+  if (--t.computing == 0) t.idle_since = std::chrono::steady_clock::now();
+}
+
+void ExpertDispatcher::enter_compute() {
+  ComputeThreads& t = compute_threads();
+  std::lock_guard<std::mutex> lock(t.mutex);
+  if (t.computing++ == 0) {
+    t.exposed +=
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - t.idle_since).count();
+  }
+}
+
+double ExpertDispatcher::take_exposed_seconds() {
+  ComputeThreads& t = compute_threads();
+  std::lock_guard<std::mutex> lock(t.mutex);
+  const double seconds = t.exposed;
+  t.exposed = 0.0;
+  return seconds;
+}
+
 void ExpertDispatcher::wait(std::vector<Work>& works) {
+  struct Paused {  // this thread waits (also when a wait throws)
+    Paused() { leave_compute(); }
+    ~Paused() { enter_compute(); }
+    Paused(const Paused&) = delete;
+    Paused& operator=(const Paused&) = delete;
+  } paused;
   const auto start = std::chrono::steady_clock::now();
   double longest = 0.0;
   for (Work& work : works) {

@@ -32,6 +32,23 @@ WeightGradientQueue* deferred_weight_gradients() {
 }
 
 namespace {
+thread_local WeightGradientQueue* active_shared_gradient_queue = nullptr;
+}  // namespace
+
+defer_shared_gradients::defer_shared_gradients(WeightGradientQueue& queue)
+    : previous_(active_shared_gradient_queue) {
+  active_shared_gradient_queue = &queue;
+}
+
+defer_shared_gradients::~defer_shared_gradients() {
+  active_shared_gradient_queue = previous_;
+}
+
+WeightGradientQueue* deferred_shared_gradients() {
+  return active_shared_gradient_queue;
+}
+
+namespace {
 
 // A weight-gradient GEMM: queued inside a defer_weight_gradients scope, else run now.
 void run_or_defer(std::function<void()> weight_gradient) {

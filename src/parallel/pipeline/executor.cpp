@@ -264,27 +264,41 @@ struct PipelineExecutor::State {
     if (options.overlap_forward_backward) {
       const Clock::time_point start = Clock::now();
       std::exception_ptr failed;
+      WeightGradientQueue shared;  // the backward's sums into tensors the forward adds to
       const bool fp8 = fp8_enabled(), fp4 = fp4_enabled(), stats = fp8_stats_enabled();
       const recipe::Recipe fp8_scope_recipe = fp8_recipe();
       const Fp4Options fp4_scope_options = fp4_options();
+      // The dispatcher's exposed time counts waits while no thread computes: the worker
+      // computes from here to its end; this thread pauses while it joins.
+      ExpertDispatcher::enter_compute();
       std::thread worker([&] {
+        struct Leaves {
+          ~Leaves() { ExpertDispatcher::leave_compute(); }
+        } leaves;
         try {
           fp8_autocast fp8_scope(fp8, fp8_scope_recipe);
           fp4_autocast fp4_scope(fp4, fp4_scope_options);
           fp8_stats_scope stats_scope(stats);
+          defer_shared_gradients shared_scope(shared);
           backward_compute(b);
         } catch (...) {
           failed = std::current_exception();
         }
       });
+      auto join = [&worker] {
+        ExpertDispatcher::leave_compute();
+        worker.join();
+        ExpertDispatcher::enter_compute();
+      };
       try {
         forward_compute(f);
       } catch (...) {
-        worker.join();
+        join();
         throw;
       }
-      worker.join();
+      join();
       if (failed) std::rethrow_exception(failed);
+      shared.run();  // after the forward's sums, as the pair run in order makes them
       timing.overlapped_pair_seconds += seconds_since(start);
       timing.overlapped_pair_compute_seconds += f.seconds + b.seconds;
     } else {
