@@ -6,6 +6,8 @@
 //  2. Training moe-mini with the experts split over the ranks (EP = ranks) against the same
 //     model data-parallel (every rank all experts), each a real `mpirun octet train` run,
 //     alternated in rounds: tokens/s, and the share of the expert all-to-all that compute hid.
+//     Then the pipelines, EP x PP=2: 1F1B, DualPipe with its F&B pairs in turn, and DualPipe
+//     with them overlapped (two threads): tokens/s and the share of the all-to-all hidden.
 //  3. Context parallelism's attention (the same workers): forward + backward of causal
 //     attention over a T-token sequence split over the ranks (ring p2p and Ulysses a2a)
 //     against one process of one thread doing the whole sequence, alternated in rounds.
@@ -53,6 +55,7 @@ struct Options {
   int train_rounds = 2;
   int64_t cp_seq = 4096;  // context parallelism's sequence; 0: not measured
   int cp_repeats = 3;
+  int64_t pipeline_micro_batches = 4;  // per data rank; 0: no pipelines
   bool no_train = false;
   bool no_peers = false;
   bool json = false;
@@ -277,20 +280,22 @@ struct TrainRun {
   std::string error;
 };
 
-TrainRun run_training(const Options& o, bool split) {
+// One `mpirun octet train` of the MoE config: `ranks` processes, the global batch
+// micro-batch x data ranks x accumulation, `flags` for the layout.
+TrainRun run_training(const Options& o, int ranks, int64_t global_batch, const std::string& flags,
+                      const std::string& config) {
   TrainRun t;
   const auto dir = std::filesystem::temp_directory_path() /
                    ("octet-bench-moe-train-" + std::to_string(::getpid()));
   std::filesystem::create_directories(dir);
   const std::string metrics = (dir / "metrics.jsonl").string(), log = (dir / "log.txt").string();
   const std::string command =
-      mpirun(o.ranks) + bench::self_exe() + " train --config " + resolve_config(o.config).string() +
+      mpirun(ranks) + bench::self_exe() + " train --config " + config +
       " --mock-data --precision bf16 --micro-batch-size " + std::to_string(o.micro_batch_size) +
-      " --global-batch-size " + std::to_string(o.micro_batch_size * o.ranks) + " --seq-length " +
+      " --global-batch-size " + std::to_string(global_batch) + " --seq-length " +
       std::to_string(o.seq_length) + " --train-iters " + std::to_string(o.iters) +
-      " --eval-iters 0 --log-interval 0 --peak-gflops 100 --metrics " + metrics +
-      (split ? " --expert-model-parallel-size " + std::to_string(o.ranks) : std::string()) + " > " +
-      log + " 2>&1";
+      " --eval-iters 0 --log-interval 0 --peak-gflops 100 --metrics " + metrics + " " + flags +
+      " > " + log + " 2>&1";
   if (std::system(command.c_str()) != 0) {
     t.error = "failed: " + command + "\n" + read_tail(log);
     std::filesystem::remove_all(dir);
@@ -329,9 +334,12 @@ void run(const Options& o) {
                    o.train_rounds, o.config.c_str(), o.ranks, o.ranks);
     }
     TrainRun split, replicated;
-    if (round % 2 == 0) split = run_training(o, true);
-    replicated = run_training(o, false);
-    if (round % 2 == 1) split = run_training(o, true);
+    const int64_t batch = o.micro_batch_size * o.ranks;
+    const std::string ep = "--expert-model-parallel-size " + std::to_string(o.ranks);
+    const std::string config = resolve_config(o.config).string();
+    if (round % 2 == 0) split = run_training(o, o.ranks, batch, ep, config);
+    replicated = run_training(o, o.ranks, batch, "", config);
+    if (round % 2 == 1) split = run_training(o, o.ranks, batch, ep, config);
     if (!split.error.empty() || !replicated.error.empty()) {
       train_error = split.error.empty() ? replicated.error : split.error;
       continue;
@@ -342,6 +350,58 @@ void run(const Options& o) {
     dp_tokens.push_back(replicated.tokens_per_s);
     a2a_ms.push_back(split.a2a_ms);
   }
+  // The pipelines: EP = ranks x PP = 2 (twice the ranks on the same cores), 1F1B, DualPipe with
+  // its F&B pairs one after the other, and DualPipe overlapped, alternated in rounds.
+  const char* kPipelines[3] = {"1F1B", "DualPipe, F&B in turn", "DualPipe, F&B overlapped"};
+  std::vector<double> pipe_tokens[3], pipe_hidden[3], overlap_over_sequential;
+  std::string pipe_error;
+  // DualPipe cuts the model into 2 x PP = 4 stages: the config's layers rounded up to a
+  // multiple of 4 (moe-mini's 6 become 8), written beside the runs.
+  const auto pipe_dir = std::filesystem::temp_directory_path() /
+                        ("octet-bench-moe-pipe-" + std::to_string(::getpid()));
+  std::string pipe_config;
+  int64_t pipe_layers = 0;
+  if (!o.no_train && o.pipeline_micro_batches > 0) {
+    std::ifstream in(resolve_config(o.config));
+    nlohmann::json config = nlohmann::json::parse(in, nullptr, false);
+    if (config.is_discarded() || !config.contains("num_layers")) {
+      pipe_error = "cannot read num_layers from " + resolve_config(o.config).string();
+    } else {
+      pipe_layers = (config["num_layers"].get<int64_t>() + 3) / 4 * 4;
+      config["num_layers"] = pipe_layers;
+      std::filesystem::create_directories(pipe_dir);
+      pipe_config = (pipe_dir / "config.json").string();
+      std::ofstream(pipe_config) << config.dump(2) << "\n";
+    }
+  }
+  for (int round = 0; !pipe_config.empty() && pipe_error.empty() && round < o.train_rounds;
+       ++round) {
+    if (!o.json) {
+      std::fprintf(stderr, "bench moe: round %d/%d: %s EP=%d x PP=2, 1F1B and DualPipe ...\n",
+                   round + 1, o.train_rounds, o.config.c_str(), o.ranks);
+    }
+    const std::string flags[3] = {"--pipeline-schedule 1f1b",
+                                  "--pipeline-schedule dualpipe --no-dualpipe-overlap",
+                                  "--pipeline-schedule dualpipe"};
+    const int64_t batch = o.micro_batch_size * o.ranks * o.pipeline_micro_batches;
+    TrainRun runs[3];
+    for (int k = 0; k < 3; ++k) {
+      const int i = round % 2 == 0 ? k : 2 - k;
+      runs[i] = run_training(o, 2 * o.ranks, batch,
+                             "--expert-model-parallel-size " + std::to_string(o.ranks) +
+                                 " --pipeline-model-parallel-size 2 " + flags[i],
+                             pipe_config);
+      if (!runs[i].error.empty()) pipe_error = runs[i].error;
+    }
+    if (!pipe_error.empty()) continue;
+    for (int i = 0; i < 3; ++i) {
+      pipe_tokens[i].push_back(runs[i].tokens_per_s);
+      bench::push_finite(pipe_hidden[i],
+                         runs[i].a2a_ms > 0 ? 1.0 - runs[i].exposed_ms / runs[i].a2a_ms : NAN);
+    }
+    bench::push_finite(overlap_over_sequential, runs[2].tokens_per_s / runs[1].tokens_per_s);
+  }
+  if (!pipe_config.empty()) std::filesystem::remove_all(pipe_dir);
   if (o.json) {
     nlohmann::json line = {
         {"bench", "moe"},
@@ -373,7 +433,21 @@ void run(const Options& o) {
         {"ep_over_dp", bench::json_number(bench::median_or_nan(ep_over_dp))},
         {"ep_over_dp_rounds", ep_over_dp},
         {"a2a_ms_per_step", bench::json_number(bench::median_or_nan(a2a_ms))},
-        {"a2a_hidden", bench::json_number(bench::median_or_nan(hidden))}};
+        {"a2a_hidden", bench::json_number(bench::median_or_nan(hidden))},
+        {"pipeline_error", pipe_error},
+        {"pp_1f1b_tokens_per_s", bench::json_number(bench::median_or_nan(pipe_tokens[0]))},
+        {"pp_1f1b_a2a_hidden", bench::json_number(bench::median_or_nan(pipe_hidden[0]))},
+        {"dualpipe_sequential_tokens_per_s",
+         bench::json_number(bench::median_or_nan(pipe_tokens[1]))},
+        {"dualpipe_sequential_a2a_hidden",
+         bench::json_number(bench::median_or_nan(pipe_hidden[1]))},
+        {"dualpipe_overlapped_tokens_per_s",
+         bench::json_number(bench::median_or_nan(pipe_tokens[2]))},
+        {"dualpipe_overlapped_a2a_hidden",
+         bench::json_number(bench::median_or_nan(pipe_hidden[2]))},
+        {"dualpipe_overlapped_a2a_hidden_rounds", pipe_hidden[2]},
+        {"overlapped_over_sequential",
+         bench::json_number(bench::median_or_nan(overlap_over_sequential))}};
     std::printf("%s\n", line.dump().c_str());
   } else {
     std::printf(
@@ -427,6 +501,25 @@ void run(const Options& o) {
         std::printf("  DP=%d (experts copied) %8.0f tok/s\n", o.ranks, bench::median(dp_tokens));
         std::printf("  EP / DP tokens/s: %s\n", bench::median_range(ep_over_dp).c_str());
       }
+      if (o.pipeline_micro_batches > 0) {
+        if (!pipe_error.empty()) {
+          std::printf("pipelines: %s\n", pipe_error.c_str());
+        } else {
+          std::printf(
+              "pipelines: %s cut to %lld layers, EP=%d x PP=2 (%d processes of one thread on the "
+              "same cores), %lld micro-batches per data rank, %d rounds:\n",
+              o.config.c_str(), (long long)pipe_layers, o.ranks, 2 * o.ranks,
+              (long long)o.pipeline_micro_batches, o.train_rounds);
+          for (int i = 0; i < 3; ++i) {
+            std::printf("  %-26s %8.0f tok/s, expert all-to-all %s hidden behind compute%s\n",
+                        kPipelines[i], bench::median(pipe_tokens[i]),
+                        bench::median_range(pipe_hidden[i], "%.2f").c_str(),
+                        i == 2 ? " (goal >= 0.70)" : "");
+          }
+          std::printf("  DualPipe overlapped / in turn, tokens/s: %s\n",
+                      bench::median_range(overlap_over_sequential).c_str());
+        }
+      }
     }
   }
   if (!o.no_peers && !o.json) {
@@ -468,6 +561,9 @@ void register_bench_moe(CLI::App& bench) {
       ->check(at_least(0));
   cmd->add_option("--cp-repeats", o->cp_repeats, "Timed attentions per side and round")
       ->check(at_least(1));
+  cmd->add_option("--pipeline-micro-batches", o->pipeline_micro_batches,
+                  "Micro-batches per data rank of the EP x PP=2 pipelines (0: none)")
+      ->check(at_least(0));
   cmd->add_flag("--no-train", o->no_train, "Only the exchange and the attention");
   cmd->add_flag("--no-peers", o->no_peers,
                 "Skip the single-process peers (octet bench train --config CONFIG)");
