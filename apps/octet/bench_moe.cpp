@@ -55,7 +55,11 @@ struct Options {
   int train_rounds = 2;
   int64_t cp_seq = 4096;  // context parallelism's sequence; 0: not measured
   int cp_repeats = 3;
-  int64_t pipeline_micro_batches = 4;  // per data rank; 0: no pipelines
+  // The pipelines: micro-batches per data rank (DualPipe's pairs are its steady state: the more
+  // micro-batches, the larger its share); 0: no pipelines.
+  int64_t pipeline_micro_batches = 12;
+  int64_t pipeline_micro_batch_size = 2;
+  int64_t pipeline_seq_length = 128;
   bool no_train = false;
   bool no_peers = false;
   bool json = false;
@@ -282,8 +286,12 @@ struct TrainRun {
 
 // One `mpirun octet train` of the MoE config: `ranks` processes, the global batch
 // micro-batch x data ranks x accumulation, `flags` for the layout.
-TrainRun run_training(const Options& o, int ranks, int64_t global_batch, const std::string& flags,
-                      const std::string& config) {
+struct Shape {  // sequences per micro-batch and rank, tokens per sequence
+  int64_t micro_batch = 0, seq = 0;
+};
+
+TrainRun run_training(const Options& o, int ranks, Shape shape, int64_t global_batch,
+                      const std::string& flags, const std::string& config) {
   TrainRun t;
   const auto dir = std::filesystem::temp_directory_path() /
                    ("octet-bench-moe-train-" + std::to_string(::getpid()));
@@ -291,9 +299,9 @@ TrainRun run_training(const Options& o, int ranks, int64_t global_batch, const s
   const std::string metrics = (dir / "metrics.jsonl").string(), log = (dir / "log.txt").string();
   const std::string command =
       mpirun(ranks) + bench::self_exe() + " train --config " + config +
-      " --mock-data --precision bf16 --micro-batch-size " + std::to_string(o.micro_batch_size) +
+      " --mock-data --precision bf16 --micro-batch-size " + std::to_string(shape.micro_batch) +
       " --global-batch-size " + std::to_string(global_batch) + " --seq-length " +
-      std::to_string(o.seq_length) + " --train-iters " + std::to_string(o.iters) +
+      std::to_string(shape.seq) + " --train-iters " + std::to_string(o.iters) +
       " --eval-iters 0 --log-interval 0 --peak-gflops 100 --metrics " + metrics + " " + flags +
       " > " + log + " 2>&1";
   if (std::system(command.c_str()) != 0) {
@@ -337,9 +345,10 @@ void run(const Options& o) {
     const int64_t batch = o.micro_batch_size * o.ranks;
     const std::string ep = "--expert-model-parallel-size " + std::to_string(o.ranks);
     const std::string config = resolve_config(o.config).string();
-    if (round % 2 == 0) split = run_training(o, o.ranks, batch, ep, config);
-    replicated = run_training(o, o.ranks, batch, "", config);
-    if (round % 2 == 1) split = run_training(o, o.ranks, batch, ep, config);
+    const Shape shape{o.micro_batch_size, o.seq_length};
+    if (round % 2 == 0) split = run_training(o, o.ranks, shape, batch, ep, config);
+    replicated = run_training(o, o.ranks, shape, batch, "", config);
+    if (round % 2 == 1) split = run_training(o, o.ranks, shape, batch, ep, config);
     if (!split.error.empty() || !replicated.error.empty()) {
       train_error = split.error.empty() ? replicated.error : split.error;
       continue;
@@ -383,14 +392,15 @@ void run(const Options& o) {
     const std::string flags[3] = {"--pipeline-schedule 1f1b",
                                   "--pipeline-schedule dualpipe --no-dualpipe-overlap",
                                   "--pipeline-schedule dualpipe"};
-    const int64_t batch = o.micro_batch_size * o.ranks * o.pipeline_micro_batches;
+    const int64_t batch = o.pipeline_micro_batch_size * o.ranks * o.pipeline_micro_batches;
     TrainRun runs[3];
     for (int k = 0; k < 3; ++k) {
       const int i = round % 2 == 0 ? k : 2 - k;
-      runs[i] = run_training(o, 2 * o.ranks, batch,
-                             "--expert-model-parallel-size " + std::to_string(o.ranks) +
-                                 " --pipeline-model-parallel-size 2 " + flags[i],
-                             pipe_config);
+      runs[i] =
+          run_training(o, 2 * o.ranks, {o.pipeline_micro_batch_size, o.pipeline_seq_length}, batch,
+                       "--expert-model-parallel-size " + std::to_string(o.ranks) +
+                           " --pipeline-model-parallel-size 2 " + flags[i],
+                       pipe_config);
       if (!runs[i].error.empty()) pipe_error = runs[i].error;
     }
     if (!pipe_error.empty()) continue;
@@ -507,9 +517,10 @@ void run(const Options& o) {
         } else {
           std::printf(
               "pipelines: %s cut to %lld layers, EP=%d x PP=2 (%d processes of one thread on the "
-              "same cores), %lld micro-batches per data rank, %d rounds:\n",
+              "same cores), %lld micro-batches of %lld x %lld per data rank, %d rounds:\n",
               o.config.c_str(), (long long)pipe_layers, o.ranks, 2 * o.ranks,
-              (long long)o.pipeline_micro_batches, o.train_rounds);
+              (long long)o.pipeline_micro_batches, (long long)o.pipeline_micro_batch_size,
+              (long long)o.pipeline_seq_length, o.train_rounds);
           for (int i = 0; i < 3; ++i) {
             std::printf("  %-26s %8.0f tok/s, expert all-to-all %s hidden behind compute%s\n",
                         kPipelines[i], bench::median(pipe_tokens[i]),
@@ -564,6 +575,12 @@ void register_bench_moe(CLI::App& bench) {
   cmd->add_option("--pipeline-micro-batches", o->pipeline_micro_batches,
                   "Micro-batches per data rank of the EP x PP=2 pipelines (0: none)")
       ->check(at_least(0));
+  cmd->add_option("--pipeline-micro-batch-size", o->pipeline_micro_batch_size,
+                  "Sequences per micro-batch of the pipelines")
+      ->check(at_least(1));
+  cmd->add_option("--pipeline-seq-length", o->pipeline_seq_length,
+                  "Tokens per sequence of the pipelines")
+      ->check(at_least(1));
   cmd->add_flag("--no-train", o->no_train, "Only the exchange and the attention");
   cmd->add_flag("--no-peers", o->no_peers,
                 "Skip the single-process peers (octet bench train --config CONFIG)");
