@@ -166,64 +166,65 @@ void ring_block(const Tensor& q, const Tensor& k, const Tensor& v, ops::Attentio
 
 }  // namespace
 
+namespace {
+
+// Ulysses' exchange as one plan: for every rank r's share of every sequence b (its T / CP
+// tokens t, chunks r and 2CP-1-r), row (r, b, t) of the all-to-all buffer [CP][B][T/CP] holds
+// the token at position pos of the whole sequence, with one head block [H/CP, D] per row.
+// f(rank, b, t, pos, buffer row) for each.
+template <typename F>
+void for_each_exchanged_row(int P, int64_t B, int64_t Tl, F f) {
+  const int64_t c = Tl / 2;
+  for (int r = 0; r < P; ++r) {
+    for (int64_t b = 0; b < B; ++b) {
+      for (int64_t t = 0; t < Tl; ++t) {
+        f(r, b, t, cp_chunk(r, P, static_cast<int>(t / c)) * c + t % c, (r * B + b) * Tl + t);
+      }
+    }
+  }
+}
+
+}  // namespace
+
 Tensor cp_heads_to_sequence(const Tensor& x, Communicator& group) {
   const int P = group.size();
-  const int64_t B = x.dim(0), Tl = x.dim(1), H = x.dim(2), D = x.dim(3), Hp = H / P, c = Tl / 2,
-                T = Tl * P;
-  const size_t row = static_cast<size_t>(Hp * D) * dtype_bytes(x.dtype());
+  const int64_t B = x.dim(0), Tl = x.dim(1), H = x.dim(2), D = x.dim(3), Hp = H / P;
+  const size_t unit = dtype_bytes(x.dtype()), row = static_cast<size_t>(Hp * D) * unit;
   Tensor send = Tensor::empty({P, B * Tl * Hp * D}, x.dtype());
   Tensor recv = Tensor::empty(send.shape(), x.dtype());
-  for (int j = 0; j < P; ++j) {
-    for (int64_t b = 0; b < B; ++b) {
-      for (int64_t t = 0; t < Tl; ++t) {
-        std::memcpy(bytes(send) + static_cast<size_t>((j * B + b) * Tl + t) * row,
-                    bytes(x) + static_cast<size_t>(((b * Tl + t) * H + j * Hp) * D) *
-                                   dtype_bytes(x.dtype()),
-                    row);
-      }
-    }
-  }
+  Tensor y = Tensor::empty({B, Tl * P, Hp, D}, x.dtype());
+  // Send: rank j gets head block j of each of this rank's tokens.
+  for_each_exchanged_row(P, B, Tl, [&](int j, int64_t b, int64_t t, int64_t, int64_t at) {
+    std::memcpy(bytes(send) + static_cast<size_t>(at) * row,
+                bytes(x) + static_cast<size_t>(((b * Tl + t) * H + j * Hp) * D) * unit, row);
+  });
   group.iall_to_all(send, recv).wait();
-  Tensor y = Tensor::empty({B, T, Hp, D}, x.dtype());
-  for (int i = 0; i < P; ++i) {
-    for (int64_t b = 0; b < B; ++b) {
-      for (int64_t t = 0; t < Tl; ++t) {
-        const int64_t pos = cp_chunk(i, P, static_cast<int>(t / c)) * c + t % c;
-        std::memcpy(bytes(y) + static_cast<size_t>(b * T + pos) * row,
-                    bytes(recv) + static_cast<size_t>((i * B + b) * Tl + t) * row, row);
-      }
-    }
-  }
+  // Receive: rank i's tokens of this rank's heads, placed at their positions.
+  for_each_exchanged_row(P, B, Tl, [&](int, int64_t b, int64_t, int64_t pos, int64_t at) {
+    std::memcpy(bytes(y) + static_cast<size_t>(b * Tl * P + pos) * row,
+                bytes(recv) + static_cast<size_t>(at) * row, row);
+  });
   return y;
 }
 
 Tensor cp_sequence_to_heads(const Tensor& y, Communicator& group) {
   const int P = group.size();
-  const int64_t B = y.dim(0), T = y.dim(1), Hp = y.dim(2), D = y.dim(3), Tl = T / P, c = Tl / 2,
-                H = Hp * P;
-  const size_t row = static_cast<size_t>(Hp * D) * dtype_bytes(y.dtype());
+  const int64_t B = y.dim(0), T = y.dim(1), Hp = y.dim(2), D = y.dim(3), Tl = T / P, H = Hp * P;
+  const size_t unit = dtype_bytes(y.dtype()), row = static_cast<size_t>(Hp * D) * unit;
   Tensor send = Tensor::empty({P, B * Tl * Hp * D}, y.dtype());
   Tensor recv = Tensor::empty(send.shape(), y.dtype());
-  for (int i = 0; i < P; ++i) {
-    for (int64_t b = 0; b < B; ++b) {
-      for (int64_t t = 0; t < Tl; ++t) {
-        const int64_t pos = cp_chunk(i, P, static_cast<int>(t / c)) * c + t % c;
-        std::memcpy(bytes(send) + static_cast<size_t>((i * B + b) * Tl + t) * row,
-                    bytes(y) + static_cast<size_t>(b * T + pos) * row, row);
-      }
-    }
-  }
-  group.iall_to_all(send, recv).wait();
   Tensor x = Tensor::empty({B, Tl, H, D}, y.dtype());
-  for (int j = 0; j < P; ++j) {
-    for (int64_t b = 0; b < B; ++b) {
-      for (int64_t t = 0; t < Tl; ++t) {
-        std::memcpy(bytes(x) + static_cast<size_t>(((b * Tl + t) * H + j * Hp) * D) *
-                                   dtype_bytes(y.dtype()),
-                    bytes(recv) + static_cast<size_t>((j * B + b) * Tl + t) * row, row);
-      }
-    }
-  }
+  // The reverse: rank i gets its tokens of this rank's heads back; rank j's head block lands in
+  // its place among the heads of each of this rank's tokens.
+  for_each_exchanged_row(P, B, Tl, [&](int, int64_t b, int64_t, int64_t pos, int64_t at) {
+    std::memcpy(bytes(send) + static_cast<size_t>(at) * row,
+                bytes(y) + static_cast<size_t>(b * T + pos) * row, row);
+  });
+  group.iall_to_all(send, recv).wait();
+  for_each_exchanged_row(P, B, Tl, [&](int j, int64_t b, int64_t t, int64_t, int64_t at) {
+    std::memcpy(bytes(x) + static_cast<size_t>(((b * Tl + t) * H + j * Hp) * D) * unit,
+                bytes(recv) + static_cast<size_t>(at) * row, row);
+  });
   return x;
 }
 
