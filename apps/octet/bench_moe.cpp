@@ -332,6 +332,91 @@ TrainRun run_training(const Options& o, int ranks, Shape shape, int64_t global_b
   return t;
 }
 
+// ---- part 2b: the pipelines ------------------------------------------------------------------
+
+const char* const kPipelines[3] = {"1F1B", "DualPipe, F&B in turn", "DualPipe, F&B overlapped"};
+
+struct Pipelines {
+  std::vector<double> tokens[3], hidden[3];  // per round, for each of kPipelines
+  std::vector<double> overlapped_over_sequential;
+  int64_t layers = 0;
+  std::string error;
+};
+
+// The pipelines: EP = ranks x PP = 2 (twice the ranks on the same cores), 1F1B, DualPipe with
+// its F&B pairs one after the other, and DualPipe overlapped, alternated in rounds.
+Pipelines measure_pipelines(const Options& o) {
+  Pipelines p;
+  // DualPipe cuts the model into 2 x PP = 4 stages: the config's layers rounded up to a
+  // multiple of 4 (moe-mini's 6 become 8), written beside the runs.
+  const auto pipe_dir = std::filesystem::temp_directory_path() /
+                        ("octet-bench-moe-pipe-" + std::to_string(::getpid()));
+  std::string pipe_config;
+  if (!o.no_train && o.pipeline_micro_batches > 0) {
+    std::ifstream in(resolve_config(o.config));
+    nlohmann::json config = nlohmann::json::parse(in, nullptr, false);
+    if (config.is_discarded() || !config.contains("num_layers")) {
+      p.error = "cannot read num_layers from " + resolve_config(o.config).string();
+    } else {
+      p.layers = (config["num_layers"].get<int64_t>() + 3) / 4 * 4;
+      config["num_layers"] = p.layers;
+      std::filesystem::create_directories(pipe_dir);
+      pipe_config = (pipe_dir / "config.json").string();
+      std::ofstream(pipe_config) << config.dump(2) << "\n";
+    }
+  }
+  for (int round = 0; !pipe_config.empty() && p.error.empty() && round < o.train_rounds; ++round) {
+    if (!o.json) {
+      std::fprintf(stderr, "bench moe: round %d/%d: %s EP=%d x PP=2, 1F1B and DualPipe ...\n",
+                   round + 1, o.train_rounds, o.config.c_str(), o.ranks);
+    }
+    const std::string flags[3] = {"--pipeline-schedule 1f1b",
+                                  "--pipeline-schedule dualpipe --no-dualpipe-overlap",
+                                  "--pipeline-schedule dualpipe"};
+    const int64_t batch = o.pipeline_micro_batch_size * o.ranks * o.pipeline_micro_batches;
+    TrainRun runs[3];
+    for (int k = 0; k < 3; ++k) {
+      const int i = round % 2 == 0 ? k : 2 - k;
+      runs[i] =
+          run_training(o, 2 * o.ranks, {o.pipeline_micro_batch_size, o.pipeline_seq_length}, batch,
+                       "--expert-model-parallel-size " + std::to_string(o.ranks) +
+                           " --pipeline-model-parallel-size 2 " + flags[i],
+                       pipe_config);
+      if (!runs[i].error.empty()) p.error = runs[i].error;
+    }
+    if (!p.error.empty()) continue;
+    for (int i = 0; i < 3; ++i) {
+      p.tokens[i].push_back(runs[i].tokens_per_s);
+      bench::push_finite(p.hidden[i],
+                         runs[i].a2a_ms > 0 ? 1.0 - runs[i].exposed_ms / runs[i].a2a_ms : NAN);
+    }
+    bench::push_finite(p.overlapped_over_sequential, runs[2].tokens_per_s / runs[1].tokens_per_s);
+  }
+  if (!pipe_config.empty()) std::filesystem::remove_all(pipe_dir);
+  return p;
+}
+
+void print_pipelines(const Options& o, const Pipelines& pipes) {
+  if (!pipes.error.empty()) {
+    std::printf("pipelines: %s\n", pipes.error.c_str());
+  } else {
+    std::printf(
+        "pipelines: %s cut to %lld layers, EP=%d x PP=2 (%d processes of one thread on the "
+        "same cores), %lld micro-batches of %lld x %lld per data rank, %d rounds:\n",
+        o.config.c_str(), (long long)pipes.layers, o.ranks, 2 * o.ranks,
+        (long long)o.pipeline_micro_batches, (long long)o.pipeline_micro_batch_size,
+        (long long)o.pipeline_seq_length, o.train_rounds);
+    for (int i = 0; i < 3; ++i) {
+      std::printf("  %-26s %8.0f tok/s, expert all-to-all %s hidden behind compute%s\n",
+                  kPipelines[i], bench::median(pipes.tokens[i]),
+                  bench::median_range(pipes.hidden[i], "%.2f").c_str(),
+                  i == 2 ? " (goal >= 0.70)" : "");
+    }
+    std::printf("  DualPipe overlapped / in turn, tokens/s: %s\n",
+                bench::median_range(pipes.overlapped_over_sequential).c_str());
+  }
+}
+
 void run(const Options& o) {
   const Exchange e = measure_exchange(o);
   std::vector<double> ep_over_dp, hidden, ep_tokens, dp_tokens, a2a_ms;
@@ -359,59 +444,7 @@ void run(const Options& o) {
     dp_tokens.push_back(replicated.tokens_per_s);
     a2a_ms.push_back(split.a2a_ms);
   }
-  // The pipelines: EP = ranks x PP = 2 (twice the ranks on the same cores), 1F1B, DualPipe with
-  // its F&B pairs one after the other, and DualPipe overlapped, alternated in rounds.
-  const char* kPipelines[3] = {"1F1B", "DualPipe, F&B in turn", "DualPipe, F&B overlapped"};
-  std::vector<double> pipe_tokens[3], pipe_hidden[3], overlap_over_sequential;
-  std::string pipe_error;
-  // DualPipe cuts the model into 2 x PP = 4 stages: the config's layers rounded up to a
-  // multiple of 4 (moe-mini's 6 become 8), written beside the runs.
-  const auto pipe_dir = std::filesystem::temp_directory_path() /
-                        ("octet-bench-moe-pipe-" + std::to_string(::getpid()));
-  std::string pipe_config;
-  int64_t pipe_layers = 0;
-  if (!o.no_train && o.pipeline_micro_batches > 0) {
-    std::ifstream in(resolve_config(o.config));
-    nlohmann::json config = nlohmann::json::parse(in, nullptr, false);
-    if (config.is_discarded() || !config.contains("num_layers")) {
-      pipe_error = "cannot read num_layers from " + resolve_config(o.config).string();
-    } else {
-      pipe_layers = (config["num_layers"].get<int64_t>() + 3) / 4 * 4;
-      config["num_layers"] = pipe_layers;
-      std::filesystem::create_directories(pipe_dir);
-      pipe_config = (pipe_dir / "config.json").string();
-      std::ofstream(pipe_config) << config.dump(2) << "\n";
-    }
-  }
-  for (int round = 0; !pipe_config.empty() && pipe_error.empty() && round < o.train_rounds;
-       ++round) {
-    if (!o.json) {
-      std::fprintf(stderr, "bench moe: round %d/%d: %s EP=%d x PP=2, 1F1B and DualPipe ...\n",
-                   round + 1, o.train_rounds, o.config.c_str(), o.ranks);
-    }
-    const std::string flags[3] = {"--pipeline-schedule 1f1b",
-                                  "--pipeline-schedule dualpipe --no-dualpipe-overlap",
-                                  "--pipeline-schedule dualpipe"};
-    const int64_t batch = o.pipeline_micro_batch_size * o.ranks * o.pipeline_micro_batches;
-    TrainRun runs[3];
-    for (int k = 0; k < 3; ++k) {
-      const int i = round % 2 == 0 ? k : 2 - k;
-      runs[i] =
-          run_training(o, 2 * o.ranks, {o.pipeline_micro_batch_size, o.pipeline_seq_length}, batch,
-                       "--expert-model-parallel-size " + std::to_string(o.ranks) +
-                           " --pipeline-model-parallel-size 2 " + flags[i],
-                       pipe_config);
-      if (!runs[i].error.empty()) pipe_error = runs[i].error;
-    }
-    if (!pipe_error.empty()) continue;
-    for (int i = 0; i < 3; ++i) {
-      pipe_tokens[i].push_back(runs[i].tokens_per_s);
-      bench::push_finite(pipe_hidden[i],
-                         runs[i].a2a_ms > 0 ? 1.0 - runs[i].exposed_ms / runs[i].a2a_ms : NAN);
-    }
-    bench::push_finite(overlap_over_sequential, runs[2].tokens_per_s / runs[1].tokens_per_s);
-  }
-  if (!pipe_config.empty()) std::filesystem::remove_all(pipe_dir);
+  const Pipelines pipes = measure_pipelines(o);
   if (o.json) {
     nlohmann::json line = {
         {"bench", "moe"},
@@ -444,20 +477,20 @@ void run(const Options& o) {
         {"ep_over_dp_rounds", ep_over_dp},
         {"a2a_ms_per_step", bench::json_number(bench::median_or_nan(a2a_ms))},
         {"a2a_hidden", bench::json_number(bench::median_or_nan(hidden))},
-        {"pipeline_error", pipe_error},
-        {"pp_1f1b_tokens_per_s", bench::json_number(bench::median_or_nan(pipe_tokens[0]))},
-        {"pp_1f1b_a2a_hidden", bench::json_number(bench::median_or_nan(pipe_hidden[0]))},
+        {"pipeline_error", pipes.error},
+        {"pp_1f1b_tokens_per_s", bench::json_number(bench::median_or_nan(pipes.tokens[0]))},
+        {"pp_1f1b_a2a_hidden", bench::json_number(bench::median_or_nan(pipes.hidden[0]))},
         {"dualpipe_sequential_tokens_per_s",
-         bench::json_number(bench::median_or_nan(pipe_tokens[1]))},
+         bench::json_number(bench::median_or_nan(pipes.tokens[1]))},
         {"dualpipe_sequential_a2a_hidden",
-         bench::json_number(bench::median_or_nan(pipe_hidden[1]))},
+         bench::json_number(bench::median_or_nan(pipes.hidden[1]))},
         {"dualpipe_overlapped_tokens_per_s",
-         bench::json_number(bench::median_or_nan(pipe_tokens[2]))},
+         bench::json_number(bench::median_or_nan(pipes.tokens[2]))},
         {"dualpipe_overlapped_a2a_hidden",
-         bench::json_number(bench::median_or_nan(pipe_hidden[2]))},
-        {"dualpipe_overlapped_a2a_hidden_rounds", pipe_hidden[2]},
+         bench::json_number(bench::median_or_nan(pipes.hidden[2]))},
+        {"dualpipe_overlapped_a2a_hidden_rounds", pipes.hidden[2]},
         {"overlapped_over_sequential",
-         bench::json_number(bench::median_or_nan(overlap_over_sequential))}};
+         bench::json_number(bench::median_or_nan(pipes.overlapped_over_sequential))}};
     std::printf("%s\n", line.dump().c_str());
   } else {
     std::printf(
@@ -511,26 +544,7 @@ void run(const Options& o) {
         std::printf("  DP=%d (experts copied) %8.0f tok/s\n", o.ranks, bench::median(dp_tokens));
         std::printf("  EP / DP tokens/s: %s\n", bench::median_range(ep_over_dp).c_str());
       }
-      if (o.pipeline_micro_batches > 0) {
-        if (!pipe_error.empty()) {
-          std::printf("pipelines: %s\n", pipe_error.c_str());
-        } else {
-          std::printf(
-              "pipelines: %s cut to %lld layers, EP=%d x PP=2 (%d processes of one thread on the "
-              "same cores), %lld micro-batches of %lld x %lld per data rank, %d rounds:\n",
-              o.config.c_str(), (long long)pipe_layers, o.ranks, 2 * o.ranks,
-              (long long)o.pipeline_micro_batches, (long long)o.pipeline_micro_batch_size,
-              (long long)o.pipeline_seq_length, o.train_rounds);
-          for (int i = 0; i < 3; ++i) {
-            std::printf("  %-26s %8.0f tok/s, expert all-to-all %s hidden behind compute%s\n",
-                        kPipelines[i], bench::median(pipe_tokens[i]),
-                        bench::median_range(pipe_hidden[i], "%.2f").c_str(),
-                        i == 2 ? " (goal >= 0.70)" : "");
-          }
-          std::printf("  DualPipe overlapped / in turn, tokens/s: %s\n",
-                      bench::median_range(overlap_over_sequential).c_str());
-        }
-      }
+      if (o.pipeline_micro_batches > 0) print_pipelines(o, pipes);
     }
   }
   if (!o.no_peers && !o.json) {

@@ -154,14 +154,39 @@ void check_local(const Tensor& q, Communicator& group, CpCommType type, int64_t 
   }
 }
 
-// One block of the ring: queries q (rows from row0) against k, v.
-void ring_block(const Tensor& q, const Tensor& k, const Tensor& v, ops::AttentionOptions a,
-                bool causal, int64_t row0, Merged& merged) {
-  a.causal = causal;
-  Tensor out = Tensor::empty(q.shape(), q.dtype());
-  Tensor lse = Tensor::empty({q.dim(0), q.dim(2), q.dim(1), 2}, DType::F32);
-  ops::flash_attention_forward(q, k, v, a, out, lse);
-  merged.add(out, lse, row0);
+// What ring step i computes on rank r: queries [q_begin, q_begin + q_count) of the local ones
+// against the first kv_count keys of the block in hand (from rank r - i), causally or not. Step
+// 0 is the local causal attention; later, causally, a block from a lower rank is seen by every
+// query up to its first half (chunk s), one from a higher rank wholly by the second half of
+// the queries (chunk 2CP-1-r) only; without a mask, everything.
+struct RingStep {
+  int64_t q_begin = 0, q_count = 0, kv_count = 0;
+  bool causal = false;
+};
+
+RingStep ring_step(int i, int r, int P, int64_t local, bool causal) {
+  const int source = (r - i + P) % P;
+  const int64_t c = local / 2;
+  if (i == 0 || !causal) return {0, local, local, causal && i == 0};
+  if (source < r) return {0, local, c, false};
+  return {c, c, local, false};
+}
+
+// x's tokens [begin, begin + count): x itself when that is all of them.
+Tensor span(const Tensor& x, int64_t begin, int64_t count) {
+  return begin == 0 && count == x.dim(1) ? x : tokens(x, begin, count);
+}
+
+// One step of the ring: its queries against the visible part of the block k, v, merged in.
+void ring_block(const RingStep& step, const Tensor& q, const Tensor& k, const Tensor& v,
+                ops::AttentionOptions a, Merged& merged) {
+  a.causal = step.causal;
+  const Tensor qs = span(q, step.q_begin, step.q_count);
+  Tensor out = Tensor::empty(qs.shape(), q.dtype());
+  Tensor lse = Tensor::empty({q.dim(0), q.dim(2), step.q_count, 2}, DType::F32);
+  ops::flash_attention_forward(qs, span(k, 0, step.kv_count), span(v, 0, step.kv_count), a, out,
+                               lse);
+  merged.add(out, lse, step.q_begin);
 }
 
 }  // namespace
@@ -242,7 +267,6 @@ Tensor cp_attention_forward(const Tensor& q, const Tensor& k, const Tensor& v,
     return cp_sequence_to_heads(ctx.out, group);
   }
   const int P = group.size(), r = group.rank(), next = (r + 1) % P, prev = (r + P - 1) % P;
-  const int64_t c = q.dim(1) / 2;
   Merged merged(q.dim(0), q.dim(1), q.dim(2), q.dim(3));
   Tensor held = pack_kv(k, v), incoming = Tensor::empty(held.shape(), held.dtype());
   for (int i = 0; i < P; ++i) {
@@ -251,15 +275,8 @@ Tensor cp_attention_forward(const Tensor& q, const Tensor& k, const Tensor& v,
       send = group.isend(held, next, kKvTag);
       recv = group.irecv(incoming, prev, kKvTag);
     }
-    const int source = (r - i + P) % P;
-    const Tensor kb = half_of(held, 0, k.shape()), vb = half_of(held, 1, v.shape());
-    if (i == 0 || !a.causal) {
-      ring_block(q, kb, vb, a, a.causal && i == 0, 0, merged);
-    } else if (source < r) {
-      ring_block(q, tokens(kb, 0, c), tokens(vb, 0, c), a, false, 0, merged);
-    } else {
-      ring_block(tokens(q, c, c), kb, vb, a, false, c, merged);
-    }
+    ring_block(ring_step(i, r, P, q.dim(1), a.causal), q, half_of(held, 0, k.shape()),
+               half_of(held, 1, v.shape()), a, merged);
     if (i + 1 < P) {
       send.wait();
       recv.wait();
@@ -291,7 +308,6 @@ void cp_attention_backward(const Tensor& dout, DotProductAttention::Context& ctx
   }
   const Tensor &q = ctx.q, &k = ctx.k, &v = ctx.v, &out = ctx.out, &lse = ctx.lse;
   const int P = group.size(), r = group.rank(), next = (r + 1) % P, prev = (r + P - 1) % P;
-  const int64_t c = q.dim(1) / 2;
   Tensor dq_sum = Tensor::zeros(q.shape(), DType::F32);
   Tensor held = pack_kv(k, v), incoming = Tensor::empty(held.shape(), held.dtype());
   // Each block's dK/dV sums (F32), double-buffered: one may still be in flight.
@@ -310,35 +326,20 @@ void cp_attention_backward(const Tensor& dout, DotProductAttention::Context& ctx
     dkv_sent[i % 2].wait();
     sum.zero_();
     Tensor dk_sum = half_of(sum, 0, k.shape()), dv_sum = half_of(sum, 1, v.shape());
-    const int source = (r - i + P) % P;
-    const Tensor kb = half_of(held, 0, k.shape()), vb = half_of(held, 1, v.shape());
+    const RingStep step = ring_step(i, r, P, q.dim(1), a.causal);
+    const int64_t q0 = step.q_begin, qn = step.q_count, kvn = step.kv_count;
     ops::AttentionOptions b = a;
-    b.causal = a.causal && i == 0;
-    if (i == 0 || !a.causal) {
-      Tensor dqp = Tensor::empty(q.shape(), q.dtype()), dkp = Tensor::empty(k.shape(), k.dtype()),
-             dvp = Tensor::empty(v.shape(), v.dtype());
-      ops::flash_attention_backward(q, kb, vb, out, lse, g, b, dqp, dkp, dvp);
-      add_tokens(dq_sum, 0, dqp);
-      add_tokens(dk_sum, 0, dkp);
-      add_tokens(dv_sum, 0, dvp);
-    } else if (source < r) {
-      const Tensor k1 = tokens(kb, 0, c), v1 = tokens(vb, 0, c);
-      Tensor dqp = Tensor::empty(q.shape(), q.dtype()), dkp = Tensor::empty(k1.shape(), k.dtype()),
-             dvp = Tensor::empty(v1.shape(), v.dtype());
-      ops::flash_attention_backward(q, k1, v1, out, lse, g, b, dqp, dkp, dvp);
-      add_tokens(dq_sum, 0, dqp);
-      add_tokens(dk_sum, 0, dkp);
-      add_tokens(dv_sum, 0, dvp);
-    } else {
-      const Tensor q2 = tokens(q, c, c), o2 = tokens(out, c, c), g2 = tokens(g, c, c);
-      const Tensor l2 = lse_rows(lse, c, c);
-      Tensor dqp = Tensor::empty(q2.shape(), q.dtype()), dkp = Tensor::empty(k.shape(), k.dtype()),
-             dvp = Tensor::empty(v.shape(), v.dtype());
-      ops::flash_attention_backward(q2, kb, vb, o2, l2, g2, b, dqp, dkp, dvp);
-      add_tokens(dq_sum, c, dqp);
-      add_tokens(dk_sum, 0, dkp);
-      add_tokens(dv_sum, 0, dvp);
-    }
+    b.causal = step.causal;
+    const Tensor qs = span(q, q0, qn), ks = span(half_of(held, 0, k.shape()), 0, kvn),
+                 vs = span(half_of(held, 1, v.shape()), 0, kvn);
+    const Tensor ls = q0 == 0 && qn == q.dim(1) ? lse : lse_rows(lse, q0, qn);
+    Tensor dqp = Tensor::empty(qs.shape(), q.dtype()), dkp = Tensor::empty(ks.shape(), k.dtype()),
+           dvp = Tensor::empty(vs.shape(), v.dtype());
+    ops::flash_attention_backward(qs, ks, vs, span(out, q0, qn), ls, span(g, q0, qn), b, dqp, dkp,
+                                  dvp);
+    add_tokens(dq_sum, q0, dqp);
+    add_tokens(dk_sum, 0, dkp);
+    add_tokens(dv_sum, 0, dvp);
     if (i > 0) {
       dkv_recv.wait();
       float* s = sum.data<float>();
