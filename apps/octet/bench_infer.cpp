@@ -3,9 +3,10 @@
 // concurrent requests, KV-cache waste — beside the same model generating with its own KV
 // cache in PyTorch 1.13 (bench/peers/torch_infer.py), alternating ours and the peer's run of
 // each case round by round and reporting the median per-round ratio. The machine's memory
-// bandwidth, measured in the same run, gives the batch-1 decode roofline (weight bytes read
-// per token / bandwidth).
+// bandwidth, measured before every batch-1 decode step, gives that step's roofline (weight
+// bytes read per token / bandwidth); each case also prints where its decode step goes.
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <cmath>
@@ -21,6 +22,7 @@
 #include "bench_common.h"
 #include "commands.h"
 #include "octet/engine.h"
+#include "octet/profile.h"
 
 namespace octet::cli {
 namespace {
@@ -56,29 +58,28 @@ double percentile(std::vector<double> values, double p) {
   return values[low] + (values[high] - values[low]) * (at - static_cast<double>(low));
 }
 
-// Streaming read bandwidth: the best of a few sums over a buffer far larger than the caches
-// (integer sums: they vectorize without reassociation flags, so the loop is memory-bound).
-// Measured again in every round, beside the decode it is the roofline of: on a shared
-// machine the bandwidth moves from minute to minute.
+// Streaming read bandwidth: sums over a buffer far larger than the caches (integer sums:
+// they vectorize without reassociation flags, so the loop is memory-bound). On a shared
+// machine the bandwidth moves from second to second (20 to 45 GB/s within a minute on one
+// VM), so the batch-1 roofline is measured step by step: before every timed decode step, one
+// read of as many bytes as the step's weights.
 class Bandwidth {
  public:
-  double measure_gbs(int reps = 3) {
-    double best = 0.0;
-    for (int rep = 0; rep < reps; ++rep) {
-      const auto start = Clock::now();
-      bench::parallel_for(count_, [&](int64_t begin, int64_t end, int thread) OCTET_BENCH_INLINE {
-        uint32_t sum = 0;
-        const uint32_t* data = buffer_.data();
-        for (int64_t i = begin; i < end; ++i) sum += data[i];
-        partial_[static_cast<size_t>(thread)] = sum;
-      });
-      const double s = seconds_since(start);
-      uint32_t total = 0;
-      for (uint32_t p : partial_) total += p;
-      if (total == 1) std::printf("?");  // keeps the sums alive
-      best = std::max(best, static_cast<double>(count_) * 4.0 / s / 1e9);
-    }
-    return best;
+  // Seconds to read `bytes` (at most the buffer) once, on every thread.
+  double stream_seconds(double bytes) {
+    const int64_t count = std::min(count_, static_cast<int64_t>(bytes / 4.0));
+    const auto start = Clock::now();
+    bench::parallel_for(count, [&](int64_t begin, int64_t end, int thread) OCTET_BENCH_INLINE {
+      uint32_t sum = 0;
+      const uint32_t* data = buffer_.data();
+      for (int64_t i = begin; i < end; ++i) sum += data[i];
+      partial_[static_cast<size_t>(thread)] = sum;
+    });
+    const double s = seconds_since(start);
+    uint32_t total = 0;
+    for (uint32_t p : partial_) total += p;
+    if (total == 1) std::printf("?");  // keeps the sums alive
+    return s;
   }
 
  private:
@@ -97,6 +98,14 @@ struct CaseResult {
   double prefill_ms = 0;  // all B prompts
   double decode_ms = 0;   // median per step of B sequences
   double kv_waste = 0;    // 1 - KV utilization while decoding
+  // With a roofline asked for: the median over steps of (time to stream the weight bytes /
+  // the decode step after it), and the bandwidth those reads measured (GB/s, median).
+  double roofline_share = 0;
+  double bandwidth_gbs = 0;
+  // Where a decode step goes: mean ms per step in each profile::Category (the engine's
+  // thread; the operators' OpenMP workers run inside its scopes), and the whole step.
+  std::array<double, profile::kCategories> breakdown_ms{}, breakdown_calls{};
+  double step_mean_ms = 0;
 };
 
 EngineOptions engine_options(const Options& o, DType dtype, int64_t batch, int64_t tokens) {
@@ -111,8 +120,10 @@ EngineOptions engine_options(const Options& o, DType dtype, int64_t batch, int64
   return e;
 }
 
-// B prompts prefilled, then `steps` decode steps timed one by one.
-CaseResult run_ours(GPT& model, const Options& o, DType dtype, int64_t batch, std::mt19937& rng) {
+// B prompts prefilled, then `steps` decode steps timed one by one; with `bandwidth`, each
+// step after a timed read of `weight_bytes` (the step's roofline, measured beside it).
+CaseResult run_ours(GPT& model, const Options& o, DType dtype, int64_t batch, std::mt19937& rng,
+                    Bandwidth* bandwidth = nullptr, double weight_bytes = 0) {
   Engine engine(model, engine_options(o, dtype, batch, o.prompt + o.steps + 2));
   std::vector<int64_t> produced(static_cast<size_t>(batch), 0);
   int64_t started = 0;
@@ -132,13 +143,41 @@ CaseResult run_ours(GPT& model, const Options& o, DType dtype, int64_t batch, st
   while (started < batch) engine.step();
   result.prefill_ms = seconds_since(start) * 1e3;
   std::vector<double> step_ms;
+  std::vector<double> shares, gbs;
   double utilization = 0;  // averaged over the decode steps: sequences of every length
+  profile::start();
   for (int64_t s = 0; s < o.steps; ++s) {
+    double stream_s = 0;
+    if (bandwidth != nullptr) {
+      stream_s = bandwidth->stream_seconds(weight_bytes);
+    }
     const auto step_start = Clock::now();
     engine.step();
-    step_ms.push_back(seconds_since(step_start) * 1e3);
+    const double step_s = seconds_since(step_start);
+    step_ms.push_back(step_s * 1e3);
     utilization += engine.stats().kv_utilization;
+    if (bandwidth != nullptr) {
+      shares.push_back(stream_s / step_s);
+      gbs.push_back(weight_bytes / stream_s / 1e9);
+    }
   }
+  // The reads ran inside the profiled span but in no category, and outside the timed steps.
+  const profile::Totals totals = profile::totals();
+  profile::stop();
+  if (bandwidth != nullptr) {
+    result.roofline_share = bench::median(shares);
+    result.bandwidth_gbs = bench::median(gbs);
+  }
+  const auto steps = static_cast<double>(o.steps);
+  for (int c = 0; c < profile::kCategories; ++c) {
+    result.breakdown_ms[static_cast<size_t>(c)] =
+        totals.seconds[static_cast<size_t>(c)] * 1e3 / steps;
+    result.breakdown_calls[static_cast<size_t>(c)] =
+        static_cast<double>(totals.calls[static_cast<size_t>(c)]) / steps;
+  }
+  double total_ms = 0;
+  for (double ms : step_ms) total_ms += ms;
+  result.step_mean_ms = total_ms / steps;
   result.decode_ms = bench::median(step_ms);
   result.kv_waste = 1.0 - utilization / static_cast<double>(o.steps);
   engine.shutdown(false);
@@ -204,6 +243,9 @@ struct Series {
   std::vector<double> ours_prefill, ours_decode, peer_prefill, peer_decode, ratio_decode,
       ratio_prefill, waste, fp8_decode, fp8_ratio;
   std::vector<double> bandwidth, roofline_share, fp8_roofline_share;  // batch 1 only
+  // Summed over the rounds: mean ms per decode step by category, and the whole step.
+  std::array<double, profile::kCategories> breakdown_ms{}, breakdown_calls{};
+  double step_mean_ms = 0;
 };
 
 // The PyTorch peer, asked for one case at a time; 0 when it is absent or stopped.
@@ -259,24 +301,29 @@ std::vector<Series> run_rounds(GPT& model, const Options& o, DType dtype, Peer& 
         peer_prefill = peer.ask("prefill", batch);
       };
       if (round % 2 == 1) run_peer();  // alternate who goes first, round by round
-      const double gbs = batch == 1 ? bandwidth.measure_gbs() : 0.0;
-      const CaseResult ours = run_ours(model, o, dtype, batch, rng);
+      const bool roofline = batch == 1;
+      const CaseResult ours =
+          run_ours(model, o, dtype, batch, rng, roofline ? &bandwidth : nullptr, weight_bytes);
       s.ours_prefill.push_back(static_cast<double>(batch * o.prompt) / ours.prefill_ms * 1e3);
       s.ours_decode.push_back(static_cast<double>(batch) / ours.decode_ms * 1e3);
       s.waste.push_back(ours.kv_waste);
-      if (batch == 1) {
-        s.bandwidth.push_back(gbs);
-        s.roofline_share.push_back(s.ours_decode.back() / (gbs * 1e9 / weight_bytes));
+      for (size_t c = 0; c < s.breakdown_ms.size(); ++c) {
+        s.breakdown_ms[c] += ours.breakdown_ms[c];
+        s.breakdown_calls[c] += ours.breakdown_calls[c];
+      }
+      s.step_mean_ms += ours.step_mean_ms;
+      if (roofline) {
+        s.bandwidth.push_back(ours.bandwidth_gbs);
+        s.roofline_share.push_back(ours.roofline_share);
       }
       if (o.fp8_weights) {
         model.set_inference_fp8_weights(true);
-        const CaseResult fp8 = run_ours(model, o, dtype, batch, rng);
+        const CaseResult fp8 =
+            run_ours(model, o, dtype, batch, rng, roofline ? &bandwidth : nullptr, fp8_bytes);
         model.set_inference_fp8_weights(false);
         s.fp8_decode.push_back(static_cast<double>(batch) / fp8.decode_ms * 1e3);
         s.fp8_ratio.push_back(ours.decode_ms / fp8.decode_ms);
-        if (batch == 1) {
-          s.fp8_roofline_share.push_back(s.fp8_decode.back() / (gbs * 1e9 / fp8_bytes));
-        }
+        if (roofline) s.fp8_roofline_share.push_back(fp8.roofline_share);
       }
       if (round % 2 == 0) run_peer();
       if (peer_decode > 0 && peer_prefill > 0) {
@@ -354,17 +401,40 @@ void print_roofline(const Options& o, const std::vector<Series>& series, double 
     if (o.batches[i] != 1) continue;
     const double gbs = bench::median(s.bandwidth);
     std::printf(
-        "batch-1 decode: %.1f tokens/s; bandwidth %.1f GB/s (median of rounds) -> roofline "
-        "%.1f tokens/s; share of the roofline per round %s\n",
+        "batch-1 decode: %.1f tokens/s; bandwidth %.1f GB/s (read before each step; median) -> "
+        "roofline %.1f tokens/s; share of the roofline (median over steps of the weight bytes' "
+        "read time / the step) per round %s\n",
         bench::median(s.ours_decode), gbs, gbs * 1e9 / weight_bytes,
         bench::median_range(s.roofline_share, "%.2f").c_str());
     if (!s.fp8_roofline_share.empty()) {
       std::printf(
-          "batch-1 decode, FP8 weights: %.1f tokens/s; roofline %.1f tokens/s; share per "
-          "round %s\n",
+          "batch-1 decode, FP8 weights: %.1f tokens/s; roofline %.1f tokens/s; share (median "
+          "over steps) per round %s\n",
           bench::median(s.fp8_decode), gbs * 1e9 / fp8_bytes,
           bench::median_range(s.fp8_roofline_share, "%.2f").c_str());
     }
+  }
+}
+
+// Where the decode step goes, per batch size (means over the rounds' steps): the categories
+// the engine's thread spent its time in, the rest (sampling, scheduling, the block tables,
+// glue between operators) as "other".
+void print_breakdown(const Options& o, const std::vector<Series>& series) {
+  for (size_t i = 0; i < o.batches.size(); ++i) {
+    const Series& s = series[i];
+    const double rounds = static_cast<double>(o.rounds);
+    const double step = s.step_mean_ms / rounds;
+    std::printf("decode step, batch %lld: %.2f ms:", static_cast<long long>(o.batches[i]), step);
+    double other = step;
+    for (int c = 0; c < profile::kCategories; ++c) {
+      const double ms = s.breakdown_ms[static_cast<size_t>(c)] / rounds;
+      other -= ms;
+      if (ms < 0.005) continue;
+      std::printf(" %s %.2f (%.0f%%, %.0f calls),",
+                  profile::category_name(static_cast<profile::Category>(c)), ms, 100.0 * ms / step,
+                  s.breakdown_calls[static_cast<size_t>(c)] / rounds);
+    }
+    std::printf(" other %.2f (%.0f%%)\n", other, 100.0 * other / step);
   }
 }
 
@@ -412,6 +482,7 @@ void run_bench(const Options& o) {
   print_cases(o, series);
   if (o.fp8_weights) print_fp8(o, series, fp8_bytes);
   print_roofline(o, series, weight_bytes, fp8_bytes);
+  print_breakdown(o, series);
   if (o.clients > 0) print_latency(model, o, dtype, rng);
 }
 

@@ -230,6 +230,25 @@ TEST(GemmSmallRows, EveryEpilogueMatchesReference) {
   }
 }
 
+// The kernel's column blocks: 8 at a time up to 2 rows, then 4, then one by one; N = 77 leaves
+// 4 + 1 after the eights, and N = 333 at K = 1000 is split between the threads (166 and 167
+// columns: 4 + 2 and 4 + 3 after the eights).
+TEST(GemmSmallRows, ColumnBlocksOfEightFourAndOne) {
+  for (int64_t m : {1, 2, 3}) {
+    for (auto [n, k] : {std::pair<int64_t, int64_t>{77, 96}, {333, 1000}}) {
+      Tensor a = random_tensor({m, k}, 41, 1.0f).to(DType::BF16);
+      Tensor b = random_tensor({n, k}, 42, 1.0f).to(DType::BF16);
+      Tensor c = Tensor::empty({m, n}, DType::F32);
+      gemm(a, b, c, false, true);
+      Tensor expected = Tensor::empty({m, n}, DType::F32);
+      gemm_reference(a, b, expected, false, true);
+      expect_close(c, expected, magnitude(a, b, false, true, m, n),
+                   2.0 * (static_cast<double>(k) + 2.0) * kUnitRoundoff, 0.0, 0.0,
+                   "m=" + std::to_string(m) + " n=" + std::to_string(n));
+    }
+  }
+}
+
 // Large and tiny magnitudes and a long K through the kernel. VDPBF16PS (here as in oneDNN's
 // BF16 kernels) flushes subnormal products and sums to zero: at most FLT_MIN per term.
 TEST(GemmSmallRows, LargeAndTinyMagnitudes) {

@@ -6,6 +6,7 @@
 #include <cstring>
 #include <limits>
 #include <string>
+#include <string_view>
 
 #include "octet/cpu_features.h"
 #include "octet/tensor.h"
@@ -151,6 +152,24 @@ TEST(Tensor, ErrorsNameExpectedAndGot) {
   EXPECT_THROW(Tensor::empty({2}, DType::F32, Device::CUDA), Error);
   Tensor undefined;
   EXPECT_THROW(undefined.raw(), Error);
+}
+
+// Error texts: pieces that are all text are appended (the checks' names, on every call),
+// anything else goes through a stream, and both read alike.
+TEST(Errors, ConcatOfTextAndOfNumbers) {
+  const std::string name = "layernorm_forward";
+  const std::string_view view = ": gamma";
+  const char* pointer = " expected [C]";
+  EXPECT_EQ(detail::concat(name, view, pointer, "!"), "layernorm_forward: gamma expected [C]!");
+  EXPECT_EQ(detail::concat("rows ", 3, ", scale ", 0.5f, ' ', name),
+            "rows 3, scale 0.5 layernorm_forward");
+  EXPECT_EQ(detail::concat(), "");
+  try {
+    OCTET_CHECK(name.empty(), name, view, " got ", 768);
+    FAIL() << "OCTET_CHECK did not throw";
+  } catch (const Error& e) {
+    EXPECT_STREQ(e.what(), "layernorm_forward: gamma got 768");
+  }
 }
 
 TEST(Tensor, ConversionsRoundTrip) {

@@ -12,6 +12,10 @@
 namespace octet::ops::cpu {
 namespace {
 
+// Forward passes below this many elements run on the calling thread: a decode step's row or
+// two is done before a second thread would have woken.
+constexpr int64_t kParallelMinElements = int64_t{1} << 14;
+
 struct RowParams {
   ActivationKind kind = ActivationKind::GeluTanh;
   const float* bias = nullptr;  // [F_in], zeros when the op has no bias
@@ -187,8 +191,8 @@ void run_forward(const Tensor& x, Tensor& y, const RowParams& p, int64_t in_cols
   ForwardRow<In, float> row_f32 = pick_forward<In, float>();
   float amax = 0.0f;
   bool saw_nan = false;
-#pragma omp parallel reduction(max : amax) reduction(|| : saw_nan)
-  {
+  // The rows on the calling thread (an orphaned `omp for`: inside a region they are shared).
+  auto rows_body = [&](float& amax_out, bool& nan_out) {
     std::vector<float> staged(fp8 ? static_cast<size_t>(n) : 0);
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < rows; ++r) {
@@ -197,9 +201,16 @@ void run_forward(const Tensor& x, Tensor& y, const RowParams& p, int64_t in_cols
         continue;
       }
       row_f32(xs + r * in_cols, staged.data(), p);
-      merge_amax(finish_fp8_row(staged.data(), n, fp8, r * n, ys ? ys + r * n : nullptr), amax,
-                 saw_nan);
+      merge_amax(finish_fp8_row(staged.data(), n, fp8, r * n, ys ? ys + r * n : nullptr), amax_out,
+                 nan_out);
     }
+  };
+  // Small inputs never enter a parallel region (even an `if (false)` one wakes the pool).
+  if (rows * n < kParallelMinElements) {
+    rows_body(amax, saw_nan);
+  } else {
+#pragma omp parallel reduction(max : amax) reduction(|| : saw_nan)
+    rows_body(amax, saw_nan);
   }
   if (fp8) fp8->amax = saw_nan ? NAN : amax;
 }

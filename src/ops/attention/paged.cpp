@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "octet/ops/attention.h"
+#include "octet/profile.h"
 #include "ops/attention/vec.h"
 #include "ops/device_dispatch.h"
 
@@ -433,6 +434,7 @@ void paged_attention_decode(const Tensor& q, const Tensor& k_pool, const Tensor&
                             const Tensor* v_scale) {
   const Device device = device_of("paged_attention_decode",
                                   {&q, &k_pool, &v_pool, &block_tables, &context_lens, &out});
+  const profile::Scope scope(profile::Category::Attention);
   if (device == Device::CPU) {
     return cpu::paged_attention_decode(q, k_pool, v_pool, block_tables, context_lens, options, out,
                                        k_scale, v_scale);

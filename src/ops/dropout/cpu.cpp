@@ -11,6 +11,10 @@
 namespace octet::ops::cpu {
 namespace {
 
+// Forward passes below this many elements run on the calling thread: a decode step's row or
+// two is done before a second thread would have woken.
+constexpr int64_t kParallelMinElements = int64_t{1} << 14;
+
 // factor[c] = 1/(1-p) if element (first + c) is kept, else 0.
 void fill_factors(const DropoutParams& d, int64_t first, int64_t count, float* factor) {
   const float kept = 1.0f / (1.0f - d.probability);
@@ -88,14 +92,21 @@ void run_forward(const Tensor& x, const float* bias, const Tensor& residual, con
   const In* xs = x.data<In>();
   const Res* rs = residual.data<Res>();
   Out* os = out.data<Out>();
-#pragma omp parallel
-  {
+  // The rows on the calling thread (an orphaned `omp for`: inside a region they are shared).
+  auto rows_body = [&] {
     std::vector<float> factor(static_cast<size_t>(cols));
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < rows; ++r) {
       fill_factors(d, r * cols, cols, factor.data());
       row(xs + r * cols, bias, rs + r * cols, factor.data(), os + r * cols, cols);
     }
+  };
+  // Small inputs never enter a parallel region (even an `if (false)` one wakes the pool).
+  if (rows * cols < kParallelMinElements) {
+    rows_body();
+  } else {
+#pragma omp parallel
+    rows_body();
   }
 }
 
