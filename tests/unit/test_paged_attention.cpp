@@ -82,6 +82,7 @@ TEST(PagedAttention, MatchesTheReferenceOnEveryPath) {
       {2, 1, 24, 5, {40, 3}},             // head size not a multiple of the vector width
       {4, 2, 32, 8, {100, 9}, 1.0f, 20},  // left window
       {4, 4, 32, 16, {257, 64}, 300.0f},  // scores in the thousands
+      {20, 4, 128, 8, {70, 1200}},        // two groups of heads; partitions of 256 past 1024
   };
   uint32_t seed = 1;
   for (const PagedCase& c : cases) {
