@@ -178,10 +178,104 @@ struct PagedArgs {
   const float* table = nullptr;  // e4m3_table() for FP8 pools
 };
 
+// The rows of a task's keys, a chunk of kChunk at a time: located by walking the block table
+// (no division per key), and the next chunk's asked for before the chunk in hand is summed
+// (the K and V runs of the task's heads: the step's weights have pushed them out of the
+// cache, and memory works while the chunk in hand is computed).
+template <typename T, typename P>
+class ChunkRows {
+ public:
+  ChunkRows(const PagedArgs<T, P>& a, int64_t seq, int64_t h0, int64_t h1, int64_t begin,
+            int64_t end)
+      : a_(a),
+        s_(*a.s),
+        table_(a.tables + seq * a.s->table_width),
+        end_(end),
+        block_(begin / a.s->block_size),
+        offset_(begin % a.s->block_size) {
+    const int64_t group = s_.heads / s_.kv_heads;
+    hk0_ = h0 / group;
+    run_bytes_ = ((h1 - 1) / group + 1 - hk0_) * s_.head_dim * static_cast<int64_t>(sizeof(P));
+    locate(begin, slots_[0]);
+  }
+  // The slots of chunk `index` (keys from c0; chunks taken in order).
+  const int64_t* chunk(int64_t c0, int64_t index) {
+    if (c0 + kChunk < end_) locate(c0 + kChunk, slots_[(index + 1) % 2]);
+    return slots_[index % 2];
+  }
+
+ private:
+  void locate(int64_t c0, int64_t* slots) {
+    const int64_t n = std::min(end_ - c0, kChunk), row = s_.kv_heads * s_.head_dim;
+    for (int64_t j = 0; j < n; ++j) {
+      slots[j] = static_cast<int64_t>(table_[block_]) * s_.block_size + offset_;
+      if (++offset_ == s_.block_size) {
+        offset_ = 0;
+        ++block_;
+      }
+    }
+    for (int64_t j = 0; j < n; ++j) {
+      const char* kj = reinterpret_cast<const char*>(a_.k + slots[j] * row + hk0_ * s_.head_dim);
+      const char* vj = reinterpret_cast<const char*>(a_.v + slots[j] * row + hk0_ * s_.head_dim);
+      for (int64_t byte = 0; byte < run_bytes_; byte += 64) {
+        __builtin_prefetch(kj + byte);
+        __builtin_prefetch(vj + byte);
+      }
+    }
+  }
+
+  const PagedArgs<T, P>& a_;
+  const PagedShape& s_;
+  const int32_t* table_;
+  int64_t end_, block_, offset_, hk0_ = 0, run_bytes_ = 0;
+  int64_t slots_[2][kChunk];
+};
+
+// A task's start: each of its H heads' query, scaled, into qf [H, D], and the head's record
+// (max, sum, D values) cleared.
+template <typename T, typename P>
+OCTET_ALWAYS_INLINE void start_task(const PagedArgs<T, P>& a, int64_t seq, int64_t h0, int64_t H,
+                                    float* qf, float* part) {
+  const PagedShape& s = *a.s;
+  const int64_t D = s.head_dim;
+  for (int64_t h = 0; h < H; ++h) {
+    const T* q = a.q + (seq * s.heads + h0 + h) * D;
+    for (int64_t d = 0; d < D; ++d) qf[h * D + d] = simd::load(q[d]) * s.scale;
+    float* ph = part + h * (2 + D);
+    ph[0] = -std::numeric_limits<float>::infinity();
+    ph[1] = 0.0f;
+    for (int64_t d = 0; d < D; ++d) ph[2 + d] = 0.0f;
+  }
+}
+
+// One head's chunk of n scores turned into probabilities in place against the running
+// maximum (updated): returns the factor the head's running sums take (exp of the old maximum
+// less the new) and the chunk's probability sum. The maximum is subtracted before scaling
+// into base 2 (exact at any magnitude); the vector exp2 runs over the whole chunk, the lanes
+// past n at -inf (zero).
+struct ChunkWeights {
+  float rescale, sum;
+};
+template <int W>
+OCTET_ALWAYS_INLINE ChunkWeights chunk_probabilities(float* scores, int64_t n, float& max) {
+  float chunk_max = -std::numeric_limits<float>::infinity();
+  for (int64_t j = 0; j < n; ++j) chunk_max = std::max(chunk_max, scores[j]);
+  const float new_max = std::max(max, chunk_max);
+  const float rescale = std::exp2((max - new_max) * kLog2e);
+  max = new_max;
+  for (int64_t j = 0; j < n; ++j) scores[j] = (scores[j] - new_max) * kLog2e;
+  for (int64_t j = n; j < kChunk; ++j) scores[j] = -std::numeric_limits<float>::infinity();
+  for (int64_t j = 0; j < kChunk; j += W) {
+    vec::store<W>(scores + j, vec::exp2<W>(vec::load<W>(scores + j)));
+  }
+  float sum = 0.0f;
+  for (int64_t j = 0; j < n; ++j) sum += scores[j];
+  return {rescale, sum};
+}
+
 // One (sequence, heads [h0, h1), keys [begin, end)) task: for each head of the group its max,
 // sum of exp(score - max) and weighted sum of values, into part[(h - h0) * (2 + D)] onward
-// (max, sum, then D values). Keys go in chunks of kChunk: their rows located by walking the
-// block table (no division per key) and asked for one chunk ahead, then every head's scores,
+// (max, sum, then D values). Keys go in chunks of kChunk (ChunkRows): every head's scores,
 // one rescale of each head's running sums per chunk, and the chunk's values. The heads of a
 // group lie side by side in a token's row, so a task reads each row of the pools as one run
 // (vLLM's kernel takes one head per thread block; here a head per task read one cache line
@@ -193,48 +287,14 @@ OCTET_ALWAYS_INLINE void partition_task(const PagedArgs<T, P>& a, int64_t seq, i
   const int64_t D = s.head_dim, group = s.heads / s.kv_heads, H = h1 - h0;
   const int64_t row = s.kv_heads * D;  // elements per token in a pool
   const int64_t stride = 2 + D;
-  const int64_t hk0 = h0 / group, hk1 = (h1 - 1) / group + 1;  // the kv heads read
-  const int32_t* table = a.tables + seq * s.table_width;
   alignas(64) float qf[kMaxGroupHeads * 256];
-  for (int64_t h = 0; h < H; ++h) {
-    const T* q = a.q + (seq * s.heads + h0 + h) * D;
-    for (int64_t d = 0; d < D; ++d) qf[h * D + d] = simd::load(q[d]) * s.scale;
-    float* ph = part + h * stride;
-    ph[0] = -std::numeric_limits<float>::infinity();
-    ph[1] = 0.0f;
-    for (int64_t d = 0; d < D; ++d) ph[2 + d] = 0.0f;
-  }
+  start_task(a, seq, h0, H, qf, part);
   const int64_t Dv = D / W * W;
   alignas(64) float scores[kMaxGroupHeads][kChunk];
-  int64_t slot_buffers[2][kChunk];
-  int64_t block = begin / s.block_size, offset = begin % s.block_size;
-  const int64_t run_bytes = (hk1 - hk0) * D * static_cast<int64_t>(sizeof(P));
-  // Locates the rows of the next n keys and asks for their runs (K and V): the step's weights
-  // have pushed them out of the cache.
-  auto locate = [&](int64_t n, int64_t* slots) {
-    for (int64_t j = 0; j < n; ++j) {
-      slots[j] = static_cast<int64_t>(table[block]) * s.block_size + offset;
-      if (++offset == s.block_size) {
-        offset = 0;
-        ++block;
-      }
-    }
-    for (int64_t j = 0; j < n; ++j) {
-      const char* kj = reinterpret_cast<const char*>(a.k + slots[j] * row + hk0 * D);
-      const char* vj = reinterpret_cast<const char*>(a.v + slots[j] * row + hk0 * D);
-      for (int64_t byte = 0; byte < run_bytes; byte += 64) {
-        __builtin_prefetch(kj + byte);
-        __builtin_prefetch(vj + byte);
-      }
-    }
-  };
-  locate(std::min(end - begin, kChunk), slot_buffers[0]);
+  ChunkRows<T, P> rows(a, seq, h0, h1, begin, end);
   for (int64_t c0 = begin, chunk = 0; c0 < end; c0 += kChunk, ++chunk) {
     const int64_t n = std::min(end - c0, kChunk);
-    const int64_t* slots = slot_buffers[chunk % 2];
-    if (c0 + kChunk < end) {
-      locate(std::min(end - c0 - kChunk, kChunk), slot_buffers[(chunk + 1) % 2]);
-    }
+    const int64_t* slots = rows.chunk(c0, chunk);
     // Scores, key by key across the group's heads (one run of the K row).
     for (int64_t j = 0; j < n; ++j) {
       for (int64_t h = 0; h < H; ++h) {
@@ -250,26 +310,12 @@ OCTET_ALWAYS_INLINE void partition_task(const PagedArgs<T, P>& a, int64_t seq, i
         scores[h][j] = score;
       }
     }
-    // Each head's running sums rescaled once, its probabilities by the vector exp2 (the
-    // maximum subtracted before scaling into base 2: exact at any magnitude).
+    // Each head's running sums rescaled once per chunk.
     for (int64_t h = 0; h < H; ++h) {
       float* ph = part + h * stride;
-      float chunk_max = -std::numeric_limits<float>::infinity();
-      for (int64_t j = 0; j < n; ++j) chunk_max = std::max(chunk_max, scores[h][j]);
-      const float new_max = std::max(ph[0], chunk_max);
-      const float rescale = std::exp2((ph[0] - new_max) * kLog2e);
-      ph[0] = new_max;
-      ph[1] *= rescale;
-      for (int64_t d = 0; d < D; ++d) ph[2 + d] *= rescale;
-      float* sh = scores[h];
-      for (int64_t j = 0; j < n; ++j) sh[j] = (sh[j] - new_max) * kLog2e;
-      for (int64_t j = n; j < kChunk; ++j) sh[j] = -std::numeric_limits<float>::infinity();
-      for (int64_t j = 0; j < kChunk; j += W) {
-        vec::store<W>(sh + j, vec::exp2<W>(vec::load<W>(sh + j)));
-      }
-      float sum = 0.0f;
-      for (int64_t j = 0; j < n; ++j) sum += sh[j];
-      ph[1] += sum;
+      const ChunkWeights w = chunk_probabilities<W>(scores[h], n, ph[0]);
+      ph[1] = ph[1] * w.rescale + w.sum;
+      for (int64_t d = 0; d < D; ++d) ph[2 + d] *= w.rescale;
     }
     // Values, key by key across the heads (one run of the V row).
     for (int64_t j = 0; j < n; ++j) {
@@ -335,45 +381,13 @@ OCTET_ALWAYS_INLINE void partition_task16(const PagedArgs<T, P>& a, int64_t seq,
   const int64_t group = s.heads / s.kv_heads, H = h1 - h0;
   const int64_t row = s.kv_heads * D;
   const int64_t stride = 2 + D;
-  const int64_t hk0 = h0 / group, hk1 = (h1 - 1) / group + 1;
-  const int32_t* table = a.tables + seq * s.table_width;
   alignas(64) float qf[kMaxGroupHeads * D];
-  for (int64_t h = 0; h < H; ++h) {
-    const T* q = a.q + (seq * s.heads + h0 + h) * D;
-    for (int64_t d = 0; d < D; ++d) qf[h * D + d] = simd::load(q[d]) * s.scale;
-    float* ph = part + h * stride;
-    ph[0] = -std::numeric_limits<float>::infinity();
-    ph[1] = 0.0f;
-    for (int64_t d = 0; d < D; ++d) ph[2 + d] = 0.0f;
-  }
+  start_task(a, seq, h0, H, qf, part);
   alignas(64) float scores[kChunk];
-  int64_t slot_buffers[2][kChunk];
-  int64_t block = begin / s.block_size, offset = begin % s.block_size;
-  const int64_t run_bytes = (hk1 - hk0) * D * static_cast<int64_t>(sizeof(P));
-  auto locate = [&](int64_t n, int64_t* slots) {
-    for (int64_t j = 0; j < n; ++j) {
-      slots[j] = static_cast<int64_t>(table[block]) * s.block_size + offset;
-      if (++offset == s.block_size) {
-        offset = 0;
-        ++block;
-      }
-    }
-    for (int64_t j = 0; j < n; ++j) {
-      const char* kj = reinterpret_cast<const char*>(a.k + slots[j] * row + hk0 * D);
-      const char* vj = reinterpret_cast<const char*>(a.v + slots[j] * row + hk0 * D);
-      for (int64_t byte = 0; byte < run_bytes; byte += 64) {
-        __builtin_prefetch(kj + byte);
-        __builtin_prefetch(vj + byte);
-      }
-    }
-  };
-  locate(std::min(end - begin, kChunk), slot_buffers[0]);
+  ChunkRows<T, P> rows(a, seq, h0, h1, begin, end);
   for (int64_t c0 = begin, chunk = 0; c0 < end; c0 += kChunk, ++chunk) {
     const int64_t n = std::min(end - c0, kChunk);
-    const int64_t* slots = slot_buffers[chunk % 2];
-    if (c0 + kChunk < end) {
-      locate(std::min(end - c0 - kChunk, kChunk), slot_buffers[(chunk + 1) % 2]);
-    }
+    const int64_t* slots = rows.chunk(c0, chunk);
     for (int64_t h = 0; h < H; ++h) {
       const int64_t hk = (h0 + h) / group;
       V qv[DV];
@@ -392,21 +406,10 @@ OCTET_ALWAYS_INLINE void partition_task16(const PagedArgs<T, P>& a, int64_t seq,
         for (int64_t j = 0; j < n; ++j) scores[j] *= a.k_scale[slots[j] * s.kv_heads + hk];
       }
       float* ph = part + h * stride;
-      float chunk_max = -std::numeric_limits<float>::infinity();
-      for (int64_t j = 0; j < n; ++j) chunk_max = std::max(chunk_max, scores[j]);
-      const float new_max = std::max(ph[0], chunk_max);
-      const float rescale = std::exp2((ph[0] - new_max) * kLog2e);
-      ph[0] = new_max;
-      for (int64_t j = 0; j < n; ++j) scores[j] = (scores[j] - new_max) * kLog2e;
-      for (int64_t j = n; j < kChunk; ++j) scores[j] = -std::numeric_limits<float>::infinity();
-      for (int64_t j = 0; j < kChunk; j += W) {
-        vec::store<W>(scores + j, vec::exp2<W>(vec::load<W>(scores + j)));
-      }
-      float sum = 0.0f;
-      for (int64_t j = 0; j < n; ++j) sum += scores[j];
-      ph[1] = ph[1] * rescale + sum;
+      const ChunkWeights w = chunk_probabilities<W>(scores, n, ph[0]);
+      ph[1] = ph[1] * w.rescale + w.sum;
       V acc[DV];
-      for (int v = 0; v < DV; ++v) acc[v] = vec::load<W>(ph + 2 + v * W) * rescale;
+      for (int v = 0; v < DV; ++v) acc[v] = vec::load<W>(ph + 2 + v * W) * w.rescale;
       for (int64_t j = 0; j < n; ++j) {
         float p = scores[j];
         if (a.v_scale != nullptr) p *= a.v_scale[slots[j] * s.kv_heads + hk];  // after the sum
