@@ -185,9 +185,11 @@ constexpr ColumnsFn kColumns[kPassRows] = {columns<W, 1>, columns<W, 2>, columns
                                            columns<W, 4>, columns<W, 5>, columns<W, 6>,
                                            columns<W, 7>, columns<W, 8>};
 
-// Rows up to which plain BF16 GEMMs take the kernel (OCTET_GEMM_SMALL_M=R, 0: never). Two by
-// default: with the weights beyond the cache, 1 and 2 rows measured faster than oneDNN's GEMM
-// (11.8 vs 14.4 ms, 14.0 vs 16.3 ms over GPT-2 124M's layers), 4 rows even.
+// Rows up to which plain BF16 GEMMs take the kernel (OCTET_GEMM_SMALL_M=R, 0: never). Eight by
+// default, one pass: with the weights beyond the cache, GPT-2 124M's decode GEMMs per step
+// took 5.2-7.8 ms through it at batch 4 against oneDNN's 9.0-9.2, and 7.0-9.4 against
+// 10.4-11.4 at batch 8 (an AMD EPYC VM, runs alternated); at 12 and 16 rows, two passes read
+// the weights twice and oneDNN is faster (14.2-14.7 ms against 11.3-12.4 at 12).
 int64_t max_rows() {
   static const int64_t rows = [] {
     const char* set = std::getenv("OCTET_GEMM_SMALL_M");
@@ -195,7 +197,7 @@ int64_t max_rows() {
     // the FMA), the widened GEMM reads 4 bytes per weight element and widens A and B first:
     // decode batches below 32 rows stay here (gpt2-124m decode at batch 8: 305 tokens/s
     // through oneDNN's BF16 matmul, 199 widened).
-    if (set == nullptr || *set == '\0') return gemm_bf16_native() ? int64_t{2} : int64_t{31};
+    if (set == nullptr || *set == '\0') return gemm_bf16_native() ? kPassRows : int64_t{31};
     char* end = nullptr;
     const long value = std::strtol(set, &end, 10);
     OCTET_CHECK(*end == '\0' && value >= 0 && value <= 64,

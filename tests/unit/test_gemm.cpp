@@ -208,11 +208,11 @@ TEST(GemmEpilogue, AllCombinationsMatchReference) {
   }
 }
 
-// One and two rows of BF16 take the weight-streaming kernel (gemm/small_m.h) where the
+// One to eight rows of BF16 take the weight-streaming kernel (gemm/small_m.h) where the
 // processor has AVX-512 BF16: every epilogue, plain and packed weights, K with a tail of 1,
 // N with a remainder past the blocks of 4 columns.
 TEST(GemmSmallRows, EveryEpilogueMatchesReference) {
-  for (int64_t m : {1, 2}) {
+  for (int64_t m : {1, 2, 8}) {
     for (bool packed : {false, true}) {
       for (DType out : {DType::F32, DType::BF16}) {
         for (float beta : {0.0f, 0.75f}) {
@@ -230,11 +230,12 @@ TEST(GemmSmallRows, EveryEpilogueMatchesReference) {
   }
 }
 
-// The kernel's column blocks: 8 at a time up to 2 rows, then 4, then one by one; N = 77 leaves
-// 4 + 1 after the eights, and N = 333 at K = 1000 is split between the threads (166 and 167
-// columns: 4 + 2 and 4 + 3 after the eights).
+// The kernel's column blocks: 8 at a time up to 2 rows (4 up to 4 rows, 2 past), then 4, then
+// one by one; N = 77 leaves 4 + 1 after the eights, and N = 333 at K = 1000 is split between the
+// threads (166 and 167 columns: 4 + 2 and 4 + 3 after the eights). Up to 8 rows take the kernel
+// by default where it runs.
 TEST(GemmSmallRows, ColumnBlocksOfEightFourAndOne) {
-  for (int64_t m : {1, 2, 3}) {
+  for (int64_t m : {1, 2, 3, 5, 8}) {
     for (auto [n, k] : {std::pair<int64_t, int64_t>{77, 96}, {333, 1000}}) {
       Tensor a = random_tensor({m, k}, 41, 1.0f).to(DType::BF16);
       Tensor b = random_tensor({n, k}, 42, 1.0f).to(DType::BF16);
