@@ -38,8 +38,9 @@ struct MatmulArgs {
   Activation activation = Activation::None;
 };
 void run_matmul(const MatmulArgs& args);
-// One row of BF16 A (up to OCTET_GEMM_SMALL_M rows) against a BF16 B stored [N, K], on
-// AVX-512 BF16: runs the weight-streaming kernel (gemm/small_m.h) and returns true; else false.
+// Few rows of BF16 A against a BF16 B stored [N, K], or packed by a PackedWeight in K pairs
+// (up to 8 and 16 rows by default, OCTET_GEMM_SMALL_M rows when set), on AVX-512 BF16: runs the
+// weight-streaming kernels (gemm/small_m.h) and returns true; else false.
 bool run_small_m_bf16(const MatmulArgs& args);
 
 // Number of distinct primitives created so far (tests check the cache is used).

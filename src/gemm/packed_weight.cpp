@@ -81,6 +81,60 @@ float PackedWeightState::fp8_scale_inv() const {
   return is_fp8 ? tensor_scale_inv(operand.matrix) : 1.0f;
 }
 
+namespace {
+
+// The width W when `desc` is a [K, N] BF16 layout BA16a{W}b2a without offset: blocks of W
+// columns, each [ceil(K/32)][16][W][2] (K blocked by 16 x 2 = 32, zero-padded); else 0.
+int64_t pair_blocked_width(const dnnl::memory::desc& desc, int64_t k, int64_t n) {
+  const dnnl_memory_desc_t& d = desc.data;
+  if (d.ndims != 2 || d.data_type != dnnl_bf16 || d.format_kind != dnnl_blocked || d.offset0 != 0 ||
+      d.dims[0] != k || d.dims[1] != n) {
+    return 0;
+  }
+  const dnnl_blocking_desc_t& b = d.format_desc.blocking;
+  if (b.inner_nblks != 3 || b.inner_idxs[0] != 0 || b.inner_idxs[1] != 1 || b.inner_idxs[2] != 0 ||
+      b.inner_blks[0] != 16 || b.inner_blks[2] != 2) {
+    return 0;
+  }
+  const int64_t width = b.inner_blks[1];
+  const int64_t padded_k = (k + 31) / 32 * 32;
+  if (width % 16 != 0 || width < 16 || width > 64 || d.padded_dims[0] != padded_k ||
+      d.padded_dims[1] != (n + width - 1) / width * width || b.strides[0] != 32 * width ||
+      b.strides[1] != padded_k * width) {
+    return 0;
+  }
+  return width;
+}
+
+}  // namespace
+
+const uint16_t* PackedWeightState::pair_blocked(int64_t& width) {
+  width = 0;
+  if (is_fp8 || tensor.dtype() != DType::BF16 || !gemm_bf16_native()) return nullptr;
+  {
+    std::lock_guard<std::mutex> lock(mutex);
+    if (pair_width < 0) {
+      pair_width = 0;
+      try {
+        // The layout the matmul asks for (the same at every M from 1 to 512 here, measured).
+        using dnnl::memory;
+        const memory::desc a({128, k}, memory::data_type::bf16, memory::format_tag::ab);
+        const memory::desc b({k, n}, memory::data_type::bf16, memory::format_tag::any);
+        const memory::desc c({128, n}, memory::data_type::bf16, memory::format_tag::ab);
+        const dnnl::matmul::primitive_desc pd(dnnl::matmul::desc(a, b, c), cpu_engine());
+        pair_width = pair_blocked_width(pd.weights_desc(), k, n);
+        if (pair_width > 0) pair_desc = pd.weights_desc();
+      } catch (const dnnl::error&) {
+        pair_width = 0;
+      }
+    }
+    if (pair_width == 0) return nullptr;
+  }
+  const dnnl::memory packed_copy = packed_for(pair_desc);
+  width = pair_width;
+  return static_cast<const uint16_t*>(packed_copy.get_data_handle());
+}
+
 void PackedWeightState::refresh() {
   std::lock_guard<std::mutex> lock(mutex);
   packed.clear();

@@ -24,12 +24,19 @@ struct PackedWeightState {
 
   std::mutex mutex;
   std::vector<std::pair<dnnl::memory::desc, dnnl::memory>> packed;
-  int64_t pack_count = 0;  // reorders done (tests prove reuse with it)
+  int64_t pack_count = 0;   // reorders done (tests prove reuse with it)
+  int64_t pair_width = -1;  // pair_blocked()'s probe: -1 not yet, 0 another layout
+  dnnl::memory::desc pair_desc;
 
   // The weight as [K,N] in `desc` (a layout from a primitive created with weights `any`),
   // reordered on first request and reused until mark_updated(). An FP8 source is widened
   // first (BF16 with block scales folded, or F32); its per-tensor scale is left out.
   dnnl::memory packed_for(const dnnl::memory::desc& desc);
+  // A BF16 weight as oneDNN's BF16 matmul packs it, when that layout is blocks of `width`
+  // columns of K pairs (BA16a{width}b2a, what the few-rows kernel reads): packed on first
+  // request, the same copy the matmul reuses. Null (width 0) for an FP8 or F32 source, where
+  // BF16 GEMMs run widened, and where oneDNN chose another layout (probed once per weight).
+  const uint16_t* pair_blocked(int64_t& width);
   float fp8_scale_inv() const;  // per-tensor scale_inv of an FP8 source, else 1
   void refresh();               // drops packed copies, re-reads FP8 scales
 };

@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <vector>
 
 #include "gemm/matmul.h"
@@ -185,25 +186,127 @@ constexpr ColumnsFn kColumns[kPassRows] = {columns<W, 1>, columns<W, 2>, columns
                                            columns<W, 4>, columns<W, 5>, columns<W, 6>,
                                            columns<W, 7>, columns<W, 8>};
 
-// Rows up to which plain BF16 GEMMs take the kernel (OCTET_GEMM_SMALL_M=R, 0: never). Eight by
-// default, one pass: with the weights beyond the cache, GPT-2 124M's decode GEMMs per step
-// took 5.2-7.8 ms through it at batch 4 against oneDNN's 9.0-9.2, and 7.0-9.4 against
-// 10.4-11.4 at batch 8 (an AMD EPYC VM, runs alternated); at 12 and 16 rows, two passes read
-// the weights twice and oneDNN is faster (14.2-14.7 ms against 11.3-12.4 at 12).
-int64_t max_rows() {
-  static const int64_t rows = [] {
+// ---- B packed in K pairs (run_small_m_pairs) --------------------------------------------------
+
+constexpr int64_t kPairRows = 4;  // rows of A per pass over a block: 4 x 4 accumulators at most
+
+// 16 F32 values rounded to BF16 as float_to_bf16 does (nearest even, NaN kept quiet). Shifts
+// by vector extensions and zero-masked conversions: GCC 12's unmasked forms warn of an undefined
+// operand.
+typedef uint32_t U32x16 __attribute__((vector_size(64)));
+OCTET_SMALL_M_INLINE __m256i to_bf16(__m512 v) {
+  const U32x16 bits = reinterpret_cast<U32x16>(v);
+  U32x16 rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
+  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  rounded = reinterpret_cast<U32x16>(_mm512_mask_mov_epi32(
+      reinterpret_cast<__m512i>(rounded), nan, reinterpret_cast<__m512i>((bits >> 16) | 0x40u)));
+  return _mm512_maskz_cvtepi32_epi16(static_cast<__mmask16>(0xffff),
+                                     reinterpret_cast<__m512i>(rounded));
+}
+
+// 16 BF16 values (the masked lanes) widened to F32.
+OCTET_SMALL_M_INLINE __m512 from_bf16(const uint16_t* at, __mmask16 mask) {
+  const U32x16 wide = reinterpret_cast<U32x16>(_mm512_maskz_cvtepu16_epi32(
+      static_cast<__mmask16>(0xffff), _mm256_maskz_loadu_epi16(mask, at)));
+  return reinterpret_cast<__m512>(wide << 16);
+}
+
+// Columns [n, n + 16 G) of rows [m0, m0 + R) from one block of K pairs: per pair, G lines of
+// weights (16 columns x 2 K values each) against each row's two A values broadcast. The block
+// is one sequential stream: at one row the hardware prefetcher alone was as fast (GPT-2 124M's
+// decode weights, 2 x 40 alternated rounds against the row kernel: 1.16x and 1.23x without
+// software prefetch, 1.13x and 1.14x with), at 4 and 8 rows prefetching 8 KiB ahead helped
+// (1.23-1.31x against 1.12-1.27x). A's rows
+// are `lda` apart with an even lda and a zero past K when K is odd.
+template <int R, int G>
+OCTET_SMALL_M_TARGET void pair_block(const SmallM& p, const uint16_t* a, int64_t lda,
+                                     const uint16_t* w, int64_t m0, int64_t n) {
+  const int64_t pairs = (p.k + 1) / 2;
+  __m512 acc[R][G];
+  for (int r = 0; r < R; ++r) {
+    for (int g = 0; g < G; ++g) acc[r][g] = _mm512_setzero_ps();
+  }
+  const uint16_t* rows[R];
+  for (int r = 0; r < R; ++r) rows[r] = a + (m0 + r) * lda;
+  for (int64_t q = 0; q < pairs; ++q) {
+    const uint16_t* wq = w + q * 32 * G;
+    __m512bh wv[G];
+    for (int g = 0; g < G; ++g) {
+      wv[g] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(wq + 32 * g));
+      if constexpr (R > 1) {
+        _mm_prefetch(reinterpret_cast<const char*>(wq + 32 * g) + kPrefetchBytes, _MM_HINT_T0);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      uint32_t two;
+      std::memcpy(&two, rows[r] + 2 * q, sizeof(two));
+      const __m512bh av = reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(two)));
+      for (int g = 0; g < G; ++g) acc[r][g] = _mm512_dpbf16_ps(acc[r][g], av, wv[g]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int g = 0; g < G; ++g) {
+      const int64_t col = n + 16 * g;
+      if (col >= p.n) break;
+      const int64_t valid = std::min<int64_t>(16, p.n - col);
+      const auto mask = static_cast<__mmask16>((uint32_t{1} << valid) - 1);
+      __m512 v = _mm512_mul_ps(_mm512_set1_ps(p.alpha), acc[r][g]);
+      const int64_t at = (m0 + r) * p.n + col;
+      if (p.beta != 0.0f) {
+        const __m512 old = p.c_bf16
+                               ? from_bf16(static_cast<const uint16_t*>(p.c) + at, mask)
+                               : _mm512_maskz_loadu_ps(mask, static_cast<const float*>(p.c) + at);
+        v = _mm512_fmadd_ps(_mm512_set1_ps(p.beta), old, v);
+      }
+      if (p.bias != nullptr) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, p.bias + col));
+      if (p.activation != Activation::None) {
+        alignas(64) float lanes[16];
+        _mm512_store_ps(lanes, v);
+        for (float& x : lanes) x = apply_activation(p.activation, x);
+        v = _mm512_load_ps(lanes);
+      }
+      if (p.c_bf16) {
+        _mm256_mask_storeu_epi16(static_cast<uint16_t*>(p.c) + at, mask, to_bf16(v));
+      } else {
+        _mm512_mask_storeu_ps(static_cast<float*>(p.c) + at, mask, v);
+      }
+    }
+  }
+}
+
+using PairBlockFn = void (*)(const SmallM&, const uint16_t*, int64_t, const uint16_t*, int64_t,
+                             int64_t);
+template <int G>
+constexpr PairBlockFn kPairBlocks[kPairRows] = {pair_block<1, G>, pair_block<2, G>,
+                                                pair_block<3, G>, pair_block<4, G>};
+constexpr const PairBlockFn* kPairBlocksByWidth[4] = {kPairBlocks<1>, kPairBlocks<2>,
+                                                      kPairBlocks<3>, kPairBlocks<4>};
+
+// Rows up to which plain BF16 GEMMs take the kernels (OCTET_GEMM_SMALL_M=R for both, 0:
+// never). The row kernel, eight by default, one pass: with the weights beyond the cache, GPT-2
+// 124M's decode GEMMs per step took 5.2-7.8 ms through it at batch 4 against oneDNN's 9.0-9.2,
+// and 7.0-9.4 against 10.4-11.4 at batch 8 (an AMD EPYC VM, runs alternated); at 12 and 16
+// rows, two passes read the weights twice and oneDNN is faster (14.2-14.7 ms against 11.3-12.4
+// at 12). The pair-blocked kernel reads a block again from the cache for each pass of 4 rows:
+// sixteen by default (the same weights: 1.10x oneDNN at 12 and 16 rows, 0.92x at 24, 0.89x at
+// 32).
+int64_t max_rows(bool pair_blocked) {
+  static const int64_t set_rows = [] {
     const char* set = std::getenv("OCTET_GEMM_SMALL_M");
-    // Where BF16 GEMMs run widened to F32 (gemm_bf16_native() false: VDPBF16PS slower than
-    // the FMA), the widened GEMM reads 4 bytes per weight element and widens A and B first:
-    // decode batches below 32 rows stay here (gpt2-124m decode at batch 8: 305 tokens/s
-    // through oneDNN's BF16 matmul, 199 widened).
-    if (set == nullptr || *set == '\0') return gemm_bf16_native() ? kPassRows : int64_t{31};
+    if (set == nullptr || *set == '\0') return int64_t{-1};
     char* end = nullptr;
     const long value = std::strtol(set, &end, 10);
     OCTET_CHECK(*end == '\0' && value >= 0 && value <= 64,
                 "OCTET_GEMM_SMALL_M expected rows 0..64 (0: never), got '", set, "'");
     return static_cast<int64_t>(value);
   }();
+  if (set_rows >= 0) return set_rows;
+  if (pair_blocked) return 2 * kPassRows;
+  // Where BF16 GEMMs run widened to F32 (gemm_bf16_native() false: VDPBF16PS slower than the
+  // FMA), the widened GEMM reads 4 bytes per weight element and widens A and B first: decode
+  // batches below 32 rows stay here (gpt2-124m decode at batch 8: 305 tokens/s through
+  // oneDNN's BF16 matmul, 199 widened).
+  static const int64_t rows = gemm_bf16_native() ? kPassRows : int64_t{31};
   return rows;
 }
 
@@ -230,16 +333,56 @@ void run_small_m(const SmallM& p) {
   }
 }
 
+void run_small_m_pairs(const SmallM& p, const uint16_t* b, int64_t width) {
+  OCTET_CHECK(small_m_supported(), "run_small_m_pairs: needs AVX-512 BF16");
+  OCTET_CHECK(width % 16 == 0 && width >= 16 && width <= 64,
+              "run_small_m_pairs: expected blocks of 16, 32, 48 or 64 columns, got ", width);
+  if (p.m == 0 || p.n == 0) return;
+  // An odd K reads A in pairs from a copy with a zero after each row (B's padding is zero).
+  const uint16_t* a = p.a;
+  int64_t lda = p.k;
+  std::vector<uint16_t> padded;
+  if (p.k % 2 != 0) {
+    lda = p.k + 1;
+    padded.assign(static_cast<size_t>(p.m * lda), 0);
+    for (int64_t m = 0; m < p.m; ++m) std::copy_n(p.a + m * p.k, p.k, padded.data() + m * lda);
+    a = padded.data();
+  }
+  const PairBlockFn* table = kPairBlocksByWidth[width / 16 - 1];
+  const int64_t blocks = (p.n + width - 1) / width;
+  const int64_t block_elements = (p.k + 31) / 32 * 32 * width;
+  const bool parallel = p.n * p.k >= (int64_t{1} << 18);
+#pragma omp parallel if (parallel)
+  {
+    const int threads = omp_get_num_threads(), t = omp_get_thread_num();
+    const int64_t j0 = blocks * t / threads, j1 = blocks * (t + 1) / threads;
+    for (int64_t j = j0; j < j1; ++j) {
+      // Rows past the first pass read the block again from the cache.
+      for (int64_t m0 = 0; m0 < p.m; m0 += kPairRows) {
+        table[std::min(kPairRows, p.m - m0) - 1](p, a, lda, b + j * block_elements, m0, j * width);
+      }
+    }
+  }
+}
+
 bool run_small_m_bf16(const MatmulArgs& args) {
-  if (args.m > max_rows() || args.a_dtype != DType::BF16 || args.b_dtype != DType::BF16 ||
-      args.trans_a || args.k == 0 || !small_m_supported()) {
+  if (args.a_dtype != DType::BF16 || args.b_dtype != DType::BF16 || args.trans_a || args.k == 0 ||
+      !small_m_supported()) {
     return false;
   }
   const void* b = args.b;
+  const uint16_t* pairs = nullptr;
+  int64_t width = 0;
   if (args.packed != nullptr) {
-    if (args.packed->is_fp8 || !args.packed->trans) return false;
-    b = args.packed->tensor.raw();
-  } else if (!args.trans_b) {
+    if (args.packed->is_fp8 || args.m > std::max(max_rows(true), max_rows(false))) return false;
+    // The copy oneDNN's BF16 matmul reads (prefill's), when it is packed in K pairs: one
+    // sequential stream per block of columns, and no copy beyond those already made.
+    if (args.m <= max_rows(true)) pairs = args.packed->pair_blocked(width);
+    if (pairs == nullptr) {
+      if (!args.packed->trans || args.m > max_rows(false)) return false;
+      b = args.packed->tensor.raw();
+    }
+  } else if (!args.trans_b || args.m > max_rows(false)) {
     return false;
   }
   SmallM p;
@@ -258,7 +401,11 @@ bool run_small_m_bf16(const MatmulArgs& args) {
     bias = args.bias->to_floats();
     p.bias = bias.data();
   }
-  run_small_m(p);
+  if (pairs != nullptr) {
+    run_small_m_pairs(p, pairs, width);
+  } else {
+    run_small_m(p);
+  }
   return true;
 }
 

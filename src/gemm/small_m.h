@@ -29,4 +29,10 @@ bool small_m_supported();
 // (VDPBF16PS, as oneDNN's BF16 kernels), any M (passes of 8 rows).
 void run_small_m(const SmallM& p);
 
+// The same with a BF16 B stored as oneDNN packs a [K, N] weight for its BF16 matmul
+// (BA16a{W}b2a): blocks of `width` columns (16, 32, 48 or 64), each [ceil(K / 32) * 16 K pairs]
+// [width][2], zero-padded. A block is one sequential stream, and each 64-byte line holds the
+// two K values of 16 columns that one VDPBF16PS takes. `p.b` and `p.b_e4m3` are not read.
+void run_small_m_pairs(const SmallM& p, const uint16_t* b, int64_t width);
+
 }  // namespace octet::gemm_detail

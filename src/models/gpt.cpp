@@ -136,6 +136,10 @@ const Tensor& GPT::wte_as(DType dtype) {
   return gpt_parts::tied_weight_as(wte, dtype, output_cache_);
 }
 
+PackedWeight& GPT::wte_packed_as(DType dtype) {
+  return gpt_parts::tied_packed_as(wte, dtype, output_cache_);
+}
+
 std::unique_ptr<pipeline::StagedModel::Context> GPT::make_context() const {
   return std::make_unique<Context>();
 }

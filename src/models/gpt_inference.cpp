@@ -36,7 +36,7 @@ Tensor GPT::last_logits(const Tensor& ids, DType dtype) {
   Norm::Context scratch;
   Tensor hidden = final_norm_->forward(h, scratch).reshape({B * T, C});
   Tensor logits = Tensor::empty({B, config_.vocab_size}, DType::F32);
-  gemm(last_rows(hidden, B, T), wte_as(hidden.dtype()), logits, false, true);
+  gemm(last_rows(hidden, B, T), wte_packed_as(hidden.dtype()), logits, false);
   return logits;
 }
 
@@ -48,7 +48,8 @@ Tensor GPT::logits_of_last(const Tensor& hidden) {
     gemm(normalized, *wte_fp8_, logits);
     return logits;
   }
-  gemm(normalized, wte_as(hidden.dtype()), logits, false, true);
+  // The copy packed for oneDNN: decode's few rows read it in K pairs (gemm/small_m.h).
+  gemm(normalized, wte_packed_as(hidden.dtype()), logits, false);
   return logits;
 }
 

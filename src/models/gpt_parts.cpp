@@ -107,6 +107,14 @@ const Tensor& tied_weight_as(Parameter& wte, DType dtype, TiedOutputCache& cache
   return cache.wte_bf16;
 }
 
+PackedWeight& tied_packed_as(Parameter& wte, DType dtype, TiedOutputCache& cache) {
+  if (!cache.packed || cache.packed_dtype != dtype) {
+    cache.packed.emplace(tied_weight_as(wte, dtype, cache), /*trans=*/true);
+    cache.packed_dtype = dtype;
+  }
+  return *cache.packed;
+}
+
 namespace {
 
 // rows [N, V] F32 += v [V] on every row; and sums [V] += the column sums of rows.
@@ -156,17 +164,14 @@ float tied_output_loss(const Tensor& hidden, const Tensor& targets, Parameter& w
   if (dhidden && dtype == DType::BF16 && !cache.dlogits.defined()) {
     cache.dlogits = Tensor::empty({chunk, V}, DType::BF16);
   }
-  if (!cache.packed || cache.packed_dtype != dtype) {
-    cache.packed.emplace(weight, /*trans=*/true);
-    cache.packed_dtype = dtype;
-  }
+  PackedWeight& packed = tied_packed_as(wte, dtype, cache);
   double loss_sum = 0.0;
   Tensor losses_buffer = Tensor::empty({chunk}, DType::F32);
   for (int64_t r0 = 0; r0 < N; r0 += chunk) {
     const int64_t r1 = std::min(N, r0 + chunk), rows = r1 - r0;
     Tensor h = hidden.slice_rows(r0, r1);
     Tensor logits = cache.logits.slice_rows(0, rows);
-    gemm(h, *cache.packed, logits, /*trans_a=*/false);
+    gemm(h, packed, logits, /*trans_a=*/false);
     if (bias) add_row_vector(logits, bias->value);
     Tensor losses = losses_buffer.slice_rows(0, rows);
     const Tensor target_rows = targets.slice_rows(r0, r1);

@@ -22,6 +22,8 @@ Tensor embed(const Tensor& ids, const Parameter& wte, const Parameter& wpe,
 
 // wte in the compute dtype (F32: the master itself; BF16: a copy cached until invalidate()).
 const Tensor& tied_weight_as(Parameter& wte, DType dtype, TiedOutputCache& cache);
+// That weight packed for the output GEMM ([V,C], used transposed), cached likewise.
+PackedWeight& tied_packed_as(Parameter& wte, DType dtype, TiedOutputCache& cache);
 // The loss of one chunk of rows: logits [rows, V] F32 (this rank's vocabulary columns),
 // targets [rows] I32, losses [rows] F32 written; with backward, logits are overwritten by
 // scale x the loss gradient.

@@ -18,6 +18,7 @@
 
 #include "gemm/matmul.h"
 #include "gemm/packed_weight.h"
+#include "gemm/small_m.h"
 #include "octet/gemm.h"
 #include "octet/recipe.h"
 #include "test_util.h"  // also reports the instruction-set paths run
@@ -267,6 +268,72 @@ TEST(GemmSmallRows, LargeAndTinyMagnitudes) {
                    static_cast<double>(k) * std::numeric_limits<float>::min(),
                    "scale " + std::to_string(scale) + " k=" + std::to_string(k));
     }
+  }
+}
+
+// The pair-blocked kernel on oneDNN's layout BA16a{W}b2a, packed here by hand from the layout's
+// definition (column n, K index k of [K, N] at block n / W, then K pairs: offset
+// (n / W) * Kp * W + (k / 2) * 2W + (n % W) * 2 + k % 2, Kp = K rounded up to 32, zero padding):
+// every width, odd K, N past the last whole block, 1 to 16 rows (passes of 4).
+TEST(GemmSmallRows, PairBlockedLayoutOfEveryWidth) {
+  if (!gemm_detail::small_m_supported()) GTEST_SKIP() << "no AVX-512 BF16";
+  for (int64_t width : {16, 32, 48, 64}) {
+    for (auto [n, k] : {std::pair<int64_t, int64_t>{50, 31}, {130, 200}}) {
+      const Tensor b = random_tensor({n, k}, 61, 1.0f).to(DType::BF16);  // [N, K]
+      const int64_t padded_k = (k + 31) / 32 * 32, blocks = (n + width - 1) / width;
+      std::vector<uint16_t> packed(static_cast<size_t>(blocks * padded_k * width), 0);
+      const auto* source = static_cast<const uint16_t*>(b.raw());
+      for (int64_t col = 0; col < n; ++col) {
+        for (int64_t kk = 0; kk < k; ++kk) {
+          packed[static_cast<size_t>((col / width) * padded_k * width + (kk / 2) * 2 * width +
+                                     (col % width) * 2 + kk % 2)] = source[col * k + kk];
+        }
+      }
+      for (int64_t m : {1, 3, 4, 5, 8, 16}) {
+        const Tensor a = random_tensor({m, k}, 62, 1.0f).to(DType::BF16);
+        Tensor c = Tensor::empty({m, n}, DType::F32);
+        gemm_detail::SmallM p;
+        p.a = static_cast<const uint16_t*>(a.raw());
+        p.m = m;
+        p.n = n;
+        p.k = k;
+        p.c = c.raw();
+        gemm_detail::run_small_m_pairs(p, packed.data(), width);
+        Tensor expected = Tensor::empty({m, n}, DType::F32);
+        gemm_reference(a, b, expected, false, true);
+        expect_close(c, expected, magnitude(a, b, false, true, m, n),
+                     2.0 * (static_cast<double>(k) + 2.0) * kUnitRoundoff, 0.0, 0.0,
+                     "width=" + std::to_string(width) + " m=" + std::to_string(m) +
+                         " n=" + std::to_string(n));
+      }
+    }
+  }
+}
+
+// A packed BF16 weight: decode's few rows read the copy prefill's oneDNN matmul reads, packed
+// once, in either orientation of the source; up to 16 rows there, 17 through oneDNN.
+TEST(GemmSmallRows, PackedWeightSharesThePrefillCopy) {
+  const int64_t n = 200, k = 96;
+  for (bool trans : {false, true}) {
+    const Tensor w = random_tensor(b_shape(k, n, trans), 71).to(DType::BF16);
+    PackedWeight packed(w, trans);
+    for (int64_t m : {1, 16, 17, 128, 2}) {
+      const Tensor a = random_tensor({m, k}, 72).to(DType::BF16);
+      Tensor c = Tensor::empty({m, n}, DType::F32);
+      gemm(a, packed, c, false);
+      Tensor expected = Tensor::empty({m, n}, DType::F32);
+      gemm_reference(a, w, expected, false, trans);
+      expect_close(c, expected, magnitude(a, w, false, trans, m, n),
+                   2.0 * (static_cast<double>(k) + 2.0) * kUnitRoundoff, 0.0, 0.0,
+                   "m=" + std::to_string(m) + (trans ? " [N,K]" : " [K,N]"));
+    }
+    if (gemm_detail::small_m_supported() && gemm_bf16_native()) {
+      int64_t width = 0;
+      EXPECT_NE(PackedWeightAccess::state(packed).pair_blocked(width), nullptr);
+      EXPECT_GT(width, 0);
+    }
+    EXPECT_EQ(PackedWeightAccess::pack_count(packed), 1);
+    EXPECT_EQ(PackedWeightAccess::packed_layouts(packed), 1u);
   }
 }
 
