@@ -10,6 +10,20 @@
 
 namespace octet::modules_detail {
 
+// copy(r) for r in [0, rows): over the threads when `bytes` reach 256 KiB, else on the calling
+// thread without entering a parallel region (libgomp wakes its pool with a futex even for a
+// region whose `if` is false: a decode step split one 2304-column row into Q, K and V 36 times,
+// each a region).
+template <typename Copy>
+inline void for_rows(int64_t rows, int64_t bytes, const Copy& copy) {
+  if (bytes < (int64_t{1} << 18)) {
+    for (int64_t r = 0; r < rows; ++r) copy(r);
+    return;
+  }
+#pragma omp parallel for schedule(static)
+  for (int64_t r = 0; r < rows; ++r) copy(r);
+}
+
 // parts[i] [N, widths[i]] (any shape with N * widths[i] elements, allocated, dtype of fused)
 // <- columns of fused [N, sum(widths)]. Each part's width is its numel / N.
 inline void split_columns(const Tensor& fused, const std::vector<Tensor*>& parts) {
@@ -24,10 +38,9 @@ inline void split_columns(const Tensor& fused, const std::vector<Tensor*>& parts
         "split_columns: part ", shape_str(part->shape()), " does not fit [", rows, ",", cols,
         "] at column ", begin);
     auto* dst = static_cast<unsigned char*>(part->raw());
-#pragma omp parallel for schedule(static)
-    for (int64_t r = 0; r < rows; ++r) {
+    for_rows(rows, rows * width * static_cast<int64_t>(element), [&](int64_t r) {
       std::memcpy(dst + r * width * element, src + (r * cols + begin) * element, width * element);
-    }
+    });
     begin += width;
   }
   OCTET_CHECK(begin == cols, "split_columns: parts cover ", begin, " of ", cols, " columns");
@@ -47,10 +60,9 @@ inline Tensor join_columns(const std::vector<const Tensor*>& parts, int64_t rows
     OCTET_CHECK(part->dtype() == dtype, "join_columns: parts of mixed dtypes");
     const int64_t width = part->numel() / rows;
     const auto* src = static_cast<const unsigned char*>(part->raw());
-#pragma omp parallel for schedule(static)
-    for (int64_t r = 0; r < rows; ++r) {
+    for_rows(rows, rows * width * static_cast<int64_t>(element), [&](int64_t r) {
       std::memcpy(dst + (r * cols + begin) * element, src + r * width * element, width * element);
-    }
+    });
     begin += width;
   }
   return fused;
