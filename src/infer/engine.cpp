@@ -2,6 +2,7 @@
 // (continuous batching, chunked prefill, preemption by recomputation) and the step that runs
 // one packed forward over the paged cache and samples each finished row.
 #include "octet/engine.h"
+#include "octet/gemm.h"
 
 #include <algorithm>
 #include <atomic>
@@ -614,15 +615,29 @@ std::string Engine::memory_report() const {
   std::ostringstream out;
   out.setf(std::ios::fixed);
   out.precision(1);
-  // The F32 master weights stay; the GEMMs read BF16 copies or FP8 codes made from them.
+  // The F32 master weights stay; the GEMMs read FP8 codes made from them, or the copies packed
+  // for oneDNN (made at the first step; BF16 ones from BF16 copies of the master), which the
+  // decode kernel reads too.
   const bool fp8 = m.model.inference_fp8_weights();
-  out << "memory: weights " << mib(static_cast<double>(m.weight_bytes))
-      << " MiB (F32 master); each decode step reads "
-      << mib(static_cast<double>(m.read_weight_bytes)) << " MiB ("
-      << (fp8                     ? "e4m3 codes + scales"
-          : o.dtype == DType::F32 ? "the master"
-                                  : std::string(dtype_name(o.dtype)) + " copies")
-      << ")\n"
+  const double master = static_cast<double>(m.weight_bytes);
+  const double read = static_cast<double>(m.read_weight_bytes);
+  out << "memory: weights " << mib(master) << " MiB (F32 master)";
+  double resident = master + read;  // the codes, or the packed copies (adjusted below)
+  if (fp8) {
+    out << " + " << mib(read) << " MiB e4m3 codes + scales";
+  } else {
+    if (o.dtype != DType::F32) {
+      out << " + " << mib(read) << " MiB " << dtype_name(o.dtype) << " copies";
+      resident += read;
+    }
+    // Where BF16 GEMMs run widened to F32 (gemm_bf16_native() false), the packed copies are
+    // F32: twice the bytes.
+    const double packed = o.dtype == DType::BF16 && !gemm_bf16_native() ? 2.0 * read : read;
+    out << " + ~" << mib(packed) << " MiB packed for the GEMMs (at the first step)";
+    resident += packed - read;
+  }
+  out << " = ~" << mib(resident) << " MiB; each decode step reads " << mib(read) << " MiB ("
+      << (fp8 ? "the codes" : "the packed copies") << ")\n"
       << "memory: KV cache " << o.num_blocks << " blocks x " << o.block_size << " tokens x "
       << m.kv_bytes_per_token << " B/token = " << mib(kv_block * static_cast<double>(o.num_blocks))
       << " MiB (" << o.num_blocks * o.block_size << " tokens, "

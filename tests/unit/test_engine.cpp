@@ -446,6 +446,9 @@ TEST(Engine, BadRequestsAreRefusedBeforeQueuing) {
   std::snprintf(reads, sizeof reads, "each decode step reads %.1f MiB",
                 static_cast<double>(model.inference_weight_bytes(options.dtype)) / 1048576.0);
   EXPECT_NE(engine.memory_report().find(reads), std::string::npos) << engine.memory_report();
+  // The copies the GEMMs read are resident beside the F32 master.
+  EXPECT_NE(engine.memory_report().find("packed for the GEMMs"), std::string::npos)
+      << engine.memory_report();
 }
 
 }  // namespace
