@@ -108,9 +108,9 @@ int64_t pair_blocked_width(const dnnl::memory::desc& desc, int64_t k, int64_t n)
 
 }  // namespace
 
-const uint16_t* PackedWeightState::pair_blocked(int64_t& width) {
+dnnl::memory PackedWeightState::pair_blocked(int64_t& width) {
   width = 0;
-  if (is_fp8 || tensor.dtype() != DType::BF16 || !gemm_bf16_native()) return nullptr;
+  if (is_fp8 || tensor.dtype() != DType::BF16 || !gemm_bf16_native()) return {};
   {
     std::lock_guard<std::mutex> lock(mutex);
     if (pair_width < 0) {
@@ -128,11 +128,11 @@ const uint16_t* PackedWeightState::pair_blocked(int64_t& width) {
         pair_width = 0;
       }
     }
-    if (pair_width == 0) return nullptr;
+    if (pair_width == 0) return {};
   }
-  const dnnl::memory packed_copy = packed_for(pair_desc);
+  dnnl::memory packed_copy = packed_for(pair_desc);
   width = pair_width;
-  return static_cast<const uint16_t*>(packed_copy.get_data_handle());
+  return packed_copy;
 }
 
 void PackedWeightState::refresh() {

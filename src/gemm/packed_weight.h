@@ -34,9 +34,10 @@ struct PackedWeightState {
   dnnl::memory packed_for(const dnnl::memory::desc& desc);
   // A BF16 weight as oneDNN's BF16 matmul packs it, when that layout is blocks of `width`
   // columns of K pairs (BA16a{width}b2a, what the few-rows kernel reads): packed on first
-  // request, the same copy the matmul reuses. Null (width 0) for an FP8 or F32 source, where
+  // request, the same copy the matmul reuses (the caller holds the returned memory while it
+  // reads, as a matmul holds its arguments). Empty (width 0) for an FP8 or F32 source, where
   // BF16 GEMMs run widened, and where oneDNN chose another layout (probed once per weight).
-  const uint16_t* pair_blocked(int64_t& width);
+  dnnl::memory pair_blocked(int64_t& width);
   float fp8_scale_inv() const;  // per-tensor scale_inv of an FP8 source, else 1
   void refresh();               // drops packed copies, re-reads FP8 scales
 };

@@ -372,12 +372,16 @@ bool run_small_m_bf16(const MatmulArgs& args) {
   }
   const void* b = args.b;
   const uint16_t* pairs = nullptr;
+  dnnl::memory pairs_memory;  // held while the kernel reads it
   int64_t width = 0;
   if (args.packed != nullptr) {
     if (args.packed->is_fp8 || args.m > std::max(max_rows(true), max_rows(false))) return false;
     // The copy oneDNN's BF16 matmul reads (prefill's), when it is packed in K pairs: one
     // sequential stream per block of columns, and no copy beyond those already made.
-    if (args.m <= max_rows(true)) pairs = args.packed->pair_blocked(width);
+    if (args.m <= max_rows(true)) {
+      pairs_memory = args.packed->pair_blocked(width);
+      if (width > 0) pairs = static_cast<const uint16_t*>(pairs_memory.get_data_handle());
+    }
     if (pairs == nullptr) {
       if (!args.packed->trans || args.m > max_rows(false)) return false;
       b = args.packed->tensor.raw();

@@ -329,7 +329,7 @@ TEST(GemmSmallRows, PackedWeightSharesThePrefillCopy) {
     }
     if (gemm_detail::small_m_supported() && gemm_bf16_native()) {
       int64_t width = 0;
-      EXPECT_NE(PackedWeightAccess::state(packed).pair_blocked(width), nullptr);
+      EXPECT_NE(PackedWeightAccess::state(packed).pair_blocked(width).get_data_handle(), nullptr);
       EXPECT_GT(width, 0);
     }
     EXPECT_EQ(PackedWeightAccess::pack_count(packed), 1);
