@@ -9,12 +9,10 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
-#include <type_traits>
 #include <vector>
 
 #include "octet/ops/attention.h"
 #include "octet/profile.h"
-#include "ops/attention/bf16_dot.h"
 #include "ops/attention/vec.h"
 #include "ops/device_dispatch.h"
 
@@ -367,48 +365,13 @@ OCTET_ALWAYS_INLINE vec::F<16> lane_sums16(const vec::F<16>* v) {
                                  29, 31);
 }
 
-// One head's scores over a chunk of n keys (BF16 query and keys) by VDPBF16PS: each product
-// of two BF16 values exact in F32, the head's D / 32 pairs per lane summed in F32, then the 16
-// lanes by the same tree, and the softmax scale applied to the sum (the F32 path scales the
-// query first: both are F32 sums of exact products, in another order). Per key and head two
-// instructions at D = 64 where the F32 path widens and multiplies four vectors. A plain call
-// per chunk: it needs AVX-512 BF16, which the kernels around it are not compiled for.
-template <int DV>
-OCTET_TARGET_AVX512_BF16 __attribute__((noinline)) void bf16_scores(const uint16_t* q,
-                                                                    const uint16_t* k,
-                                                                    const int64_t* slots,
-                                                                    int64_t row, int64_t n,
-                                                                    float scale, float* scores) {
-  constexpr int kPairs = DV / 2;  // vectors of 32 BF16 per head
-  __m512bh qv[kPairs];
-  for (int v = 0; v < kPairs; ++v) {
-    qv[v] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(q + 32 * v));
-  }
-  for (int64_t j0 = 0; j0 < n; j0 += 16) {
-    vec::F<16> dots[16];
-    for (int jj = 0; jj < 16; ++jj) {
-      __m512 dot = _mm512_setzero_ps();
-      if (j0 + jj < n) {
-        const uint16_t* kj = k + slots[j0 + jj] * row;
-        for (int v = 0; v < kPairs; ++v) {
-          dot = _mm512_dpbf16_ps(dot, qv[v],
-                                 reinterpret_cast<__m512bh>(_mm512_loadu_si512(kj + 32 * v)));
-        }
-      }
-      std::memcpy(&dots[jj], &dot, sizeof dot);
-    }
-    vec::store<16>(scores + j0, lane_sums16(dots) * scale);
-  }
-}
-
 // partition_task for AVX-512 and head sizes of DV x 16 (32, 64, 128): the same sums, taken
 // head by head over the chunk (its rows were asked for a chunk ahead): 16 keys' scores at a
 // time, their lane sums by one transposing tree, and each head's weighted values summed in
 // registers over the chunk. With whole rows per task, GPT-2 124M's decode attention went from
 // 0.48 to 0.37 ms per step at batch 1, 3.2 to 2.5 at batch 8 and 12.4 to 10.2 at batch 32 (an
 // AMD EPYC VM, 2 threads; the software prefetch still gains a tenth there).
-// kDot: BF16 query and pools, the scores by bf16_scores.
-template <int DV, bool kDot, typename T, typename P>
+template <int DV, typename T, typename P>
 OCTET_ALWAYS_INLINE void partition_task16(const PagedArgs<T, P>& a, int64_t seq, int64_t h0,
                                           int64_t h1, int64_t begin, int64_t end, float* part) {
   constexpr int W = 16;
@@ -427,23 +390,17 @@ OCTET_ALWAYS_INLINE void partition_task16(const PagedArgs<T, P>& a, int64_t seq,
     const int64_t* slots = rows.chunk(c0, chunk);
     for (int64_t h = 0; h < H; ++h) {
       const int64_t hk = (h0 + h) / group;
-      if constexpr (kDot) {
-        bf16_scores<DV>(reinterpret_cast<const uint16_t*>(a.q + (seq * s.heads + h0 + h) * D),
-                        reinterpret_cast<const uint16_t*>(a.k + hk * D), slots, row, n, s.scale,
-                        scores);
-      } else {
-        V qv[DV];
-        for (int v = 0; v < DV; ++v) qv[v] = vec::load<W>(qf + h * D + v * W);
-        for (int64_t j0 = 0; j0 < n; j0 += W) {
-          V dots[W];
-          for (int jj = 0; jj < W; ++jj) {
-            dots[jj] = vec::splat<W>(0.0f);
-            if (j0 + jj >= n) continue;
-            const P* kj = a.k + slots[j0 + jj] * row + hk * D;
-            for (int v = 0; v < DV; ++v) dots[jj] += qv[v] * load_kv<W>(kj + v * W, a.table);
-          }
-          vec::store<W>(scores + j0, lane_sums16(dots));
+      V qv[DV];
+      for (int v = 0; v < DV; ++v) qv[v] = vec::load<W>(qf + h * D + v * W);
+      for (int64_t j0 = 0; j0 < n; j0 += W) {
+        V dots[W];
+        for (int jj = 0; jj < W; ++jj) {
+          dots[jj] = vec::splat<W>(0.0f);
+          if (j0 + jj >= n) continue;
+          const P* kj = a.k + slots[j0 + jj] * row + hk * D;
+          for (int v = 0; v < DV; ++v) dots[jj] += qv[v] * load_kv<W>(kj + v * W, a.table);
         }
+        vec::store<W>(scores + j0, lane_sums16(dots));
       }
       if (a.k_scale != nullptr) {
         for (int64_t j = 0; j < n; ++j) scores[j] *= a.k_scale[slots[j] * s.kv_heads + hk];
@@ -465,17 +422,16 @@ OCTET_ALWAYS_INLINE void partition_task16(const PagedArgs<T, P>& a, int64_t seq,
   }
 }
 
-// kDot: the scores by VDPBF16PS (BF16 query and pools on a processor with AVX-512 BF16).
-template <typename T, typename P, bool kDot = false>
+template <typename T, typename P>
 OCTET_TARGET_AVX512 void task_avx512(const PagedArgs<T, P>& a, int64_t seq, int64_t h0, int64_t h1,
                                      int64_t begin, int64_t end, float* part) {
   switch (a.s->head_dim) {
     case 32:
-      return partition_task16<2, kDot>(a, seq, h0, h1, begin, end, part);
+      return partition_task16<2>(a, seq, h0, h1, begin, end, part);
     case 64:
-      return partition_task16<4, kDot>(a, seq, h0, h1, begin, end, part);
+      return partition_task16<4>(a, seq, h0, h1, begin, end, part);
     case 128:
-      return partition_task16<8, kDot>(a, seq, h0, h1, begin, end, part);
+      return partition_task16<8>(a, seq, h0, h1, begin, end, part);
     default:
       return partition_task<16>(a, seq, h0, h1, begin, end, part);
   }
@@ -535,11 +491,6 @@ void paged_typed(const PagedShape& s, const Tensor& q, const Tensor& k_pool, con
   }
   auto task_fn = task_scalar<T, P>;
   if (active_isa() == Isa::Avx512) task_fn = task_avx512<T, P>;
-  if constexpr (std::is_same_v<T, bfloat16> && std::is_same_v<P, bfloat16>) {
-    if (active_isa() == Isa::Avx512 && cpu_features().avx512_bf16) {
-      task_fn = task_avx512<T, P, true>;
-    }
-  }
   if (active_isa() == Isa::Avx2) task_fn = task_avx2<T, P>;
   const int64_t count = static_cast<int64_t>(tasks.size());
 #pragma omp parallel for schedule(dynamic, 1) if (count > 1)
