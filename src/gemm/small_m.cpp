@@ -213,11 +213,11 @@ OCTET_SMALL_M_INLINE __m512 from_bf16(const uint16_t* at, __mmask16 mask) {
 
 // Columns [n, n + 16 G) of rows [m0, m0 + R) from one block of K pairs: per pair, G lines of
 // weights (16 columns x 2 K values each) against each row's two A values broadcast. The block
-// is one sequential stream: at one row the hardware prefetcher alone was as fast (GPT-2 124M's
-// decode weights, 2 x 40 alternated rounds against the row kernel: 1.16x and 1.23x without
-// software prefetch, 1.13x and 1.14x with), at 4 and 8 rows prefetching 8 KiB ahead helped
-// (1.23-1.31x against 1.12-1.27x). A's rows
-// are `lda` apart with an even lda and a zero past K when K is odd.
+// is one sequential stream: at one row the hardware prefetcher alone was faster (GPT-2 124M's
+// decode weights against the row kernel, alternated rounds: 1.21-1.29x without software
+// prefetch, 0.96-1.12x with it 2-8 KiB ahead); at 4 and 8 rows prefetching 8 KiB ahead helped
+// (1.23-1.31x against 1.12-1.27x). A's rows are `lda` apart with an even lda and a zero past
+// K when K is odd.
 template <int R, int G>
 OCTET_SMALL_M_TARGET void pair_block(const SmallM& p, const uint16_t* a, int64_t lda,
                                      const uint16_t* w, int64_t m0, int64_t n) {
