@@ -256,9 +256,20 @@ struct Series {
   std::vector<double> ours_prefill, ours_decode, peer_prefill, peer_decode, ratio_decode,
       ratio_prefill, waste, fp8_decode, fp8_ratio;
   std::vector<double> bandwidth, roofline_share, fp8_roofline_share;  // batch 1 only
-  // Summed over the rounds: mean ms per decode step by category, and the whole step.
-  std::array<double, profile::kCategories> breakdown_ms{}, breakdown_calls{};
-  double step_mean_ms = 0;
+  // Summed over the rounds: mean ms per decode step by category, and the whole step; with
+  // BF16 (or F32) weights and with FP8 weights.
+  struct Breakdown {
+    std::array<double, profile::kCategories> ms{}, calls{};
+    double step_mean_ms = 0;
+    void add(const CaseResult& r) {
+      for (size_t c = 0; c < ms.size(); ++c) {
+        ms[c] += r.breakdown_ms[c];
+        calls[c] += r.breakdown_calls[c];
+      }
+      step_mean_ms += r.step_mean_ms;
+    }
+  };
+  Breakdown breakdown, fp8_breakdown;
 };
 
 // The PyTorch peer, asked for one case at a time; 0 when it is absent or stopped.
@@ -320,11 +331,7 @@ std::vector<Series> run_rounds(GPT& model, const Options& o, DType dtype, Peer& 
       s.ours_prefill.push_back(static_cast<double>(batch * o.prompt) / ours.prefill_ms * 1e3);
       s.ours_decode.push_back(static_cast<double>(batch) / ours.decode_ms * 1e3);
       s.waste.push_back(ours.kv_waste);
-      for (size_t c = 0; c < s.breakdown_ms.size(); ++c) {
-        s.breakdown_ms[c] += ours.breakdown_ms[c];
-        s.breakdown_calls[c] += ours.breakdown_calls[c];
-      }
-      s.step_mean_ms += ours.step_mean_ms;
+      s.breakdown.add(ours);
       if (roofline) {
         s.bandwidth.push_back(ours.bandwidth_gbs);
         s.roofline_share.push_back(ours.roofline_share);
@@ -336,6 +343,7 @@ std::vector<Series> run_rounds(GPT& model, const Options& o, DType dtype, Peer& 
         model.set_inference_fp8_weights(false);
         s.fp8_decode.push_back(static_cast<double>(batch) / fp8.decode_ms * 1e3);
         s.fp8_ratio.push_back(ours.decode_ms / fp8.decode_ms);
+        s.fp8_breakdown.add(fp8);
         if (roofline) s.fp8_roofline_share.push_back(fp8.roofline_share);
       }
       if (round % 2 == 0) run_peer();
@@ -433,21 +441,25 @@ void print_roofline(const Options& o, const std::vector<Series>& series, double 
 // the engine's thread spent its time in, the rest (sampling, scheduling, the block tables,
 // glue between operators) as "other".
 void print_breakdown(const Options& o, const std::vector<Series>& series) {
-  for (size_t i = 0; i < o.batches.size(); ++i) {
-    const Series& s = series[i];
-    const double rounds = static_cast<double>(o.rounds);
-    const double step = s.step_mean_ms / rounds;
-    std::printf("decode step, batch %lld: %.2f ms:", static_cast<long long>(o.batches[i]), step);
+  const double rounds = static_cast<double>(o.rounds);
+  auto print = [rounds](int64_t batch, const char* weights, const Series::Breakdown& b) {
+    const double step = b.step_mean_ms / rounds;
+    std::printf("decode step, batch %lld%s: %.2f ms:", static_cast<long long>(batch), weights,
+                step);
     double other = step;
     for (int c = 0; c < profile::kCategories; ++c) {
-      const double ms = s.breakdown_ms[static_cast<size_t>(c)] / rounds;
+      const double ms = b.ms[static_cast<size_t>(c)] / rounds;
       other -= ms;
       if (ms < 0.005) continue;
       std::printf(" %s %.2f (%.0f%%, %.0f calls),",
                   profile::category_name(static_cast<profile::Category>(c)), ms, 100.0 * ms / step,
-                  s.breakdown_calls[static_cast<size_t>(c)] / rounds);
+                  b.calls[static_cast<size_t>(c)] / rounds);
     }
     std::printf(" other %.2f (%.0f%%)\n", other, 100.0 * other / step);
+  };
+  for (size_t i = 0; i < o.batches.size(); ++i) {
+    print(o.batches[i], "", series[i].breakdown);
+    if (o.fp8_weights) print(o.batches[i], ", FP8 weights", series[i].fp8_breakdown);
   }
 }
 

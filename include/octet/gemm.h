@@ -71,13 +71,7 @@ void gemm(const Float4Tensor& A, const Float4Tensor& B, Tensor& C, bool trans_a,
 struct Fp8WeightOnly {
   Tensor codes;      // [N, K] E4M3
   Tensor scale_inv;  // [N] F32
-  // Row n's words [n * W, (n + 1) * W), W = ceil(K / 2048): bit b set when codes
-  // [32b, 32b + 32) hold a zero exponent (zero or subnormal), which the decode kernel's
-  // widening cannot take by shift and mask. Empty: every block is checked as it is read.
-  std::vector<uint64_t> zero_exponent_blocks;
-  size_t nbytes() const {
-    return codes.nbytes() + scale_inv.nbytes() + zero_exponent_blocks.size() * sizeof(uint64_t);
-  }
+  size_t nbytes() const { return codes.nbytes() + scale_inv.nbytes(); }
 };
 // W [N, K] F32|BF16 (finite) -> codes rounded to nearest even, saturating.
 Fp8WeightOnly quantize_weight_fp8(const Tensor& weight);

@@ -136,8 +136,6 @@ Fp8WeightOnly quantize_weight_fp8(const Tensor& weight) {
   uint8_t* codes = static_cast<uint8_t*>(q.codes.raw());
   float* scale_inv = q.scale_inv.data<float>();
   const float max = fp8_max(DType::E4M3);
-  const int64_t words = (K + 2047) / 2048;
-  q.zero_exponent_blocks.assign(static_cast<size_t>(N * words), 0);
 #pragma omp parallel for
   for (int64_t n = 0; n < N; ++n) {
     float amax = 0.0f;
@@ -147,13 +145,7 @@ Fp8WeightOnly quantize_weight_fp8(const Tensor& weight) {
     const float scale = amax > 0.0f ? max / amax : 1.0f;
     scale_inv[n] = 1.0f / scale;
     for (int64_t k = 0; k < K; ++k) {
-      const uint8_t code =
-          float_to_fp8(w[static_cast<size_t>(n * K + k)] * scale, DType::E4M3, true);
-      codes[n * K + k] = code;
-      if ((code & 0x78) == 0) {
-        q.zero_exponent_blocks[static_cast<size_t>(n * words + k / 2048)] |= uint64_t{1}
-                                                                             << (k / 32 % 64);
-      }
+      codes[n * K + k] = float_to_fp8(w[static_cast<size_t>(n * K + k)] * scale, DType::E4M3, true);
     }
   }
   return q;
@@ -188,10 +180,6 @@ void gemm(const Tensor& A, const Fp8WeightOnly& B, Tensor& C, const Epilogue& ep
                   (C.dtype() == A.dtype() || C.dtype() == DType::F32),
               "gemm (fp8 weight): C expected [", M, ", ", N, "] ", dtype_name(A.dtype()),
               " or f32, got ", shape_str(C.shape()), " ", dtype_name(C.dtype()));
-  OCTET_CHECK(B.zero_exponent_blocks.empty() ||
-                  static_cast<int64_t>(B.zero_exponent_blocks.size()) == N * ((K + 2047) / 2048),
-              "gemm (fp8 weight): zero_exponent_blocks expected ", N * ((K + 2047) / 2048),
-              " words (ceil(K / 2048) per row) or none, got ", B.zero_exponent_blocks.size());
   const bool bf16_dot = A.dtype() == DType::BF16 && gemm_detail::small_m_supported();
   if (M > (bf16_dot ? kMaxDotRows : kMaxSmallRows)) {  // compute-bound: widen once, GEMM
     const Tensor widened = dequantize_weight_fp8(B, A.dtype());
@@ -206,7 +194,6 @@ void gemm(const Tensor& A, const Fp8WeightOnly& B, Tensor& C, const Epilogue& ep
     p.b = codes;
     p.b_e4m3 = true;
     p.column_scale = scale_inv;
-    if (!B.zero_exponent_blocks.empty()) p.zero_exponent_blocks = B.zero_exponent_blocks.data();
     p.m = M;
     p.n = N;
     p.k = K;

@@ -14,7 +14,6 @@ struct SmallM {
   const void* b = nullptr;      // [N, K] BF16, or E4M3 codes with `column_scale`
   bool b_e4m3 = false;
   const float* column_scale = nullptr;             // [N], E4M3 only: each column's sum times it
-  const uint64_t* zero_exponent_blocks = nullptr;  // E4M3: Fp8WeightOnly's (null: check all)
   int64_t m = 0, n = 0, k = 0;
   void* c = nullptr;  // [M, N] F32 or BF16
   bool c_bf16 = false;
