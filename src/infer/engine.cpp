@@ -410,7 +410,7 @@ bool Engine::Impl::step() {
 
   // Sample each sequence whose tokens are all computed now.
   const int64_t vocab = model.config().vocab_size;
-  std::vector<float> row(static_cast<size_t>(vocab));
+  std::vector<float> row;  // a sequence's penalized logits
   std::unordered_map<const Sequence*, FinishReason> done;
   for (size_t r = 0; r < entries.size(); ++r) {
     Sequence& seq = *entries[r].seq;
@@ -419,15 +419,20 @@ bool Engine::Impl::step() {
     if (seq.computed < static_cast<int64_t>(seq.tokens.size())) continue;  // a prefill chunk
     if (seq.generated() == 0) counters.prompt_tokens += static_cast<uint64_t>(seq.prompt_len);
     const float* raw = logits.data<float>() + static_cast<int64_t>(r) * vocab;
-    std::copy(raw, raw + vocab, row.begin());
-    const std::span<const int32_t> all(seq.tokens);
     const GenerationRequest& req = seq.request;
-    apply_penalties(row.data(), vocab, all.first(static_cast<size_t>(seq.prompt_len)),
-                    all.subspan(static_cast<size_t>(seq.prompt_len)), req.sampling);
+    const SamplingOptions& sampling = req.sampling;
+    const float* scores = raw;  // penalized in a copy, when any penalty is on
+    if (sampling.repetition_penalty != 1.0f || sampling.frequency_penalty != 0.0f ||
+        sampling.presence_penalty != 0.0f) {
+      row.assign(raw, raw + vocab);
+      const std::span<const int32_t> all(seq.tokens);
+      apply_penalties(row.data(), vocab, all.first(static_cast<size_t>(seq.prompt_len)),
+                      all.subspan(static_cast<size_t>(seq.prompt_len)), sampling);
+      scores = row.data();
+    }
     TokenOutput out;
     out.index = seq.generated();
-    out.token =
-        sample_token(row.data(), vocab, req.sampling, static_cast<uint64_t>(seq.generated()));
+    out.token = sample_token(scores, vocab, sampling, static_cast<uint64_t>(seq.generated()));
     if (req.logprobs >= 0) fill_logprobs(raw, vocab, req.logprobs, out);
     seq.tokens.push_back(out.token);
     ++counters.generation_tokens;

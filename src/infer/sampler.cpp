@@ -2,6 +2,8 @@
 // top-k, top-p over softmax probabilities; greedy at temperature 0.
 #include <algorithm>
 #include <cmath>
+#include <cstring>
+#include <limits>
 #include <numeric>
 
 #include "octet/infer.h"
@@ -56,14 +58,53 @@ void apply_penalties(float* logits, int64_t vocab, std::span<const int32_t> prom
   }
 }
 
+namespace {
+
+// The largest logit, after checking that none is NaN: one pass, four SSE vectors of 4 at a
+// time (the baseline x86-64 vector width: a 16-wide generic vector was split into scalars),
+// where an element-by-element check and std::max_element took ~0.1 ms of a 3-4 ms decode step
+// over GPT-2's 50257 logits.
+float checked_max(const float* logits, int64_t vocab) {
+  typedef float F4 __attribute__((vector_size(16)));
+  typedef int32_t I4 __attribute__((vector_size(16)));
+  const float lowest = -std::numeric_limits<float>::infinity();
+  F4 high[4] = {F4{} + lowest, F4{} + lowest, F4{} + lowest, F4{} + lowest};
+  I4 nan = I4{};
+  int64_t i = 0;
+  for (; i + 16 <= vocab; i += 16) {
+    for (int v = 0; v < 4; ++v) {
+      F4 x;
+      std::memcpy(&x, logits + i + 4 * v, sizeof x);
+      nan |= x != x;
+      high[v] = x > high[v] ? x : high[v];
+    }
+  }
+  bool any_nan = false;
+  float best = lowest;
+  for (int lane = 0; lane < 4; ++lane) {
+    any_nan = any_nan || nan[lane] != 0;
+    for (int v = 0; v < 4; ++v) best = std::max(best, high[v][lane]);
+  }
+  for (; i < vocab; ++i) {
+    any_nan = any_nan || std::isnan(logits[i]);
+    best = std::max(best, logits[i]);
+  }
+  if (any_nan) {
+    for (int64_t j = 0; j < vocab; ++j) {
+      OCTET_CHECK(!std::isnan(logits[j]), "sampling: logit ", j, " is NaN (the model diverged?)");
+    }
+  }
+  return best;
+}
+
+}  // namespace
+
 int32_t sample_token(const float* logits, int64_t vocab, const SamplingOptions& o, uint64_t step) {
   OCTET_CHECK(vocab > 0, "sample_token: empty vocabulary");
   check_sampling_options(o);
-  for (int64_t i = 0; i < vocab; ++i) {
-    OCTET_CHECK(!std::isnan(logits[i]), "sampling: logit ", i, " is NaN (the model diverged?)");
-  }
-  if (o.temperature == 0.0f || o.top_k == 1) {
-    return static_cast<int32_t>(std::max_element(logits, logits + vocab) - logits);
+  const float best = checked_max(logits, vocab);
+  if (o.temperature == 0.0f || o.top_k == 1) {  // the first largest, as std::max_element
+    return static_cast<int32_t>(std::find(logits, logits + vocab, best) - logits);
   }
   std::vector<int32_t> order(static_cast<size_t>(vocab));
   std::iota(order.begin(), order.end(), 0);

@@ -5,7 +5,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <ostream>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -224,6 +226,44 @@ TEST(Sampling, BadPenaltiesAndIdsThrow) {
   o = SamplingOptions{};
   o.repetition_penalty = 1.5f;
   EXPECT_THROW(apply_penalties(logits.data(), 4, bad, none, o), Error);
+}
+
+// Greedy takes the first largest logit (std::max_element's choice) wherever it lies: in the
+// blocks of 16 the maximum is found in or in the tail past them; ties, signed zeros and an
+// all -inf row; a NaN anywhere is an error naming its index.
+TEST(Sampling, GreedyTakesTheFirstLargestAndRefusesNaN) {
+  SamplingOptions greedy;
+  greedy.temperature = 0.0f;
+  for (int64_t vocab : {1, 5, 16, 37, 50257}) {
+    std::mt19937 rng(static_cast<uint32_t>(vocab));
+    std::normal_distribution<float> normal;
+    std::vector<float> logits(static_cast<size_t>(vocab));
+    for (float& x : logits) x = normal(rng);
+    for (int64_t at : {int64_t{0}, vocab / 2, vocab - 1}) {
+      std::vector<float> l = logits;
+      l[static_cast<size_t>(at)] = 100.0f;
+      EXPECT_EQ(sample_token(l.data(), vocab, greedy, 0),
+                static_cast<int32_t>(std::max_element(l.begin(), l.end()) - l.begin()))
+          << "vocab " << vocab << " max at " << at;
+      if (at + 1 < vocab) {  // a tie later: the first wins
+        l[static_cast<size_t>(vocab - 1)] = 100.0f;
+        EXPECT_EQ(sample_token(l.data(), vocab, greedy, 0), static_cast<int32_t>(at));
+      }
+      l[static_cast<size_t>(at)] = std::nanf("");
+      try {
+        sample_token(l.data(), vocab, greedy, 0);
+        ADD_FAILURE() << "a NaN at " << at << " did not throw";
+      } catch (const Error& e) {
+        EXPECT_NE(std::string(e.what()).find("logit " + std::to_string(at) + " is NaN"),
+                  std::string::npos)
+            << e.what();
+      }
+    }
+  }
+  std::vector<float> zeros = {-1.0f, -0.0f, 0.0f, -0.0f};
+  EXPECT_EQ(sample_token(zeros.data(), 4, greedy, 0), 1);
+  std::vector<float> lowest(20, -std::numeric_limits<float>::infinity());
+  EXPECT_EQ(sample_token(lowest.data(), 20, greedy, 0), 0);
 }
 
 }  // namespace

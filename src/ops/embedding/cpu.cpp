@@ -63,19 +63,24 @@ void forward_rows(const Tensor& ids, const Tensor& table, Tensor& out,
               : isa == Isa::Avx2 ? copy_row_avx2<In, Out>
                                  : copy_row_scalar<In, Out>;
   const int64_t c = s.channels;
-#pragma omp parallel for schedule(static) if (s.tokens * c >= kParallelMinElements)
-  for (int64_t n = 0; n < s.tokens; ++n) {
+  auto row = [&](int64_t n) {
     const int64_t id = embedding_detail::id_at(ids, n) - s.first;
     if (id < 0 || id >= s.vocab) {  // another part's id (vocabulary parallelism): zeros
       std::memset(static_cast<void*>(dst + n * c), 0, sizeof(Out) * c);
-      continue;
-    }
-    if constexpr (std::is_same_v<In, Out>) {
+    } else if constexpr (std::is_same_v<In, Out>) {
       std::memcpy(static_cast<void*>(dst + n * c), rows + id * c, sizeof(In) * c);
     } else {
       copy(rows + id * c, dst + n * c, c);
     }
+  };
+  // A decode step's few rows stay on the calling thread: a region, even one whose `if` is
+  // false, wakes the pool.
+  if (s.tokens * c < kParallelMinElements) {
+    for (int64_t n = 0; n < s.tokens; ++n) row(n);
+    return;
   }
+#pragma omp parallel for schedule(static)
+  for (int64_t n = 0; n < s.tokens; ++n) row(n);
 }
 
 template <typename In>
@@ -178,11 +183,16 @@ void position_embedding_forward(Tensor& x, const Tensor& table, int64_t seq_len,
   float* xs = x.data<float>();
   const float* positions = table.data<float>() + position_offset * C;
   const int64_t rows = x.dim(0);
-#pragma omp parallel for schedule(static)
-  for (int64_t r = 0; r < rows; ++r) {
+  auto add_row = [&](int64_t r) {
     const float* p = positions + ((first_row + r) % seq_len) * C;
     for (int64_t c = 0; c < C; ++c) xs[r * C + c] += p[c];
+  };
+  if (rows * C < kParallelMinElements) {  // decode: on the calling thread
+    for (int64_t r = 0; r < rows; ++r) add_row(r);
+    return;
   }
+#pragma omp parallel for schedule(static)
+  for (int64_t r = 0; r < rows; ++r) add_row(r);
 }
 
 void position_embedding_backward(const Tensor& dx, int64_t seq_len, Tensor& dtable,
