@@ -83,15 +83,31 @@ OCTET_SMALL_M_INLINE __m512bh e4m3_high_bytes_exact(__m512i x, __m512i subnormal
 int64_t permuted_k(int64_t k) {
   return (k + 63) / 64 * 64;
 }
-std::vector<uint16_t> permute_a(const uint16_t* a, int64_t m, int64_t k) {
+// (The pairs (4j, 4j + 2) of a block are its even elements, (4j + 1, 4j + 3) its odd ones: two
+// two-source word permutations per 64 values; an index computed per element took ~1 us of a
+// decode GEMM's ~3 us fixed cost.)
+OCTET_SMALL_M_TARGET std::vector<uint16_t> permute_a(const uint16_t* a, int64_t m, int64_t k) {
   const int64_t kp = permuted_k(k);
-  std::vector<uint16_t> out(static_cast<size_t>(m * kp), 0);
+  std::vector<uint16_t> out(static_cast<size_t>(m * kp));
+  alignas(64) uint16_t even_index[32], odd_index[32];
+  for (int i = 0; i < 32; ++i) {
+    even_index[i] = static_cast<uint16_t>(2 * i);
+    odd_index[i] = static_cast<uint16_t>(2 * i + 1);
+  }
+  const __m512i even = _mm512_load_si512(even_index), odd = _mm512_load_si512(odd_index);
   for (int64_t r = 0; r < m; ++r) {
     const uint16_t* src = a + r * k;
     uint16_t* dst = out.data() + r * kp;
-    for (int64_t i = 0; i < k; ++i) {
-      const int64_t base = i / 64 * 64, j = i % 64 / 4, q = i % 4;
-      dst[base + (q % 2) * 32 + 2 * j + q / 2] = src[i];
+    for (int64_t base = 0; base < k; base += 64) {
+      const int64_t n = std::min<int64_t>(64, k - base);
+      const auto first = static_cast<__mmask32>(n >= 32 ? ~0u : (1u << n) - 1);
+      const auto second = static_cast<__mmask32>(n >= 64  ? ~0u
+                                                 : n > 32 ? (1u << (n - 32)) - 1
+                                                          : 0u);
+      const __m512i x0 = _mm512_maskz_loadu_epi16(first, src + base);
+      const __m512i x1 = _mm512_maskz_loadu_epi16(second, src + base + 32);
+      _mm512_storeu_si512(dst + base, _mm512_permutex2var_epi16(x0, even, x1));
+      _mm512_storeu_si512(dst + base + 32, _mm512_permutex2var_epi16(x0, odd, x1));
     }
   }
   return out;
@@ -104,6 +120,53 @@ std::vector<uint16_t> permute_a(const uint16_t* a, int64_t m, int64_t k) {
 // (GPT-2 124M's layer weights cycled beyond the cache, M = 1: FP8 12.2 -> 7.8 ms, BF16
 // 14.2 -> 12.5 ms).
 constexpr int64_t kPrefetchBytes = 8192;
+
+// 16 F32 values rounded to BF16 as float_to_bf16 does (nearest even, NaN kept quiet). Shifts
+// by vector extensions and zero-masked conversions: GCC 12's unmasked forms warn of an undefined
+// operand.
+typedef uint32_t U32x16 __attribute__((vector_size(64)));
+OCTET_SMALL_M_INLINE __m256i to_bf16(__m512 v) {
+  const U32x16 bits = reinterpret_cast<U32x16>(v);
+  U32x16 rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
+  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  rounded = reinterpret_cast<U32x16>(_mm512_mask_mov_epi32(
+      reinterpret_cast<__m512i>(rounded), nan, reinterpret_cast<__m512i>((bits >> 16) | 0x40u)));
+  return _mm512_maskz_cvtepi32_epi16(static_cast<__mmask16>(0xffff),
+                                     reinterpret_cast<__m512i>(rounded));
+}
+
+// 16 BF16 values (the masked lanes) widened to F32.
+OCTET_SMALL_M_INLINE __m512 from_bf16(const uint16_t* at, __mmask16 mask) {
+  const U32x16 wide = reinterpret_cast<U32x16>(_mm512_maskz_cvtepu16_epi32(
+      static_cast<__mmask16>(0xffff), _mm256_maskz_loadu_epi16(mask, at)));
+  return reinterpret_cast<__m512>(wide << 16);
+}
+
+// Row `row`, columns [col, col + width) (those below N; width <= 16) of C from the F32 sums `v`
+// (alpha and any column scale applied): beta * C, bias and activation, stored in C's dtype.
+OCTET_SMALL_M_INLINE void store_lanes(const SmallM& p, int64_t row, int64_t col, __m512 v,
+                                      int64_t width = 16) {
+  const int64_t valid = std::min<int64_t>(width, p.n - col);
+  const auto mask = static_cast<__mmask16>((uint32_t{1} << valid) - 1);
+  const int64_t at = row * p.n + col;
+  if (p.beta != 0.0f) {
+    const __m512 old = p.c_bf16 ? from_bf16(static_cast<const uint16_t*>(p.c) + at, mask)
+                                : _mm512_maskz_loadu_ps(mask, static_cast<const float*>(p.c) + at);
+    v = _mm512_fmadd_ps(_mm512_set1_ps(p.beta), old, v);
+  }
+  if (p.bias != nullptr) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, p.bias + col));
+  if (p.activation != Activation::None) {
+    alignas(64) float lanes[16];
+    _mm512_store_ps(lanes, v);
+    for (float& x : lanes) x = apply_activation(p.activation, x);
+    v = _mm512_load_ps(lanes);
+  }
+  if (p.c_bf16) {
+    _mm256_mask_storeu_epi16(static_cast<uint16_t*>(p.c) + at, mask, to_bf16(v));
+  } else {
+    _mm512_mask_storeu_ps(static_cast<float*>(p.c) + at, mask, v);
+  }
+}
 
 // The epilogue of rows [m0, m0 + M) x columns [n, n + C): C = act(alpha * factor * scale *
 // sum + beta * C + bias). (The callers reduce their accumulators first: passing them by
@@ -225,19 +288,45 @@ OCTET_SMALL_M_INLINE void block_e4m3(const SmallM& p, const uint16_t* a, int64_t
   store_sums<M, C>(p, m0, n, sums, 1.0f / 256.0f);
 }
 
+// The lane sums of 16 vectors, in order: a transposing tree of two-source shuffles (15 adds and
+// 30 shuffles, against 16 halving trees of 4 shuffles and 4 adds each).
+OCTET_SMALL_M_INLINE F16 lane_sums16(const F16* v) {
+  F16 l1[8], l2[4], l3[2];
+  for (int i = 0; i < 8; ++i) {  // [row 2i: 8 partial sums | row 2i+1: 8]
+    const F16 a = v[2 * i], b = v[2 * i + 1];
+    l1[i] =
+        __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+        __builtin_shufflevector(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  }
+  for (int i = 0; i < 4; ++i) {  // rows 4i .. 4i+3: 4 partial sums each
+    const F16 a = l1[2 * i], b = l1[2 * i + 1];
+    l2[i] =
+        __builtin_shufflevector(a, b, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+        __builtin_shufflevector(a, b, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+  }
+  for (int i = 0; i < 2; ++i) {  // rows 8i .. 8i+7: 2 partial sums each
+    const F16 a = l2[2 * i], b = l2[2 * i + 1];
+    l3[i] =
+        __builtin_shufflevector(a, b, 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+        __builtin_shufflevector(a, b, 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+  }
+  return __builtin_shufflevector(l3[0], l3[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26,
+                                 28, 30) +
+         __builtin_shufflevector(l3[0], l3[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27,
+                                 29, 31);
+}
+
 // E4M3 B at one or two rows, one column at a time: the codes of a thread's columns are then
 // one sequential stream (the blocks of 8 columns above read 8 runs side by side), taken 64
-// codes per load into four accumulators per row over K. The hardware prefetcher did not keep
-// up with it (14 GB/s); prefetching 4-8 KiB ahead it read as fast as a plain read of the same
-// bytes, the blocks 0.75-0.9x of it (GPT-2 124M's decode weights cycled past the cache). In the
-// decode step the FP8 GEMMs went from 0.60-0.68x of the BF16 ones' time to 0.53-0.54x (the
-// bytes: 0.51x).
+// codes per load into four accumulators per row over K, each column's accumulators reduced to
+// one vector, `out[m][slot]`. The hardware prefetcher did not keep up with the stream
+// (14 GB/s); prefetching 4-8 KiB ahead it read as fast as a plain read of the same bytes, the
+// blocks 0.75-0.9x of it (GPT-2 124M's decode weights cycled past the cache).
 template <int M>
-OCTET_SMALL_M_INLINE void column_e4m3(const SmallM& p, const uint16_t* a, int64_t m0, int64_t n,
-                                      __m512i subnormals) {
+OCTET_SMALL_M_INLINE void column_e4m3(const SmallM& p, const uint16_t* a, int64_t n,
+                                      __m512i subnormals, F16 (&out)[M][16], int slot) {
   constexpr int U = 4;
   const int64_t K = p.k, K64 = K / 64 * 64, lda = permuted_k(K);
-  a += m0 * lda;
   const uint8_t* row = static_cast<const uint8_t*>(p.b) + n * K;
   __m512 acc[M][U];
   for (int m = 0; m < M; ++m) {
@@ -270,12 +359,36 @@ OCTET_SMALL_M_INLINE void column_e4m3(const SmallM& p, const uint16_t* a, int64_
       }
     }
   }
-  float sums[M][1];
   for (int m = 0; m < M; ++m) {
-    sums[m][0] = sum_lanes(
+    out[m][slot] = reinterpret_cast<F16>(
         _mm512_add_ps(_mm512_add_ps(acc[m][0], acc[m][1]), _mm512_add_ps(acc[m][2], acc[m][3])));
   }
-  store_sums<M, 1>(p, m0, n, sums, 1.0f / 256.0f);
+}
+
+// Columns [n, n + count) (count <= 16) of rows [m0, m0 + M) by column_e4m3, their sums
+// reduced together and the epilogue taken 16 columns at a time: with K = 768 a column is only
+// 12 loads, and reducing and storing each on its own held the kernel to 0.4-0.5x the BF16
+// kernel's bytes per second from the cache.
+template <int M>
+OCTET_SMALL_M_INLINE void column_group_e4m3(const SmallM& p, const uint16_t* a, int64_t m0,
+                                            int64_t n, int64_t count, __m512i subnormals) {
+  alignas(64) F16 sums[M][16];
+  for (int m = 0; m < M; ++m) {
+    for (int c = 0; c < 16; ++c) sums[m][c] = F16{};
+  }
+  const uint16_t* am = a + m0 * permuted_k(p.k);
+  for (int64_t c = 0; c < count; ++c) {
+    column_e4m3<M>(p, am, n + c, subnormals, sums, static_cast<int>(c));
+  }
+  const auto mask = static_cast<__mmask16>((uint32_t{1} << count) - 1);
+  __m512 factor = _mm512_set1_ps(p.alpha / 256.0f);
+  if (p.column_scale != nullptr) {
+    factor = _mm512_mul_ps(factor, _mm512_maskz_loadu_ps(mask, p.column_scale + n));
+  }
+  for (int m = 0; m < M; ++m) {
+    const __m512 v = _mm512_mul_ps(factor, reinterpret_cast<__m512>(lane_sums16(sums[m])));
+    store_lanes(p, m0 + m, n, v, count);
+  }
 }
 
 // Columns [n0, n1) of rows [m0, m0 + M): blocks of 8 columns up to 2 rows (BF16; E4M3 one
@@ -291,7 +404,9 @@ OCTET_SMALL_M_TARGET void columns(const SmallM& p, const uint16_t* a, int64_t m0
   if (p.b_e4m3) {
     const __m512i subnormals = _mm512_loadu_si512(e4m3_subnormal_bf16());
     if constexpr (M <= 2) {
-      for (; n < n1; ++n) column_e4m3<M>(p, a, m0, n, subnormals);
+      for (; n < n1; n += 16) {
+        column_group_e4m3<M>(p, a, m0, n, std::min<int64_t>(16, n1 - n), subnormals);
+      }
       return;
     }
     for (; n + C <= n1; n += C) block_e4m3<M, C>(p, a, m0, n, subnormals);
@@ -315,27 +430,6 @@ constexpr ColumnsFn kColumns[kPassRows] = {columns<1>, columns<2>, columns<3>, c
 // ---- B packed in K pairs (run_small_m_pairs) --------------------------------------------------
 
 constexpr int64_t kPairRows = 4;  // rows of A per pass over a block: 4 x 4 accumulators at most
-
-// 16 F32 values rounded to BF16 as float_to_bf16 does (nearest even, NaN kept quiet). Shifts
-// by vector extensions and zero-masked conversions: GCC 12's unmasked forms warn of an undefined
-// operand.
-typedef uint32_t U32x16 __attribute__((vector_size(64)));
-OCTET_SMALL_M_INLINE __m256i to_bf16(__m512 v) {
-  const U32x16 bits = reinterpret_cast<U32x16>(v);
-  U32x16 rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
-  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-  rounded = reinterpret_cast<U32x16>(_mm512_mask_mov_epi32(
-      reinterpret_cast<__m512i>(rounded), nan, reinterpret_cast<__m512i>((bits >> 16) | 0x40u)));
-  return _mm512_maskz_cvtepi32_epi16(static_cast<__mmask16>(0xffff),
-                                     reinterpret_cast<__m512i>(rounded));
-}
-
-// 16 BF16 values (the masked lanes) widened to F32.
-OCTET_SMALL_M_INLINE __m512 from_bf16(const uint16_t* at, __mmask16 mask) {
-  const U32x16 wide = reinterpret_cast<U32x16>(_mm512_maskz_cvtepu16_epi32(
-      static_cast<__mmask16>(0xffff), _mm256_maskz_loadu_epi16(mask, at)));
-  return reinterpret_cast<__m512>(wide << 16);
-}
 
 // Columns [n, n + 16 G) of rows [m0, m0 + R) from one block of K pairs: per pair, G lines of
 // weights (16 columns x 2 K values each) against each row's two A values broadcast. The block
@@ -374,28 +468,7 @@ OCTET_SMALL_M_TARGET void pair_block(const SmallM& p, const uint16_t* a, int64_t
     for (int g = 0; g < G; ++g) {
       const int64_t col = n + 16 * g;
       if (col >= p.n) break;
-      const int64_t valid = std::min<int64_t>(16, p.n - col);
-      const auto mask = static_cast<__mmask16>((uint32_t{1} << valid) - 1);
-      __m512 v = _mm512_mul_ps(_mm512_set1_ps(p.alpha), acc[r][g]);
-      const int64_t at = (m0 + r) * p.n + col;
-      if (p.beta != 0.0f) {
-        const __m512 old = p.c_bf16
-                               ? from_bf16(static_cast<const uint16_t*>(p.c) + at, mask)
-                               : _mm512_maskz_loadu_ps(mask, static_cast<const float*>(p.c) + at);
-        v = _mm512_fmadd_ps(_mm512_set1_ps(p.beta), old, v);
-      }
-      if (p.bias != nullptr) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, p.bias + col));
-      if (p.activation != Activation::None) {
-        alignas(64) float lanes[16];
-        _mm512_store_ps(lanes, v);
-        for (float& x : lanes) x = apply_activation(p.activation, x);
-        v = _mm512_load_ps(lanes);
-      }
-      if (p.c_bf16) {
-        _mm256_mask_storeu_epi16(static_cast<uint16_t*>(p.c) + at, mask, to_bf16(v));
-      } else {
-        _mm512_mask_storeu_ps(static_cast<float*>(p.c) + at, mask, v);
-      }
+      store_lanes(p, m0 + r, col, _mm512_mul_ps(_mm512_set1_ps(p.alpha), acc[r][g]));
     }
   }
 }
@@ -448,15 +521,20 @@ void run_small_m(const SmallM& p) {
   const std::vector<uint16_t> a = p.b_e4m3 ? permute_a(p.a, p.m, p.k) : std::vector<uint16_t>{};
   // Threads take contiguous column ranges (each weight row read by one thread, once per pass
   // of 8 rows); a weight under 256 Ki elements is not worth waking them for.
-  const bool parallel = p.n * p.k >= (int64_t{1} << 18);
-#pragma omp parallel if (parallel)
-  {
-    const int threads = omp_get_num_threads(), t = omp_get_thread_num();
+  // (A small one runs on the calling thread: a region, even one whose `if` is false, wakes the
+  // pool.)
+  auto part = [&](int t, int threads) {
     const int64_t n0 = p.n * t / threads, n1 = p.n * (t + 1) / threads;
     for (int64_t m0 = 0; m0 < p.m; m0 += kPassRows) {
       kColumns[std::min(kPassRows, p.m - m0) - 1](p, a.data(), m0, n0, n1);
     }
+  };
+  if (p.n * p.k < (int64_t{1} << 18)) {
+    part(0, 1);
+    return;
   }
+#pragma omp parallel
+  part(omp_get_thread_num(), omp_get_num_threads());
 }
 
 void run_small_m_pairs(const SmallM& p, const uint16_t* b, int64_t width) {
@@ -477,10 +555,7 @@ void run_small_m_pairs(const SmallM& p, const uint16_t* b, int64_t width) {
   const PairBlockFn* table = kPairBlocksByWidth[width / 16 - 1];
   const int64_t blocks = (p.n + width - 1) / width;
   const int64_t block_elements = (p.k + 31) / 32 * 32 * width;
-  const bool parallel = p.n * p.k >= (int64_t{1} << 18);
-#pragma omp parallel if (parallel)
-  {
-    const int threads = omp_get_num_threads(), t = omp_get_thread_num();
+  auto part = [&](int t, int threads) {
     const int64_t j0 = blocks * t / threads, j1 = blocks * (t + 1) / threads;
     for (int64_t j = j0; j < j1; ++j) {
       // Rows past the first pass read the block again from the cache.
@@ -488,7 +563,13 @@ void run_small_m_pairs(const SmallM& p, const uint16_t* b, int64_t width) {
         table[std::min(kPairRows, p.m - m0) - 1](p, a, lda, b + j * block_elements, m0, j * width);
       }
     }
+  };
+  if (p.n * p.k < (int64_t{1} << 18)) {  // on the calling thread, as run_small_m
+    part(0, 1);
+    return;
   }
+#pragma omp parallel
+  part(omp_get_thread_num(), omp_get_num_threads());
 }
 
 bool run_small_m_bf16(const MatmulArgs& args) {
