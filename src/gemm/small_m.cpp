@@ -319,9 +319,11 @@ OCTET_SMALL_M_INLINE F16 lane_sums16(const F16* v) {
 // E4M3 B at one or two rows, one column at a time: the codes of a thread's columns are then
 // one sequential stream (the blocks of 8 columns above read 8 runs side by side), taken 64
 // codes per load into four accumulators per row over K, each column's accumulators reduced to
-// one vector, `out[m][slot]`. The hardware prefetcher did not keep up with the stream
-// (14 GB/s); prefetching 4-8 KiB ahead it read as fast as a plain read of the same bytes, the
-// blocks 0.75-0.9x of it (GPT-2 124M's decode weights cycled past the cache).
+// one vector, `out[m][slot]`. Plain loads but for the tail: with masked ones and no software
+// prefetch the stream ran at 14 GB/s (the hardware prefetcher did not follow it). Prefetched
+// 8 KiB ahead, GPT-2 124M's 49 decode weights cycled past the cache read at 50-52 GB/s against
+// 52-54 for the BF16 kernel's (alternated in one process, an AMD EPYC VM); the blocks of 8
+// columns read at 0.75-0.9x a plain read of the same bytes.
 template <int M>
 OCTET_SMALL_M_INLINE void column_e4m3(const SmallM& p, const uint16_t* a, int64_t n,
                                       __m512i subnormals, F16 (&out)[M][16], int slot) {
@@ -332,33 +334,35 @@ OCTET_SMALL_M_INLINE void column_e4m3(const SmallM& p, const uint16_t* a, int64_
   for (int m = 0; m < M; ++m) {
     for (int u = 0; u < U; ++u) acc[m][u] = _mm512_setzero_ps();
   }
-  const __mmask64 tail = K - K64 == 0 ? 0 : ~uint64_t{0} >> (64 - (K - K64));
   const __m512i exponent = _mm512_set1_epi8(0x78);
-  for (int64_t k0 = 0; k0 < K; k0 += 64 * U) {
-    for (int u = 0; u < U; ++u) {
-      const int64_t k = k0 + 64 * u;
-      if (k >= K) break;
-      const __mmask64 valid = k < K64 ? ~__mmask64{0} : tail;
-      const __m512i w = _mm512_maskz_loadu_epi8(valid, row + k);
-      _mm_prefetch(reinterpret_cast<const char*>(row + k) + kPrefetchBytes, _MM_HINT_T0);
-      const __m512i even = _mm512_slli_epi16(w, 8);
-      __m512bh lo, hi;
-      if (_mm512_mask_testn_epi8_mask(valid, w, exponent) != 0) [[unlikely]] {
-        lo = e4m3_high_bytes_exact(even, subnormals);
-        hi = e4m3_high_bytes_exact(w, subnormals);
-      } else {
-        lo = e4m3_high_bytes(even);
-        hi = e4m3_high_bytes(w);
-      }
-      for (int m = 0; m < M; ++m) {
-        const uint16_t* am = a + m * lda + k;
-        acc[m][u] =
-            _mm512_dpbf16_ps(acc[m][u], reinterpret_cast<__m512bh>(_mm512_loadu_si512(am)), lo);
-        acc[m][u] = _mm512_dpbf16_ps(acc[m][u],
-                                     reinterpret_cast<__m512bh>(_mm512_loadu_si512(am + 32)), hi);
-      }
+  // 64 codes at k into accumulator u: `valid` masks the tail past K's last multiple of 64 (the
+  // full blocks take plain loads).
+  auto step = [&](int64_t k, int u, bool full, __mmask64 valid) OCTET_SMALL_M_INLINE_LAMBDA {
+    const __m512i w = full ? _mm512_loadu_si512(row + k) : _mm512_maskz_loadu_epi8(valid, row + k);
+    _mm_prefetch(reinterpret_cast<const char*>(row + k) + kPrefetchBytes, _MM_HINT_T0);
+    const __m512i even = _mm512_slli_epi16(w, 8);
+    __m512bh lo, hi;
+    if (_mm512_mask_testn_epi8_mask(valid, w, exponent) != 0) [[unlikely]] {
+      lo = e4m3_high_bytes_exact(even, subnormals);
+      hi = e4m3_high_bytes_exact(w, subnormals);
+    } else {
+      lo = e4m3_high_bytes(even);
+      hi = e4m3_high_bytes(w);
     }
+    for (int m = 0; m < M; ++m) {
+      const uint16_t* am = a + m * lda + k;
+      acc[m][u] =
+          _mm512_dpbf16_ps(acc[m][u], reinterpret_cast<__m512bh>(_mm512_loadu_si512(am)), lo);
+      acc[m][u] =
+          _mm512_dpbf16_ps(acc[m][u], reinterpret_cast<__m512bh>(_mm512_loadu_si512(am + 32)), hi);
+    }
+  };
+  int64_t k = 0;
+  for (; k + 64 * U <= K64; k += 64 * U) {
+    for (int u = 0; u < U; ++u) step(k + 64 * u, u, true, ~__mmask64{0});
   }
+  for (int u = 0; k < K64; k += 64, ++u) step(k, u, true, ~__mmask64{0});
+  if (k < K) step(k, U - 1, false, ~uint64_t{0} >> (64 - (K - k)));
   for (int m = 0; m < M; ++m) {
     out[m][slot] = reinterpret_cast<F16>(
         _mm512_add_ps(_mm512_add_ps(acc[m][0], acc[m][1]), _mm512_add_ps(acc[m][2], acc[m][3])));
