@@ -209,7 +209,6 @@ class GPT : public TransformerStack {
   // forward (ctx given: kept for backward, the loss's gradient computed) or evaluate.
   Tensor run_forward(int chunk, const Tensor& input, const Tensor& ids, const Tensor& targets,
                      DType dtype, float grad_scale, Context* ctx, float* loss);
-  const Tensor& wte_as(DType dtype);
   PackedWeight& wte_packed_as(DType dtype);  // for the output GEMM
   // Final norm then the tied output layer: hidden [B,C] -> logits [B,V] F32.
   Tensor logits_of_last(const Tensor& hidden);

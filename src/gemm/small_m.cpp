@@ -231,9 +231,9 @@ OCTET_SMALL_M_INLINE void block_bf16(const SmallM& p, int64_t m0, int64_t n) {
   store_sums<M, C>(p, m0, n, sums, 1.0f);
 }
 
-// E4M3 B: the same, 64 codes of each weight row per load widened into two BF16 vectors
-// (e4m3_high_bytes) against A permuted to match (`a`: rows permuted_k(K) apart): per 64 codes
-// a load, three shifts, two ternary-logic instructions and a byte test before the two dot
+// E4M3 B from 3 rows of A on: the same, 64 codes of each weight row per load widened into two BF16
+// vectors (e4m3_high_bytes) against A permuted to match (`a`: rows permuted_k(K) apart): per 64
+// codes a load, three shifts, two ternary-logic instructions and a byte test before the two dot
 // products. (Before: two loads, two byte-to-word widenings, shifts and ternary-logic
 // instructions and two scalar flag tests; 1.2-1.8x slower from the cache at one thread.)
 template <int M, int C>
@@ -266,12 +266,13 @@ OCTET_SMALL_M_INLINE void block_e4m3(const SmallM& p, const uint16_t* a, int64_t
       }
     }
   };
-  for (int64_t k = 0; k < K; k += 64) {
-    const __mmask64 valid = k < K64 ? ~__mmask64{0} : tail;
+  // Plain loads for the full blocks (masked ones kept the hardware prefetcher off the rows).
+  auto block = [&](int64_t k, bool full) OCTET_SMALL_M_INLINE_LAMBDA {
+    const __mmask64 valid = full ? ~__mmask64{0} : tail;
     __m512i w[C];
     __mmask64 zero_exponent = 0;
     for (int c = 0; c < C; ++c) {
-      w[c] = _mm512_maskz_loadu_epi8(valid, rows[c] + k);
+      w[c] = full ? _mm512_loadu_si512(rows[c] + k) : _mm512_maskz_loadu_epi8(valid, rows[c] + k);
       _mm_prefetch(reinterpret_cast<const char*>(rows[c] + k) + kPrefetchBytes, _MM_HINT_T0);
       zero_exponent |= _mm512_mask_testn_epi8_mask(valid, w[c], exponent);
     }
@@ -280,7 +281,9 @@ OCTET_SMALL_M_INLINE void block_e4m3(const SmallM& p, const uint16_t* a, int64_t
     } else {
       step(w, a + k, false);
     }
-  }
+  };
+  for (int64_t k = 0; k < K64; k += 64) block(k, true);
+  if (K64 < K) block(K64, false);
   float sums[M][C];
   for (int m = 0; m < M; ++m) {
     for (int c = 0; c < C; ++c) sums[m][c] = sum_lanes(acc[m][c]);
@@ -316,7 +319,7 @@ OCTET_SMALL_M_INLINE F16 lane_sums16(const F16* v) {
                                  29, 31);
 }
 
-// E4M3 B at one or two rows, one column at a time: the codes of a thread's columns are then
+// E4M3 B at one or two rows of A, one column at a time: the codes of a thread's columns are then
 // one sequential stream (the blocks of 8 columns above read 8 runs side by side), taken 64
 // codes per load into four accumulators per row over K, each column's accumulators reduced to
 // one vector, `out[m][slot]`. Plain loads but for the tail: with masked ones and no software
@@ -395,8 +398,8 @@ OCTET_SMALL_M_INLINE void column_group_e4m3(const SmallM& p, const uint16_t* a, 
   }
 }
 
-// Columns [n0, n1) of rows [m0, m0 + M): blocks of 8 columns up to 2 rows (BF16; E4M3 one
-// column at a time there), 4 up to 4 rows and 2 past that (the accumulators and weight blocks stay
+// Columns [n0, n1) of rows [m0, m0 + M). BF16: blocks of 8 columns up to 2 rows, 4 up to 4 rows
+// and 2 past that (the accumulators and weight blocks stay
 // in the 32 registers), then the rest by 4 and one by one. Eight columns against four: 1.07-1.11x
 // over GPT-2 124M's decode weights at one row (median of alternated rounds, an AMD EPYC VM); twelve
 // no faster. `a`: A permuted (permute_a) for E4M3 weights, null for BF16 ones.
@@ -407,17 +410,17 @@ OCTET_SMALL_M_TARGET void columns(const SmallM& p, const uint16_t* a, int64_t m0
   int64_t n = n0;
   if (p.b_e4m3) {
     const __m512i subnormals = _mm512_loadu_si512(e4m3_subnormal_bf16());
-    if constexpr (M <= 2) {
+    if constexpr (M <= 2) {  // a column at a time, 16 to an epilogue
       for (; n < n1; n += 16) {
         column_group_e4m3<M>(p, a, m0, n, std::min<int64_t>(16, n1 - n), subnormals);
       }
-      return;
+    } else {  // blocks of C columns, each 64-code block of A taken by C columns
+      for (; n + C <= n1; n += C) block_e4m3<M, C>(p, a, m0, n, subnormals);
+      if constexpr (C > 4) {
+        for (; n + 4 <= n1; n += 4) block_e4m3<M, 4>(p, a, m0, n, subnormals);
+      }
+      for (; n < n1; ++n) block_e4m3<M, 1>(p, a, m0, n, subnormals);
     }
-    for (; n + C <= n1; n += C) block_e4m3<M, C>(p, a, m0, n, subnormals);
-    if constexpr (C > 4) {
-      for (; n + 4 <= n1; n += 4) block_e4m3<M, 4>(p, a, m0, n, subnormals);
-    }
-    for (; n < n1; ++n) block_e4m3<M, 1>(p, a, m0, n, subnormals);
     return;
   }
   for (; n + C <= n1; n += C) block_bf16<M, C>(p, m0, n);

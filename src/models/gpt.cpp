@@ -132,10 +132,6 @@ TensorMap GPT::from_checkpoint_names(const TensorMap& theirs) const {
   return from_hf_gpt2_names(theirs);
 }
 
-const Tensor& GPT::wte_as(DType dtype) {
-  return gpt_parts::tied_weight_as(wte, dtype, output_cache_);
-}
-
 PackedWeight& GPT::wte_packed_as(DType dtype) {
   return gpt_parts::tied_packed_as(wte, dtype, output_cache_);
 }
