@@ -78,7 +78,7 @@ Fp8WeightOnly quantize_weight_fp8(const Tensor& weight);
 // The real values, [N, K] in dtype (F32 exact; BF16 rounds the scaled value once).
 Tensor dequantize_weight_fp8(const Fp8WeightOnly& weight, DType dtype);
 // C [M, N] = epilogue(A [M, K] . dequantized(B)^T), A F32|BF16, C A's dtype or F32, FP32
-// accumulation. B's bytes are read and widened in registers: BF16 A on AVX-512 BF16 up to 16
+// accumulation. B's bytes are read and widened in registers: BF16 A on AVX-512 BF16 up to 256
 // rows (gemm/small_m.h, passes of 8 rows, epilogue fused), otherwise up to 8 rows (AVX-512,
 // AVX2 or scalar by the processor); more rows widen B once and run the BF16/F32 GEMM.
 void gemm(const Tensor& A, const Fp8WeightOnly& B, Tensor& C, const Epilogue& epilogue = {});

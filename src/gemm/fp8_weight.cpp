@@ -30,9 +30,11 @@ namespace {
 
 constexpr int64_t kMaxSmallRows = 8;  // rows of A taken by the generic weight-reading kernel
 // Past this (prefill) B is widened once and oneDNN's GEMM runs. Over GPT-2 124M's 48 layer
-// weights (an AMD EPYC VM, 2 threads): the kernel 15.1 ms at 16 rows against 19.1 widened,
-// 21.7 against 20.2 at 24, 53.5 against 28.5 at 64 and 107 against 50 at 128.
-constexpr int64_t kMaxDotRows = 16;
+// weights called back to back (an AMD EPYC VM, 2 threads) widening won from 24 rows (21.7 ms
+// against 20.2, 107 against 50 at 128), but in the decode step at 32 and 64 rows it took
+// twice the kernel's time: each call widens into fresh tensors of 5-9 MB (2 MiB pages mapped
+// and cleared), and the dequantization is profiled per row (65,000 scopes a step).
+constexpr int64_t kMaxDotRows = 256;
 
 template <int W>
 struct V {
