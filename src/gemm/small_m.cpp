@@ -231,59 +231,54 @@ OCTET_SMALL_M_INLINE void block_bf16(const SmallM& p, int64_t m0, int64_t n) {
   store_sums<M, C>(p, m0, n, sums, 1.0f);
 }
 
-// E4M3 B from 3 rows of A on: the same, 64 codes of each weight row per load widened into two BF16
-// vectors (e4m3_high_bytes) against A permuted to match (`a`: rows permuted_k(K) apart): per 64
-// codes a load, three shifts, two ternary-logic instructions and a byte test before the two dot
-// products. (Before: two loads, two byte-to-word widenings, shifts and ternary-logic
-// instructions and two scalar flag tests; 1.2-1.8x slower from the cache at one thread.)
+// E4M3 B from 3 rows of A on: C weight rows side by side, 32 codes of each per load widened to
+// BF16 (sign-extended to 16 bits, shifted and masked as e4m3_high_bytes does), each widened
+// block taken by the M rows of A as they are. One test of the C blocks finds the rare
+// zero-exponent codes (a table lookup then); the branch touches only the widened blocks. At 8
+// rows the 64-code column kernel's A permuted in two halves took 1.3-1.6x this one's time.
 template <int M, int C>
-OCTET_SMALL_M_INLINE void block_e4m3(const SmallM& p, const uint16_t* a, int64_t m0, int64_t n,
-                                     __m512i subnormals) {
-  const int64_t K = p.k, K64 = K / 64 * 64, lda = permuted_k(K);
-  a += m0 * lda;
+OCTET_SMALL_M_INLINE void block_e4m3(const SmallM& p, int64_t m0, int64_t n, __m512i subnormals) {
+  const int64_t K = p.k, K32 = K / 32 * 32;
+  const uint16_t* a = p.a + m0 * K;
   const uint8_t* rows[C];
   for (int c = 0; c < C; ++c) rows[c] = static_cast<const uint8_t*>(p.b) + (n + c) * K;
   __m512 acc[M][C];
   for (int m = 0; m < M; ++m) {
     for (int c = 0; c < C; ++c) acc[m][c] = _mm512_setzero_ps();
   }
-  const __mmask64 tail = K - K64 == 0 ? 0 : ~uint64_t{0} >> (64 - (K - K64));
-  const __m512i exponent = _mm512_set1_epi8(0x78);
-  // The C loads' even and odd halves widened and taken by the M rows; `exact` for the codes
-  // with a zero exponent (one test and branch for the C loads: a branch per load made GCC keep
-  // the accumulators on the stack).
-  auto step = [&](const __m512i(&w)[C], const uint16_t* am,
-                  bool exact) OCTET_SMALL_M_INLINE_LAMBDA {
+  const auto tail = static_cast<__mmask32>((uint64_t{1} << (K - K32)) - 1);
+  for (int64_t k = 0; k < K; k += 32) {
+    const __mmask32 mask = k < K32 ? static_cast<__mmask32>(~0u) : tail;
+    __m512i w[C], bits[C];
+    __mmask32 abnormal = 0;
     for (int c = 0; c < C; ++c) {
-      const __m512i even = _mm512_slli_epi16(w[c], 8);
-      const __m512bh lo = exact ? e4m3_high_bytes_exact(even, subnormals) : e4m3_high_bytes(even);
-      const __m512bh hi = exact ? e4m3_high_bytes_exact(w[c], subnormals) : e4m3_high_bytes(w[c]);
-      for (int m = 0; m < M; ++m) {
-        acc[m][c] = _mm512_dpbf16_ps(
-            acc[m][c], reinterpret_cast<__m512bh>(_mm512_loadu_si512(am + m * lda)), lo);
-        acc[m][c] = _mm512_dpbf16_ps(
-            acc[m][c], reinterpret_cast<__m512bh>(_mm512_loadu_si512(am + m * lda + 32)), hi);
+      w[c] = _mm512_cvtepi8_epi16(_mm256_maskz_loadu_epi8(mask, rows[c] + k));
+      bits[c] = _mm512_ternarylogic_epi32(_mm512_slli_epi16(w[c], 4),
+                                          _mm512_set1_epi16(static_cast<short>(0x87f0)),
+                                          _mm512_set1_epi16(128 << 7), 0xea);  // (a & b) | c
+      abnormal |= _mm512_mask_testn_epi16_mask(mask, w[c], _mm512_set1_epi16(0x78));
+    }
+    if (abnormal != 0) [[unlikely]] {
+      for (int c = 0; c < C; ++c) {
+        const __m512i tiny = _mm512_or_si512(
+            _mm512_permutexvar_epi16(_mm512_and_si512(w[c], _mm512_set1_epi16(7)), subnormals),
+            _mm512_and_si512(w[c], _mm512_set1_epi16(static_cast<short>(0x8000))));
+        bits[c] = _mm512_mask_blend_epi16(_mm512_testn_epi16_mask(w[c], _mm512_set1_epi16(0x78)),
+                                          bits[c], tiny);
       }
     }
-  };
-  // Plain loads for the full blocks (masked ones kept the hardware prefetcher off the rows).
-  auto block = [&](int64_t k, bool full) OCTET_SMALL_M_INLINE_LAMBDA {
-    const __mmask64 valid = full ? ~__mmask64{0} : tail;
-    __m512i w[C];
-    __mmask64 zero_exponent = 0;
-    for (int c = 0; c < C; ++c) {
-      w[c] = full ? _mm512_loadu_si512(rows[c] + k) : _mm512_maskz_loadu_epi8(valid, rows[c] + k);
-      _mm_prefetch(reinterpret_cast<const char*>(rows[c] + k) + kPrefetchBytes, _MM_HINT_T0);
-      zero_exponent |= _mm512_mask_testn_epi8_mask(valid, w[c], exponent);
+    if (k % 64 == 0) {
+      for (int c = 0; c < C; ++c) {
+        _mm_prefetch(reinterpret_cast<const char*>(rows[c] + k) + kPrefetchBytes, _MM_HINT_T0);
+      }
     }
-    if (zero_exponent != 0) [[unlikely]] {
-      step(w, a + k, true);
-    } else {
-      step(w, a + k, false);
+    for (int m = 0; m < M; ++m) {
+      const __m512bh av = reinterpret_cast<__m512bh>(_mm512_maskz_loadu_epi16(mask, a + m * K + k));
+      for (int c = 0; c < C; ++c) {
+        acc[m][c] = _mm512_dpbf16_ps(acc[m][c], av, reinterpret_cast<__m512bh>(bits[c]));
+      }
     }
-  };
-  for (int64_t k = 0; k < K64; k += 64) block(k, true);
-  if (K64 < K) block(K64, false);
+  }
   float sums[M][C];
   for (int m = 0; m < M; ++m) {
     for (int c = 0; c < C; ++c) sums[m][c] = sum_lanes(acc[m][c]);
@@ -383,9 +378,8 @@ OCTET_SMALL_M_INLINE void column_group_e4m3(const SmallM& p, const uint16_t* a, 
   for (int m = 0; m < M; ++m) {
     for (int c = 0; c < 16; ++c) sums[m][c] = F16{};
   }
-  const uint16_t* am = a + m0 * permuted_k(p.k);
   for (int64_t c = 0; c < count; ++c) {
-    column_e4m3<M>(p, am, n + c, subnormals, sums, static_cast<int>(c));
+    column_e4m3<M>(p, a, n + c, subnormals, sums, static_cast<int>(c));
   }
   const auto mask = static_cast<__mmask16>((uint32_t{1} << count) - 1);
   __m512 factor = _mm512_set1_ps(p.alpha / 256.0f);
@@ -402,7 +396,8 @@ OCTET_SMALL_M_INLINE void column_group_e4m3(const SmallM& p, const uint16_t* a, 
 // and 2 past that (the accumulators and weight blocks stay
 // in the 32 registers), then the rest by 4 and one by one. Eight columns against four: 1.07-1.11x
 // over GPT-2 124M's decode weights at one row (median of alternated rounds, an AMD EPYC VM); twelve
-// no faster. `a`: A permuted (permute_a) for E4M3 weights, null for BF16 ones.
+// no faster. `a`: rows [m0, m0 + M) of A permuted (permute_a) for E4M3 weights at one or two
+// rows, null otherwise.
 template <int M>
 OCTET_SMALL_M_TARGET void columns(const SmallM& p, const uint16_t* a, int64_t m0, int64_t n0,
                                   int64_t n1) {
@@ -415,11 +410,11 @@ OCTET_SMALL_M_TARGET void columns(const SmallM& p, const uint16_t* a, int64_t m0
         column_group_e4m3<M>(p, a, m0, n, std::min<int64_t>(16, n1 - n), subnormals);
       }
     } else {  // blocks of C columns, each 64-code block of A taken by C columns
-      for (; n + C <= n1; n += C) block_e4m3<M, C>(p, a, m0, n, subnormals);
+      for (; n + C <= n1; n += C) block_e4m3<M, C>(p, m0, n, subnormals);
       if constexpr (C > 4) {
-        for (; n + 4 <= n1; n += 4) block_e4m3<M, 4>(p, a, m0, n, subnormals);
+        for (; n + 4 <= n1; n += 4) block_e4m3<M, 4>(p, m0, n, subnormals);
       }
-      for (; n < n1; ++n) block_e4m3<M, 1>(p, a, m0, n, subnormals);
+      for (; n < n1; ++n) block_e4m3<M, 1>(p, m0, n, subnormals);
     }
     return;
   }
@@ -525,7 +520,11 @@ bool small_m_supported() {
 void run_small_m(const SmallM& p) {
   OCTET_CHECK(small_m_supported(), "run_small_m: needs AVX-512 BF16");
   if (p.m == 0 || p.n == 0) return;
-  const std::vector<uint16_t> a = p.b_e4m3 ? permute_a(p.a, p.m, p.k) : std::vector<uint16_t>{};
+  // E4M3 B: the rows taken in passes of one or two (the column kernel's) read A permuted.
+  const int64_t tail_rows = p.m % kPassRows, permuted_from = p.m - tail_rows;
+  const bool permute = p.b_e4m3 && (tail_rows == 1 || tail_rows == 2);
+  const std::vector<uint16_t> a =
+      permute ? permute_a(p.a + permuted_from * p.k, tail_rows, p.k) : std::vector<uint16_t>{};
   // Threads take contiguous column ranges (each weight row read by one thread, once per pass
   // of 8 rows); a weight under 256 Ki elements is not worth waking them for.
   // (A small one runs on the calling thread: a region, even one whose `if` is false, wakes the
@@ -533,7 +532,8 @@ void run_small_m(const SmallM& p) {
   auto part = [&](int t, int threads) {
     const int64_t n0 = p.n * t / threads, n1 = p.n * (t + 1) / threads;
     for (int64_t m0 = 0; m0 < p.m; m0 += kPassRows) {
-      kColumns[std::min(kPassRows, p.m - m0) - 1](p, a.data(), m0, n0, n1);
+      kColumns[std::min(kPassRows, p.m - m0) - 1](p, m0 == permuted_from ? a.data() : nullptr, m0,
+                                                  n0, n1);
     }
   };
   if (p.n * p.k < (int64_t{1} << 18)) {
