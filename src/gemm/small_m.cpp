@@ -11,6 +11,7 @@
 #include <cstring>
 #include <vector>
 
+#include "core/lane_sums.h"
 #include "gemm/matmul.h"
 #include "gemm/packed_weight.h"
 #include "octet/cpu_features.h"
@@ -286,34 +287,6 @@ OCTET_SMALL_M_INLINE void block_e4m3(const SmallM& p, int64_t m0, int64_t n, __m
   store_sums<M, C>(p, m0, n, sums, 1.0f / 256.0f);
 }
 
-// The lane sums of 16 vectors, in order: a transposing tree of two-source shuffles (15 adds and
-// 30 shuffles, against 16 halving trees of 4 shuffles and 4 adds each).
-OCTET_SMALL_M_INLINE F16 lane_sums16(const F16* v) {
-  F16 l1[8], l2[4], l3[2];
-  for (int i = 0; i < 8; ++i) {  // [row 2i: 8 partial sums | row 2i+1: 8]
-    const F16 a = v[2 * i], b = v[2 * i + 1];
-    l1[i] =
-        __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
-        __builtin_shufflevector(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
-  }
-  for (int i = 0; i < 4; ++i) {  // rows 4i .. 4i+3: 4 partial sums each
-    const F16 a = l1[2 * i], b = l1[2 * i + 1];
-    l2[i] =
-        __builtin_shufflevector(a, b, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
-        __builtin_shufflevector(a, b, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
-  }
-  for (int i = 0; i < 2; ++i) {  // rows 8i .. 8i+7: 2 partial sums each
-    const F16 a = l2[2 * i], b = l2[2 * i + 1];
-    l3[i] =
-        __builtin_shufflevector(a, b, 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
-        __builtin_shufflevector(a, b, 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
-  }
-  return __builtin_shufflevector(l3[0], l3[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26,
-                                 28, 30) +
-         __builtin_shufflevector(l3[0], l3[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27,
-                                 29, 31);
-}
-
 // E4M3 B at one or two rows of A, one column at a time: the codes of a thread's columns are then
 // one sequential stream (the blocks of 8 columns above read 8 runs side by side), taken 64
 // codes per load into four accumulators per row over K, each column's accumulators reduced to
@@ -387,7 +360,9 @@ OCTET_SMALL_M_INLINE void column_group_e4m3(const SmallM& p, const uint16_t* a, 
     factor = _mm512_mul_ps(factor, _mm512_maskz_loadu_ps(mask, p.column_scale + n));
   }
   for (int m = 0; m < M; ++m) {
-    const __m512 v = _mm512_mul_ps(factor, reinterpret_cast<__m512>(lane_sums16(sums[m])));
+    F16 lanes;
+    lane_sums16(sums[m], &lanes);
+    const __m512 v = _mm512_mul_ps(factor, reinterpret_cast<__m512>(lanes));
     store_lanes(p, m0 + m, n, v, count);
   }
 }

@@ -11,6 +11,7 @@
 #include <limits>
 #include <vector>
 
+#include "core/lane_sums.h"
 #include "octet/ops/attention.h"
 #include "octet/profile.h"
 #include "ops/attention/vec.h"
@@ -336,35 +337,6 @@ OCTET_ALWAYS_INLINE void partition_task(const PagedArgs<T, P>& a, int64_t seq, i
   }
 }
 
-// The lane sums of 16 vectors, in order: a transposing tree of two-source shuffles (15 adds
-// and 30 shuffles, against 16 halving trees of 4 shuffles and 4 adds each).
-OCTET_ALWAYS_INLINE vec::F<16> lane_sums16(const vec::F<16>* v) {
-  using V = vec::F<16>;
-  V l1[8], l2[4], l3[2];
-  for (int i = 0; i < 8; ++i) {  // [row 2i: 8 partial sums | row 2i+1: 8]
-    const V a = v[2 * i], b = v[2 * i + 1];
-    l1[i] =
-        __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
-        __builtin_shufflevector(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
-  }
-  for (int i = 0; i < 4; ++i) {  // rows 4i .. 4i+3: 4 partial sums each
-    const V a = l1[2 * i], b = l1[2 * i + 1];
-    l2[i] =
-        __builtin_shufflevector(a, b, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
-        __builtin_shufflevector(a, b, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
-  }
-  for (int i = 0; i < 2; ++i) {  // rows 8i .. 8i+7: 2 partial sums each
-    const V a = l2[2 * i], b = l2[2 * i + 1];
-    l3[i] =
-        __builtin_shufflevector(a, b, 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
-        __builtin_shufflevector(a, b, 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
-  }
-  return __builtin_shufflevector(l3[0], l3[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26,
-                                 28, 30) +
-         __builtin_shufflevector(l3[0], l3[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27,
-                                 29, 31);
-}
-
 // partition_task for AVX-512 and head sizes of DV x 16 (32, 64, 128): the same sums, taken
 // head by head over the chunk (its rows were asked for a chunk ahead): 16 keys' scores at a
 // time, their lane sums by one transposing tree, and each head's weighted values summed in
@@ -400,7 +372,9 @@ OCTET_ALWAYS_INLINE void partition_task16(const PagedArgs<T, P>& a, int64_t seq,
           const P* kj = a.k + slots[j0 + jj] * row + hk * D;
           for (int v = 0; v < DV; ++v) dots[jj] += qv[v] * load_kv<W>(kj + v * W, a.table);
         }
-        vec::store<W>(scores + j0, lane_sums16(dots));
+        V lanes;
+        lane_sums16(dots, &lanes);
+        vec::store<W>(scores + j0, lanes);
       }
       if (a.k_scale != nullptr) {
         for (int64_t j = 0; j < n; ++j) scores[j] *= a.k_scale[slots[j] * s.kv_heads + hk];
