@@ -29,6 +29,8 @@ struct SamplingOptions {
 // Throws octet::Error naming the first option out of range.
 void check_sampling_options(const SamplingOptions& options);
 
+// Whether any penalty above is on (apply_penalties changes nothing otherwise).
+bool has_penalties(const SamplingOptions& options);
 // The penalties above on logits [vocab] in place; `prompt` and `generated` are the ids so far.
 void apply_penalties(float* logits, int64_t vocab, std::span<const int32_t> prompt,
                      std::span<const int32_t> generated, const SamplingOptions& options);

@@ -18,11 +18,11 @@
 
 #pragma GCC diagnostic ignored "-Wpsabi"
 
-#define OCTET_SMALL_M_TARGET \
-  __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
+#define OCTET_SMALL_M_ISA "avx512f,avx512bw,avx512vl,avx512dq,avx512bf16"
+#define OCTET_SMALL_M_TARGET __attribute__((target(OCTET_SMALL_M_ISA)))
 #define OCTET_SMALL_M_INLINE OCTET_SMALL_M_TARGET inline __attribute__((always_inline))
-#define OCTET_SMALL_M_INLINE_LAMBDA \
-  __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16"), always_inline))
+// (A lambda takes no target from the function around it.)
+#define OCTET_SMALL_M_INLINE_LAMBDA __attribute__((target(OCTET_SMALL_M_ISA), always_inline))
 
 namespace octet::gemm_detail {
 
@@ -114,10 +114,8 @@ OCTET_SMALL_M_TARGET std::vector<uint16_t> permute_a(const uint16_t* a, int64_t 
   return out;
 }
 
-// Output columns [n, n + C) of rows [m0, m0 + M): C weight rows streamed side by side, one
-// accumulator per (row, column), each weight block loaded (and widened) once for the M rows.
-// Software prefetch distance: the rows of a block are short streams (768 codes of FP8 at
-// K = 768), too short for the hardware prefetcher to run ahead; 8 KiB ahead measured best
+// Software prefetch distance of the row kernels: the rows of a block are short streams (768 codes
+// of FP8 at K = 768), too short for the hardware prefetcher to run ahead; 8 KiB ahead measured best
 // (GPT-2 124M's layer weights cycled beyond the cache, M = 1: FP8 12.2 -> 7.8 ms, BF16
 // 14.2 -> 12.5 ms).
 constexpr int64_t kPrefetchBytes = 8192;
@@ -342,8 +340,8 @@ OCTET_SMALL_M_INLINE void column_e4m3(const SmallM& p, const uint16_t* a, int64_
 
 // Columns [n, n + count) (count <= 16) of rows [m0, m0 + M) by column_e4m3, their sums
 // reduced together and the epilogue taken 16 columns at a time: with K = 768 a column is only
-// 12 loads, and reducing and storing each on its own held the kernel to 0.4-0.5x the BF16
-// kernel's bytes per second from the cache.
+// 12 loads. From the cache GPT-2's layer weights read at 56-77 GB/s so, 49-65 with a reduction
+// and scalar store per column (noisy runs; the BF16 kernel: 135-150 GB/s of its bytes).
 template <int M>
 OCTET_SMALL_M_INLINE void column_group_e4m3(const SmallM& p, const uint16_t* a, int64_t m0,
                                             int64_t n, int64_t count, __m512i subnormals) {
@@ -367,12 +365,12 @@ OCTET_SMALL_M_INLINE void column_group_e4m3(const SmallM& p, const uint16_t* a, 
   }
 }
 
-// Columns [n0, n1) of rows [m0, m0 + M). BF16: blocks of 8 columns up to 2 rows, 4 up to 4 rows
-// and 2 past that (the accumulators and weight blocks stay
-// in the 32 registers), then the rest by 4 and one by one. Eight columns against four: 1.07-1.11x
-// over GPT-2 124M's decode weights at one row (median of alternated rounds, an AMD EPYC VM); twelve
-// no faster. `a`: rows [m0, m0 + M) of A permuted (permute_a) for E4M3 weights at one or two
-// rows, null otherwise.
+// Columns [n0, n1) of rows [m0, m0 + M). Blocks of 8 columns up to 2 rows (BF16; E4M3 goes a
+// column at a time there), 4 up to 4 rows and 2 past that (the accumulators and weight blocks
+// stay in the 32 registers), then the rest by 4 and one by one. Eight columns against four:
+// 1.07-1.11x over GPT-2 124M's decode weights at one row (median of alternated rounds, an AMD
+// EPYC VM); twelve no faster. `a`: rows [m0, m0 + M) of A permuted (permute_a) for E4M3
+// weights at one or two rows, null otherwise.
 template <int M>
 OCTET_SMALL_M_TARGET void columns(const SmallM& p, const uint16_t* a, int64_t m0, int64_t n0,
                                   int64_t n1) {
@@ -384,7 +382,7 @@ OCTET_SMALL_M_TARGET void columns(const SmallM& p, const uint16_t* a, int64_t m0
       for (; n < n1; n += 16) {
         column_group_e4m3<M>(p, a, m0, n, std::min<int64_t>(16, n1 - n), subnormals);
       }
-    } else {  // blocks of C columns, each 64-code block of A taken by C columns
+    } else {  // blocks of C columns, each 32 values of A taken by the C columns
       for (; n + C <= n1; n += C) block_e4m3<M, C>(p, m0, n, subnormals);
       if constexpr (C > 4) {
         for (; n + 4 <= n1; n += 4) block_e4m3<M, 4>(p, m0, n, subnormals);

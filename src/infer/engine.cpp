@@ -422,8 +422,7 @@ bool Engine::Impl::step() {
     const GenerationRequest& req = seq.request;
     const SamplingOptions& sampling = req.sampling;
     const float* scores = raw;  // penalized in a copy, when any penalty is on
-    if (sampling.repetition_penalty != 1.0f || sampling.frequency_penalty != 0.0f ||
-        sampling.presence_penalty != 0.0f) {
+    if (has_penalties(sampling)) {
       row.assign(raw, raw + vocab);
       const std::span<const int32_t> all(seq.tokens);
       apply_penalties(row.data(), vocab, all.first(static_cast<size_t>(seq.prompt_len)),

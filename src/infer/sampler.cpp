@@ -23,11 +23,15 @@ void check_sampling_options(const SamplingOptions& o) {
               "sampling: presence_penalty expected in [-2, 2], got ", o.presence_penalty);
 }
 
+bool has_penalties(const SamplingOptions& o) {
+  return o.repetition_penalty != 1.0f || o.frequency_penalty != 0.0f || o.presence_penalty != 0.0f;
+}
+
 void apply_penalties(float* logits, int64_t vocab, std::span<const int32_t> prompt,
                      std::span<const int32_t> generated, const SamplingOptions& o) {
   check_sampling_options(o);
+  if (!has_penalties(o)) return;
   const bool counts_matter = o.frequency_penalty != 0.0f || o.presence_penalty != 0.0f;
-  if (o.repetition_penalty == 1.0f && !counts_matter) return;
   auto check_id = [vocab](int32_t id) {
     OCTET_CHECK(id >= 0 && id < vocab, "sampling: token ", id, " outside [0, ", vocab, ")");
   };

@@ -209,6 +209,14 @@ TEST(Sampling, PenaltiesFollowTheirDefinitions) {
   logits = base;
   apply_penalties(logits.data(), 6, prompt, generated, SamplingOptions{});
   EXPECT_EQ(logits, base);
+  EXPECT_FALSE(has_penalties(SamplingOptions{}));
+  for (int which = 0; which < 3; ++which) {  // each penalty alone turns them on
+    SamplingOptions on;
+    (which == 0   ? on.repetition_penalty
+     : which == 1 ? on.frequency_penalty
+                  : on.presence_penalty) = which == 0 ? 1.1f : 0.5f;
+    EXPECT_TRUE(has_penalties(on)) << which;
+  }
 }
 
 TEST(Sampling, BadPenaltiesAndIdsThrow) {
