@@ -486,12 +486,17 @@ int64_t max_rows(bool pair_blocked) {
 
 }  // namespace
 
-bool small_m_supported() {
+bool small_m_avx512() {
   return active_isa() == Isa::Avx512 && cpu_features().avx512_bf16;
 }
 
+bool small_m_supported() {
+  return small_m_avx512() || active_isa() != Isa::Scalar;
+}
+
 void run_small_m(const SmallM& p) {
-  OCTET_CHECK(small_m_supported(), "run_small_m: needs AVX-512 BF16");
+  OCTET_CHECK(small_m_supported(), "run_small_m: needs AVX-512 BF16, or AVX2 with FMA and F16C");
+  if (!small_m_avx512()) return run_small_m_avx2(p);
   if (p.m == 0 || p.n == 0) return;
   // E4M3 B: the rows taken in passes of one or two (the column kernel's) read A permuted.
   const int64_t tail_rows = p.m % kPassRows, permuted_from = p.m - tail_rows;
@@ -518,7 +523,7 @@ void run_small_m(const SmallM& p) {
 }
 
 void run_small_m_pairs(const SmallM& p, const uint16_t* b, int64_t width) {
-  OCTET_CHECK(small_m_supported(), "run_small_m_pairs: needs AVX-512 BF16");
+  OCTET_CHECK(small_m_avx512(), "run_small_m_pairs: needs AVX-512 BF16");
   OCTET_CHECK(width % 16 == 0 && width >= 16 && width <= 64,
               "run_small_m_pairs: expected blocks of 16, 32, 48 or 64 columns, got ", width);
   if (p.m == 0 || p.n == 0) return;

@@ -286,8 +286,12 @@ fi
 if [ "$layouts" = core-tied ]; then
   # Cross-attention's query LayerNorm takes its input gradient as the sum of the TP ranks'
   # partial GEMMs: its weight gradient measured 8e-6 off in Release and 1.4e-5 at -O1 under the
-  # sanitizers (T5): held to 3e-5 here.
-  grad_rtol=3e-5
+  # sanitizers (T5) on AVX-512, 5.0e-5 on an AVX2-only processor (Zen 3, oneDNN's AVX2 F32
+  # GEMMs), where AdamW's first update of that weight then measured 3e-3 off (L2): elements
+  # whose gradient is rounding noise move by +-lr either way. Held to 1e-4 and 1e-2 here (a
+  # learning rate or step count 1% off still fails; the other tensors stay under 1e-3).
+  grad_rtol=1e-4
+  update_rtol=1e-2
   run 4 "PP=4 1F1B (tied copies on inner stages)" --pipeline-model-parallel-size 4 \
     --pipeline-schedule 1f1b
   run 2 "PP=2 interleaved (4 stages)" --pipeline-model-parallel-size 2 \

@@ -276,7 +276,7 @@ TEST(GemmSmallRows, LargeAndTinyMagnitudes) {
 // (n / W) * Kp * W + (k / 2) * 2W + (n % W) * 2 + k % 2, Kp = K rounded up to 32, zero padding):
 // every width, odd K, N past the last whole block, 1 to 16 rows (passes of 4).
 TEST(GemmSmallRows, PairBlockedLayoutOfEveryWidth) {
-  if (!gemm_detail::small_m_supported()) GTEST_SKIP() << "no AVX-512 BF16";
+  if (!gemm_detail::small_m_avx512()) GTEST_SKIP() << "no AVX-512 BF16";
   for (int64_t width : {16, 32, 48, 64}) {
     for (auto [n, k] : {std::pair<int64_t, int64_t>{50, 31}, {130, 200}}) {
       const Tensor b = random_tensor({n, k}, 61, 1.0f).to(DType::BF16);  // [N, K]
@@ -327,7 +327,7 @@ TEST(GemmSmallRows, PackedWeightSharesThePrefillCopy) {
                    2.0 * (static_cast<double>(k) + 2.0) * kUnitRoundoff, 0.0, 0.0,
                    "m=" + std::to_string(m) + (trans ? " [N,K]" : " [K,N]"));
     }
-    if (gemm_detail::small_m_supported() && gemm_bf16_native()) {
+    if (gemm_detail::small_m_avx512() && gemm_bf16_native()) {
       int64_t width = 0;
       EXPECT_NE(PackedWeightAccess::state(packed).pair_blocked(width).get_data_handle(), nullptr);
       EXPECT_GT(width, 0);
