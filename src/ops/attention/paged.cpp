@@ -413,6 +413,11 @@ OCTET_TARGET_AVX512 void task_avx512(const PagedArgs<T, P>& a, int64_t seq, int6
 template <typename T, typename P>
 OCTET_TARGET_AVX2 void task_avx2(const PagedArgs<T, P>& a, int64_t seq, int64_t h0, int64_t h1,
                                  int64_t begin, int64_t end, float* part) {
+  // partition_task16's form at 8 lanes (8 keys' scores by one transposing tree, a head's
+  // values summed in 8 registers) was slower on a Zen 3 VM: GPT-2 124M's decode attention
+  // took 0.77-0.79 ms per step at batch 1 against 0.62-0.70 here, 4.6-5.0 against 3.9-4.2 at
+  // batch 8 (processes alternated): its accumulators and query vectors spill from AVX2's 16
+  // registers.
   partition_task<8>(a, seq, h0, h1, begin, end, part);
 }
 template <typename T, typename P>
