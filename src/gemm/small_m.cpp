@@ -570,7 +570,7 @@ bool run_small_m_bf16(const MatmulArgs& args) {
     if (args.packed->is_fp8 || args.m > std::max(max_rows(true), max_rows(false))) return false;
     // The copy oneDNN's BF16 matmul reads (prefill's), when it is packed in K pairs: one
     // sequential stream per block of columns, and no copy beyond those already made.
-    if (args.m <= max_rows(true)) {
+    if (args.m <= max_rows(true) && small_m_avx512()) {  // (OCTET_ISA may lower the ISA)
       pairs_memory = args.packed->pair_blocked(width);
       if (width > 0) pairs = static_cast<const uint16_t*>(pairs_memory.get_data_handle());
     }

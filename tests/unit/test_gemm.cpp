@@ -311,29 +311,36 @@ TEST(GemmSmallRows, PairBlockedLayoutOfEveryWidth) {
 }
 
 // A packed BF16 weight: decode's few rows read the copy prefill's oneDNN matmul reads, packed
-// once, in either orientation of the source; up to 16 rows there, 17 through oneDNN.
+// once, in either orientation of the source; up to 16 rows there, 17 through oneDNN. On every
+// instruction set: below AVX-512 BF16 the AVX2 kernel reads the source (OCTET_ISA lowered on a
+// processor that has it must not reach the packed-pairs kernel).
 TEST(GemmSmallRows, PackedWeightSharesThePrefillCopy) {
   const int64_t n = 200, k = 96;
-  for (bool trans : {false, true}) {
-    const Tensor w = random_tensor(b_shape(k, n, trans), 71).to(DType::BF16);
-    PackedWeight packed(w, trans);
-    for (int64_t m : {1, 16, 17, 128, 2}) {
-      const Tensor a = random_tensor({m, k}, 72).to(DType::BF16);
-      Tensor c = Tensor::empty({m, n}, DType::F32);
-      gemm(a, packed, c, false);
-      Tensor expected = Tensor::empty({m, n}, DType::F32);
-      gemm_reference(a, w, expected, false, trans);
-      expect_close(c, expected, magnitude(a, w, false, trans, m, n),
-                   2.0 * (static_cast<double>(k) + 2.0) * kUnitRoundoff, 0.0, 0.0,
-                   "m=" + std::to_string(m) + (trans ? " [N,K]" : " [K,N]"));
+  for (Isa isa : testing::available_isas()) {
+    testing::IsaGuard guard;
+    set_active_isa(isa);
+    for (bool trans : {false, true}) {
+      const Tensor w = random_tensor(b_shape(k, n, trans), 71).to(DType::BF16);
+      PackedWeight packed(w, trans);
+      for (int64_t m : {1, 16, 17, 128, 2}) {
+        const Tensor a = random_tensor({m, k}, 72).to(DType::BF16);
+        Tensor c = Tensor::empty({m, n}, DType::F32);
+        gemm(a, packed, c, false);
+        Tensor expected = Tensor::empty({m, n}, DType::F32);
+        gemm_reference(a, w, expected, false, trans);
+        expect_close(
+            c, expected, magnitude(a, w, false, trans, m, n),
+            2.0 * (static_cast<double>(k) + 2.0) * kUnitRoundoff, 0.0, 0.0,
+            std::string(isa_name(isa)) + " m=" + std::to_string(m) + (trans ? " [N,K]" : " [K,N]"));
+      }
+      if (gemm_detail::small_m_avx512() && gemm_bf16_native()) {
+        int64_t width = 0;
+        EXPECT_NE(PackedWeightAccess::state(packed).pair_blocked(width).get_data_handle(), nullptr);
+        EXPECT_GT(width, 0);
+      }
+      EXPECT_EQ(PackedWeightAccess::pack_count(packed), 1) << isa_name(isa);
+      EXPECT_EQ(PackedWeightAccess::packed_layouts(packed), 1u) << isa_name(isa);
     }
-    if (gemm_detail::small_m_avx512() && gemm_bf16_native()) {
-      int64_t width = 0;
-      EXPECT_NE(PackedWeightAccess::state(packed).pair_blocked(width).get_data_handle(), nullptr);
-      EXPECT_GT(width, 0);
-    }
-    EXPECT_EQ(PackedWeightAccess::pack_count(packed), 1);
-    EXPECT_EQ(PackedWeightAccess::packed_layouts(packed), 1u);
   }
 }
 
