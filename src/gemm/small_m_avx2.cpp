@@ -10,6 +10,7 @@
 #include <cstring>
 #include <vector>
 
+#include "core/convert.h"
 #include "gemm/small_m.h"
 #include "octet/dtype.h"
 
@@ -63,14 +64,15 @@ OCTET_AVX2_INLINE float sum_lanes(__m256 v) {
 // block, then the 8 odd ones (widen_bf16's order). The last K % 16 values stay in order.
 std::vector<float> widened_a(const SmallM& p) {
   std::vector<float> a(static_cast<size_t>(p.m * p.k));
+  convert_bf16_to_f32(reinterpret_cast<const bfloat16*>(p.a), a.data(), a.size());
+  if (p.b_e4m3) return a;
   const int64_t K16 = p.k / 16 * 16;
   for (int64_t m = 0; m < p.m; ++m) {
-    const uint16_t* from = p.a + m * p.k;
-    float* to = a.data() + m * p.k;
-    for (int64_t k = 0; k < p.k; ++k) {
-      int64_t at = k;
-      if (!p.b_e4m3 && k < K16) at = k / 16 * 16 + (k % 2) * 8 + (k % 16) / 2;
-      to[at] = bf16_to_float(from[k]);
+    for (int64_t k = 0; k < K16; k += 16) {
+      float* block = a.data() + m * p.k + k;
+      float even_odd[16];
+      for (int i = 0; i < 16; ++i) even_odd[(i % 2) * 8 + i / 2] = block[i];
+      std::copy_n(even_odd, 16, block);
     }
   }
   return a;
