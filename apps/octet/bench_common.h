@@ -230,8 +230,14 @@ class PeerProcess {
     to_ = fdopen(to_child[1], "w");
     from_ = fdopen(from_child[0], "r");
     std::signal(SIGPIPE, SIG_IGN);  // a peer that died must not kill octet
-    return to_ != nullptr && from_ != nullptr && read_line().has_value();
+    if (to_ == nullptr || from_ == nullptr) return false;
+    auto first = read_line();
+    if (!first) return false;
+    ready_ = std::move(*first);
+    return true;
   }
+  // The peer's first line (its ready message: threads, the configuration it chose).
+  const nlohmann::json& ready() const { return ready_; }
 
   // Sends one line and returns the JSON answer; nullopt once the peer is gone.
   std::optional<nlohmann::json> ask(const std::string& line) {
@@ -267,6 +273,7 @@ class PeerProcess {
     return parsed;
   }
 
+  nlohmann::json ready_ = nlohmann::json::object();
   pid_t pid_ = -1;
   FILE* to_ = nullptr;
   FILE* from_ = nullptr;

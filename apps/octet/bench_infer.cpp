@@ -1,7 +1,8 @@
 // `octet bench infer`: the inference engine on a GPT with random weights — prefill tokens/s,
 // decode tokens/s at several batch sizes, time to first token and inter-token latency with
 // concurrent requests, KV-cache waste — beside the same model generating with its own KV
-// cache in PyTorch 1.13 (bench/peers/torch_infer.py), alternating ours and the peer's run of
+// cache in PyTorch 1.13 (bench/peers/torch_infer.py, in the precision and with the linear
+// layers that run fastest on the processor, unless told), alternating ours and the peer's run of
 // each case round by round and reporting the median per-round ratio. The machine's memory
 // bandwidth, measured before every batch-1 decode step, gives that step's roofline (weight
 // bytes read per token / bandwidth); each case also prints where its decode step goes.
@@ -30,6 +31,7 @@ namespace {
 struct Options {
   std::string config = "gpt2-124m";
   std::string precision = "bf16";
+  std::string peer_precision = "auto";  // the PyTorch peer's (auto: its fastest here)
   std::vector<int64_t> batches = {1, 8, 32, 64};
   int64_t prompt = 128;
   int64_t steps = 64;  // timed decode steps per case (the median step: 16 read FP8 low)
@@ -283,9 +285,19 @@ class Peer {
       return;
     }
     running_ = process_.start({"/usr/bin/python3", script.string(), "--config",
-                               config_path.string(), "--precision", o.precision, "--threads",
+                               config_path.string(), "--precision", o.peer_precision, "--threads",
                                std::to_string(omp_get_max_threads())});
-    if (!running_) std::printf("peer: PyTorch did not start, skipped\n");
+    if (!running_) {
+      std::printf("peer: PyTorch did not start, skipped\n");
+      return;
+    }
+    const nlohmann::json& ready = process_.ready();
+    std::printf("peer: PyTorch 1.13, %s weights, linear layers by %s (%s), %d threads\n",
+                ready.value("precision", std::string("?")).c_str(),
+                ready.value("linear", std::string("?")).c_str(),
+                ready.value("linear", std::string()) == "mkldnn" ? "oneDNN, torch.utils.mkldnn"
+                                                                 : "aten, F.linear",
+                ready.value("threads", 0));
   }
   // Milliseconds: prefill of `batch` prompts, or the median decode step of `batch` sequences.
   double ask(const char* op, int64_t batch) {
@@ -523,6 +535,11 @@ void register_bench_infer(CLI::App& bench) {
   cmd->add_option("--precision", o->precision, "fp32 | bf16")
       ->capture_default_str()
       ->check(CLI::IsMember({"fp32", "bf16"}));
+  cmd->add_option("--peer-precision", o->peer_precision,
+                  "The PyTorch peer's weights: auto (its fastest on this processor, with its "
+                  "fastest linear layers) | fp32 | bf16")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"auto", "fp32", "bf16"}));
   cmd->add_option("--batches", o->batches, "Decode batch sizes")->delimiter(',');
   cmd->add_option("--prompt", o->prompt, "Prompt tokens per sequence")
       ->capture_default_str()

@@ -37,7 +37,12 @@ constexpr int64_t kPrefetchBytes = 4096;
 // then multiplying by 2^112 is as exact, but ran at half the speed over random codes on a Zen 3
 // VM, 10.4-10.8 GB/s against 14-20 at one row: F32 subnormal operands take a slow path. And
 // moving the fields by integer shifts, masks and an add where a test of 16 codes finds no zero
-// exponent, F16C otherwise, ran at 0.75-0.95x this one's speed over quantized Gaussian rows.)
+// exponent, F16C otherwise, ran at 0.75-0.95x this one's speed over quantized Gaussian rows.
+// The integer form into BF16's fields (shift by 4, mask, add 112 << 7, then widen_bf16's
+// shift and mask), one byte test per 64 codes sending the rare zero exponents to F16C: at one
+// row 1.1-1.2x this one's bytes per second on one thread, but at two threads, memory-bound,
+// GPT-2 124M's decode ran no faster (FP8/BF16 1.44-1.69x against 1.45-1.66x, processes
+// alternated), and from two rows on, where the FMAs bound the kernel, it ran slower.)
 OCTET_AVX2_INLINE void widen_e4m3(const uint8_t* codes, __m256& lo, __m256& hi) {
   const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes));
   const __m256i half = _mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(bytes), 7),
