@@ -256,7 +256,7 @@ Latency run_latency(GPT& model, const Options& o, DType dtype, std::mt19937& rng
 
 struct Series {
   std::vector<double> ours_prefill, ours_decode, peer_prefill, peer_decode, ratio_decode,
-      ratio_prefill, waste, fp8_decode, fp8_ratio;
+      ratio_prefill, waste, fp8_decode, fp8_ratio, fp8_peer_ratio;
   std::vector<double> bandwidth, roofline_share, fp8_roofline_share;  // batch 1 only
   // Summed over the rounds: mean ms per decode step by category, and the whole step; with
   // BF16 (or F32) weights and with FP8 weights.
@@ -364,6 +364,7 @@ std::vector<Series> run_rounds(GPT& model, const Options& o, DType dtype, Peer& 
         s.peer_decode.push_back(static_cast<double>(batch) / peer_decode * 1e3);
         s.ratio_decode.push_back(s.ours_decode.back() / s.peer_decode.back());
         s.ratio_prefill.push_back(s.ours_prefill.back() / s.peer_prefill.back());
+        if (o.fp8_weights) s.fp8_peer_ratio.push_back(s.fp8_decode.back() / s.peer_decode.back());
       }
       std::fprintf(stderr, "round %d/%d batch %lld: ours decode %.1f tok/s%s\n", round + 1,
                    o.rounds, static_cast<long long>(batch), s.ours_decode.back(),
@@ -408,6 +409,7 @@ void print_cases(const Options& o, const std::vector<Series>& series) {
       if (!s.fp8_ratio.empty()) {
         line["fp8_decode_tokens_per_s"] = bench::median(s.fp8_decode);
         line["fp8_ratio"] = bench::median(s.fp8_ratio);
+        if (!s.fp8_peer_ratio.empty()) line["fp8_decode_ratio"] = bench::median(s.fp8_peer_ratio);
       }
       std::printf("%s\n", line.dump().c_str());
     }
@@ -417,12 +419,14 @@ void print_cases(const Options& o, const std::vector<Series>& series) {
 void print_fp8(const Options& o, const std::vector<Series>& series, double fp8_bytes) {
   std::printf(
       "\nweight-only FP8 (E4M3, per-channel scales; %.1f MB read per token):\n"
-      "| batch | decode tok/s FP8 | vs BF16 weights (median, min..max) |\n|---|---|---|\n",
+      "| batch | decode tok/s FP8 | vs BF16 weights (median, min..max) | vs the peer |\n"
+      "|---|---|---|---|\n",
       fp8_bytes / 1e6);
   for (size_t i = 0; i < o.batches.size(); ++i) {
     const Series& s = series[i];
-    std::printf("| %lld | %.1f | %s |\n", static_cast<long long>(o.batches[i]),
-                bench::median(s.fp8_decode), bench::median_range(s.fp8_ratio).c_str());
+    std::printf("| %lld | %.1f | %s | %s |\n", static_cast<long long>(o.batches[i]),
+                bench::median(s.fp8_decode), bench::median_range(s.fp8_ratio).c_str(),
+                s.fp8_peer_ratio.empty() ? "-" : bench::median_range(s.fp8_peer_ratio).c_str());
   }
 }
 
