@@ -361,6 +361,8 @@ struct ForwardArgs {
   // v [B,Hkv,padded_keys/2,dp,2] (pairs along the keys), BF16.
   const void* kt;
   const void* v;
+  // F32 tiles: q packed [B,H,T,dp], F32 (null: the tiles read q's rows in place).
+  const float* q_rows;
   T* out;
   float* lse;
   int64_t lse_parts;  // 1: F32 lse; 2: hi + lo
@@ -399,6 +401,9 @@ OCTET_ALWAYS_INLINE void forward_tile(const ForwardArgs<T>& a, int64_t b, int64_
       if constexpr (Bf16) {
         std::memcpy(qb + r * dp, in, D * sizeof(uint16_t));
         for (int64_t d = D; d < dp; ++d) qb[r * dp + d] = 0;
+      } else if (a.q_rows != nullptr) {
+        std::memcpy(row, a.q_rows + ((b * s.heads + h) * s.queries + i0 + r) * dp,
+                    dp * sizeof(float));
       } else {
         for (int64_t d = 0; d < D; ++d) row[d] = simd::load(in[d]);
         for (int64_t d = D; d < dp; ++d) row[d] = 0.0f;
@@ -533,10 +538,18 @@ void forward_typed(const Plan& p, const Tensor& q, const Tensor& k, const Tensor
     pack_rows(v.data<T>(), s.batch, s.keys, s.kv_heads, s.head_dim, p.padded_keys, p.dp,
               vp.data<float>());
   }
+  // F32 tiles: q's rows packed too, so that a tile reads 64 rows side by side and not a row
+  // of each token (the heads between them).
+  Tensor qp = bf16 ? Tensor() : pack({s.batch, s.heads, s.queries, p.dp});
+  if (!bf16) {
+    pack_rows(q.data<T>(), s.batch, s.queries, s.heads, s.head_dim, s.queries, p.dp,
+              qp.data<float>());
+  }
   const ForwardArgs<T> args{&p,
                             q.data<T>(),
                             kt.raw(),
                             vp.raw(),
+                            bf16 ? nullptr : qp.data<float>(),
                             out.data<T>(),
                             lse.data<float>(),
                             lse.ndim() == 4 ? 2 : 1};
