@@ -6,7 +6,9 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <string_view>
 #include <unordered_map>
+#include <vector>
 
 #include "core/convert.h"
 #include "gemm/packed_weight.h"
@@ -63,6 +65,7 @@ struct MatmulKey {
 struct MatmulEntry {
   dnnl::matmul::primitive_desc pd;
   dnnl::matmul primitive;
+  bool scale_attribute = false;  // alpha as a runtime output scale, not a binary_mul post-op
 };
 
 std::mutex cache_mutex;
@@ -86,7 +89,7 @@ algorithm eltwise_algorithm(Activation activation) {
   fail("gemm: no eltwise for Activation::None");
 }
 
-std::shared_ptr<const MatmulEntry> create_entry(const MatmulKey& key) {
+std::shared_ptr<const MatmulEntry> create_entry(const MatmulKey& key, bool scale_attribute) {
   const memory::desc a_md = matrix_desc(key.m, key.k, key.a_dtype, key.trans_a);
   const memory::desc b_md =
       key.packed_b ? memory::desc({key.k, key.n}, dnnl_type(key.b_dtype), memory::format_tag::any)
@@ -95,11 +98,14 @@ std::shared_ptr<const MatmulEntry> create_entry(const MatmulKey& key) {
 
   // Post-op order gives act(alpha * AB + beta * C + bias). alpha is a binary_mul by a runtime
   // [1,1] scalar: oneDNN 2.6 drops to the slower gemm:jit kernel for a runtime output scale,
-  // while brgemm takes scalar binary post-ops. The bias is a binary_add and not the matmul
-  // bias argument, which oneDNN 2.x would multiply by the output scale.
+  // while brgemm takes scalar binary post-ops (or, with scale_attribute, the runtime output
+  // scale: see find_or_create). The bias is a binary_add and not the matmul bias argument,
+  // which oneDNN 2.x would multiply by the output scale.
   dnnl::primitive_attr attr;
   dnnl::post_ops ops;
-  if (key.has_output_scale) {
+  if (key.has_output_scale && scale_attribute) {
+    attr.set_output_scales(0, {DNNL_RUNTIME_F32_VAL});
+  } else if (key.has_output_scale) {
     ops.append_binary(algorithm::binary_mul, scalar_desc());
   }
   const float beta = std::bit_cast<float>(key.beta_bits);
@@ -116,14 +122,26 @@ std::shared_ptr<const MatmulEntry> create_entry(const MatmulKey& key) {
 
   const dnnl::matmul::desc desc(a_md, b_md, c_md);
   dnnl::matmul::primitive_desc pd(desc, attr, cpu_engine());
-  return std::make_shared<const MatmulEntry>(MatmulEntry{pd, dnnl::matmul(pd)});
+  return std::make_shared<const MatmulEntry>(MatmulEntry{pd, dnnl::matmul(pd), scale_attribute});
+}
+
+bool reference_kernel(const MatmulEntry& entry) {
+  return std::string_view(entry.pd.impl_info_str()).starts_with("ref");
 }
 
 std::shared_ptr<const MatmulEntry> find_or_create(const MatmulKey& key) {
   std::lock_guard<std::mutex> lock(cache_mutex);
   auto found = cache.find(key);
   if (found != cache.end()) return found->second;
-  auto entry = create_entry(key);
+  auto entry = create_entry(key, false);
+  // Without brgemm (no AVX-512), oneDNN 2.6's F32 gemm:jit takes no binary post-op with a
+  // transposed A and a sum: the scale then went to its reference matmul, ~100x slower (FP8
+  // weight gradients, dW += alpha X^T dY, at 0.08 GFLOP/s on a Zen 3 VM). Its runtime output
+  // scale it takes.
+  if (key.has_output_scale && reference_kernel(*entry)) {
+    auto scaled = create_entry(key, true);
+    if (!reference_kernel(*scaled)) entry = scaled;
+  }
   cache.emplace(key, entry);
   return entry;
 }
@@ -178,6 +196,13 @@ size_t matmul_cache_size() {
   return cache.size();
 }
 
+std::vector<std::string> matmul_cache_kernels() {
+  std::lock_guard<std::mutex> lock(cache_mutex);
+  std::vector<std::string> kernels;
+  for (const auto& [key, entry] : cache) kernels.emplace_back(entry->pd.impl_info_str());
+  return kernels;
+}
+
 void run_matmul(const MatmulArgs& args) {
   if (args.m == 0 || args.n == 0) return;
   // A few rows stream the weight through VDPBF16PS whichever path the GEMMs take: there the
@@ -215,7 +240,11 @@ void run_matmul(const MatmulArgs& args) {
   // Post-op arguments are numbered by position: [scale] [sum] [bias] [activation].
   int post_op_index = 0;
   float output_scale = args.output_scale;
-  if (key.has_output_scale) {
+  if (key.has_output_scale && entry->scale_attribute) {
+    exec_args.emplace(DNNL_ARG_ATTR_OUTPUT_SCALES,
+                      memory(memory::desc({1}, memory::data_type::f32, memory::format_tag::a),
+                             engine, &output_scale));
+  } else if (key.has_output_scale) {
     exec_args.emplace(DNNL_ARG_ATTR_MULTIPLE_POST_OP(post_op_index) | DNNL_ARG_SRC_1,
                       memory(scalar_desc(), engine, &output_scale));
     ++post_op_index;

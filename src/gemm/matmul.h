@@ -4,6 +4,8 @@
 #pragma once
 
 #include <oneapi/dnnl/dnnl.hpp>
+#include <string>
+#include <vector>
 
 #include "octet/gemm.h"
 
@@ -45,5 +47,8 @@ bool run_small_m_bf16(const MatmulArgs& args);
 
 // Number of distinct primitives created so far (tests check the cache is used).
 size_t matmul_cache_size();
+// The oneDNN implementation of each cached primitive ("brg:avx512_core", "gemm:jit", ...):
+// tests check that no epilogue sends a GEMM to oneDNN's reference matmul ("ref:any").
+std::vector<std::string> matmul_cache_kernels();
 
 }  // namespace octet::gemm_detail
