@@ -8,7 +8,6 @@
 #include <string>
 #include <string_view>
 #include <unordered_map>
-#include <vector>
 
 #include "core/convert.h"
 #include "gemm/packed_weight.h"
@@ -196,11 +195,12 @@ size_t matmul_cache_size() {
   return cache.size();
 }
 
-std::vector<std::string> matmul_cache_kernels() {
-  std::lock_guard<std::mutex> lock(cache_mutex);
-  std::vector<std::string> kernels;
-  for (const auto& [key, entry] : cache) kernels.emplace_back(entry->pd.impl_info_str());
-  return kernels;
+namespace {
+thread_local std::string last_kernel;
+}  // namespace
+
+std::string last_matmul_kernel() {
+  return last_kernel;
 }
 
 void run_matmul(const MatmulArgs& args) {
@@ -211,6 +211,14 @@ void run_matmul(const MatmulArgs& args) {
   if ((args.a_dtype == DType::BF16 || args.b_dtype == DType::BF16 || args.c_dtype == DType::BF16) &&
       !gemm_bf16_native()) {
     return run_widened(args);
+  }
+  if (args.a_dtype == DType::F32 && args.bias != nullptr && args.bias->dtype() == DType::BF16) {
+    // An F32 GEMM with a BF16 bias: the bias widened (N values). oneDNN 2.6's F32 gemm:jit takes
+    // no BF16 binary operand and ran such GEMMs on its reference matmul.
+    const Tensor bias = args.bias->to(DType::F32);
+    MatmulArgs f32 = args;
+    f32.bias = &bias;
+    return run_matmul(f32);
   }
   const MatmulKey key{args.m,
                       args.n,
@@ -226,6 +234,7 @@ void run_matmul(const MatmulArgs& args) {
                       args.bias != nullptr ? static_cast<int>(args.bias->dtype()) : -1,
                       args.activation};
   const auto entry = find_or_create(key);
+  last_kernel = entry->pd.impl_info_str();
   dnnl::engine& engine = cpu_engine();
 
   std::unordered_map<int, memory> exec_args;

@@ -5,7 +5,6 @@
 
 #include <oneapi/dnnl/dnnl.hpp>
 #include <string>
-#include <vector>
 
 #include "octet/gemm.h"
 
@@ -47,8 +46,9 @@ bool run_small_m_bf16(const MatmulArgs& args);
 
 // Number of distinct primitives created so far (tests check the cache is used).
 size_t matmul_cache_size();
-// The oneDNN implementation of each cached primitive ("brg:avx512_core", "gemm:jit", ...):
-// tests check that no epilogue sends a GEMM to oneDNN's reference matmul ("ref:any").
-std::vector<std::string> matmul_cache_kernels();
+// The oneDNN implementation of this thread's last matmul ("brg:avx512_core", "gemm:jit", ...;
+// empty before any): tests check that no epilogue sends a GEMM to oneDNN's reference matmul
+// ("ref:any").
+std::string last_matmul_kernel();
 
 }  // namespace octet::gemm_detail
