@@ -6,7 +6,6 @@
 #include <memory>
 #include <mutex>
 #include <string>
-#include <string_view>
 #include <unordered_map>
 
 #include "core/convert.h"
@@ -65,6 +64,7 @@ struct MatmulEntry {
   dnnl::matmul::primitive_desc pd;
   dnnl::matmul primitive;
   bool scale_attribute = false;  // alpha as a runtime output scale, not a binary_mul post-op
+  std::string kernel;            // oneDNN's implementation ("gemm:jit", "ref:any", ...)
 };
 
 std::mutex cache_mutex;
@@ -121,11 +121,12 @@ std::shared_ptr<const MatmulEntry> create_entry(const MatmulKey& key, bool scale
 
   const dnnl::matmul::desc desc(a_md, b_md, c_md);
   dnnl::matmul::primitive_desc pd(desc, attr, cpu_engine());
-  return std::make_shared<const MatmulEntry>(MatmulEntry{pd, dnnl::matmul(pd), scale_attribute});
+  return std::make_shared<const MatmulEntry>(
+      MatmulEntry{pd, dnnl::matmul(pd), scale_attribute, pd.impl_info_str()});
 }
 
 bool reference_kernel(const MatmulEntry& entry) {
-  return std::string_view(entry.pd.impl_info_str()).starts_with("ref");
+  return entry.kernel.starts_with("ref");
 }
 
 std::shared_ptr<const MatmulEntry> find_or_create(const MatmulKey& key) {
@@ -196,11 +197,11 @@ size_t matmul_cache_size() {
 }
 
 namespace {
-thread_local std::string last_kernel;
+thread_local const std::string* last_kernel = nullptr;  // a cached entry's: lives as long
 }  // namespace
 
 std::string last_matmul_kernel() {
-  return last_kernel;
+  return last_kernel != nullptr ? *last_kernel : std::string();
 }
 
 void run_matmul(const MatmulArgs& args) {
@@ -234,7 +235,7 @@ void run_matmul(const MatmulArgs& args) {
                       args.bias != nullptr ? static_cast<int>(args.bias->dtype()) : -1,
                       args.activation};
   const auto entry = find_or_create(key);
-  last_kernel = entry->pd.impl_info_str();
+  last_kernel = &entry->kernel;
   dnnl::engine& engine = cpu_engine();
 
   std::unordered_map<int, memory> exec_args;

@@ -99,7 +99,7 @@ Plan make_plan(const AttentionShape& s, const AttentionOptions& o, DType dtype) 
   return p;
 }
 
-// ---- packing: loops over bshd rows ----------------------------------------------------
+// ---- packing: loops over bshd rows --------------------------------------------------------------
 
 // One row: out[0, D) := in[0, D) as Out (BF16 to F32 by the bulk conversion), out[D, dp) := 0.
 template <typename T, typename Out>
