@@ -134,11 +134,13 @@ std::shared_ptr<const MatmulEntry> find_or_create(const MatmulKey& key) {
   auto found = cache.find(key);
   if (found != cache.end()) return found->second;
   auto entry = create_entry(key, false);
-  // Without brgemm (no AVX-512), oneDNN 2.6's F32 gemm:jit takes no binary post-op with a
-  // transposed A and a sum: the scale then went to its reference matmul, ~100x slower (FP8
-  // weight gradients, dW += alpha X^T dY, at 0.08 GFLOP/s on a Zen 3 VM). Its runtime output
-  // scale it takes.
-  if (key.has_output_scale && reference_kernel(*entry)) {
+  // Only brgemm (AVX-512) prefers the scale as a binary post-op. Every other kernel takes the
+  // runtime output scale better: oneDNN 2.6's F32 gemm:jit folds it into the GEMM's alpha, where
+  // a binary_mul costs a pass over C after the product (FP8 GEMMs of gpt-mini's forward shapes
+  // ran 0.95-0.98x their BF16 twins on a Zen 3 VM, 1.00x with the scale in alpha); with a
+  // transposed A and a sum it takes no binary post-op at all, and the scale went to its reference
+  // matmul, ~100x slower (FP8 weight gradients, dW += alpha X^T dY, at 0.08 GFLOP/s).
+  if (key.has_output_scale && !entry->kernel.starts_with("brg")) {
     auto scaled = create_entry(key, true);
     if (!reference_kernel(*scaled)) entry = scaled;
   }
@@ -197,11 +199,15 @@ size_t matmul_cache_size() {
 }
 
 namespace {
-thread_local const std::string* last_kernel = nullptr;  // a cached entry's: lives as long
+thread_local const MatmulEntry* last_entry = nullptr;  // a cached entry: lives as long
 }  // namespace
 
 std::string last_matmul_kernel() {
-  return last_kernel != nullptr ? *last_kernel : std::string();
+  return last_entry != nullptr ? last_entry->kernel : std::string();
+}
+
+bool last_matmul_scale_in_output_scale() {
+  return last_entry != nullptr && last_entry->scale_attribute;
 }
 
 void run_matmul(const MatmulArgs& args) {
@@ -235,7 +241,7 @@ void run_matmul(const MatmulArgs& args) {
                       args.bias != nullptr ? static_cast<int>(args.bias->dtype()) : -1,
                       args.activation};
   const auto entry = find_or_create(key);
-  last_kernel = &entry->kernel;
+  last_entry = entry.get();
   dnnl::engine& engine = cpu_engine();
 
   std::unordered_map<int, memory> exec_args;

@@ -50,5 +50,8 @@ size_t matmul_cache_size();
 // empty before any): tests check that no epilogue sends a GEMM to oneDNN's reference matmul
 // ("ref:any").
 std::string last_matmul_kernel();
+// Whether that matmul took alpha as oneDNN's runtime output scale (true: folded into gemm:jit's
+// alpha) rather than as a binary_mul post-op (brgemm's preference).
+bool last_matmul_scale_in_output_scale();
 
 }  // namespace octet::gemm_detail
