@@ -73,9 +73,11 @@ struct GPTConfig {
 };
 
 // The tied output layer's caches, kept across steps: wte in BF16 and packed for the GEMM (both
-// rebuilt after a parameter update) and the logits workspaces.
+// rebuilt after a parameter update; without a BF16 GEMM, also those BF16 values in F32 for the
+// backward) and the logits workspaces.
 struct TiedOutputCache {
   Tensor wte_bf16;
+  Tensor wte_bf16_in_f32;
   std::optional<PackedWeight> packed;
   DType packed_dtype = DType::F32;
   Tensor logits, dlogits;

@@ -222,6 +222,26 @@ void convert_bf16_to_f32(const bfloat16* in, float* out, size_t n) {
   dispatch(in, out, n, bf16_to_f32_scalar, bf16_to_f32_avx2, bf16_to_f32_avx512);
 }
 
+void round_f32_to_bf16(float* x, size_t n) {
+  const Isa isa = active_isa();
+  auto* narrow = isa == Isa::Avx512 ? f32_to_bf16_avx512
+                 : isa == Isa::Avx2 ? f32_to_bf16_avx2
+                                    : f32_to_bf16_scalar;
+  auto* widen = isa == Isa::Avx512 ? bf16_to_f32_avx512
+                : isa == Isa::Avx2 ? bf16_to_f32_avx2
+                                   : bf16_to_f32_scalar;
+  // The two conversions over blocks that stay in L1: one pass over memory.
+  for_chunks(n, [&](size_t begin, size_t end) {
+    constexpr size_t kBlock = 2048;
+    bfloat16 block[kBlock];
+    for (size_t i = begin; i < end; i += kBlock) {
+      const size_t count = std::min(kBlock, end - i);
+      narrow(x + i, block, count);
+      widen(block, x + i, count);
+    }
+  });
+}
+
 void convert_f32_to_f16(const float* in, float16* out, size_t n) {
   dispatch(in, out, n, f32_to_f16_scalar, f32_to_f16_avx2, f32_to_f16_avx512);
 }

@@ -14,6 +14,7 @@ namespace octet {
 
 void TiedOutputCache::invalidate() {
   wte_bf16 = Tensor();
+  wte_bf16_in_f32 = Tensor();
   packed.reset();
 }
 
@@ -141,6 +142,25 @@ void add_column_sums(const Tensor& rows, Tensor& sums) {
   }
 }
 
+// The backward of one chunk where BF16 GEMMs run widened to F32 (no oneDNN BF16 matmul): the
+// same products on the same values, without widening the [V, C] weight and the [rows, V]
+// gradient of the logits for each GEMM (three passes over ~60-80 MB per chunk at GPT-2's
+// vocabulary). `dlogits` is the F32 gradient, rounded in place to the BF16 values the BF16
+// path would give its GEMMs; the weight's BF16 values are kept in F32 across chunks.
+void widened_chunk_backward(Tensor& dlogits, const Tensor& h, Parameter& wte,
+                            TiedOutputCache& cache, Tensor& dh) {
+  if (!cache.wte_bf16_in_f32.defined()) {
+    cache.wte_bf16_in_f32 = wte.value.clone();
+    round_f32_to_bf16(cache.wte_bf16_in_f32.data<float>(),
+                      static_cast<size_t>(cache.wte_bf16_in_f32.numel()));
+  }
+  round_f32_to_bf16(dlogits.data<float>(), static_cast<size_t>(dlogits.numel()));
+  Tensor dh32 = Tensor::empty(dh.shape(), DType::F32);
+  gemm(dlogits, cache.wte_bf16_in_f32, dh32, /*trans_a=*/false, /*trans_b=*/false);
+  convert_f32_to_bf16(dh32.data<float>(), dh.data<bfloat16>(), static_cast<size_t>(dh.numel()));
+  gemm(dlogits, h.to(DType::F32), wte.grad, /*trans_a=*/true, /*trans_b=*/false, 1.0f, 1.0f);
+}
+
 }  // namespace
 
 float tied_output_loss(const Tensor& hidden, const Tensor& targets, Parameter& wte, DType dtype,
@@ -161,7 +181,9 @@ float tied_output_loss(const Tensor& hidden, const Tensor& targets, Parameter& w
     cache.logits = Tensor::empty({chunk, V}, DType::F32);
     cache.dlogits = Tensor();
   }
-  if (dhidden && dtype == DType::BF16 && !cache.dlogits.defined()) {
+  const bool widened_backward =
+      dhidden && dtype == DType::BF16 && !gemm_bf16_native() && wte.grad.dtype() == DType::F32;
+  if (dhidden && dtype == DType::BF16 && !widened_backward && !cache.dlogits.defined()) {
     cache.dlogits = Tensor::empty({chunk, V}, DType::BF16);
   }
   PackedWeight& packed = tied_packed_as(wte, dtype, cache);
@@ -187,13 +209,17 @@ float tied_output_loss(const Tensor& hidden, const Tensor& targets, Parameter& w
     for (float l : losses.to_floats()) loss_sum += l;
     if (!dhidden) continue;
     if (bias) add_column_sums(logits, bias->grad);
+    Tensor dh = dhidden->slice_rows(r0, r1);
+    if (widened_backward) {
+      widened_chunk_backward(logits, h, wte, cache, dh);
+      continue;
+    }
     Tensor dlogits = logits;
     if (dtype == DType::BF16) {
       dlogits = cache.dlogits.slice_rows(0, rows);
       convert_f32_to_bf16(logits.data<float>(), dlogits.data<bfloat16>(),
                           static_cast<size_t>(rows * V));
     }
-    Tensor dh = dhidden->slice_rows(r0, r1);
     gemm(dlogits, weight, dh, /*trans_a=*/false, /*trans_b=*/false);
     gemm(dlogits, h, wte.grad, /*trans_a=*/true, /*trans_b=*/false, 1.0f, 1.0f);
   }

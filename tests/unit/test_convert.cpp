@@ -259,5 +259,27 @@ TEST(Convert, RandomFloatsMatchScalarOnEveryIsa) {
   }
 }
 
+// In-place rounding to BF16 values kept in F32 (the widened GEMMs' operands): the scalar
+// round trip, bit for bit, on every path, across chunk and block boundaries.
+TEST(Convert, RoundF32ToBf16EqualsTheRoundTripOnEveryIsa) {
+  IsaGuard guard;
+  for (size_t n : {size_t{0}, size_t{5}, size_t{2049}, size_t{70001}}) {
+    std::vector<float> x = random_floats(n, uint32_t(n + 29));
+    for (size_t i = 0; i < n && i < 8; ++i)
+      x[i] = std::vector<float>{kInf, -kInf, kNaN, 0.0f, -0.0f, FLT_MIN, FLT_MAX, 1e-40f}[i];
+    std::vector<uint32_t> expected(n);
+    for (size_t i = 0; i < n; ++i) expected[i] = bits_of(bf16_to_float(float_to_bf16(x[i])));
+    for (Isa isa : available_isas()) {
+      set_active_isa(isa);
+      SCOPED_TRACE(::testing::Message() << isa_name(isa) << " n " << n);
+      std::vector<float> y = x;
+      round_f32_to_bf16(y.data(), n);
+      std::vector<uint32_t> got(n);
+      for (size_t i = 0; i < n; ++i) got[i] = bits_of(y[i]);
+      EXPECT_EQ(got, expected);
+    }
+  }
+}
+
 }  // namespace
 }  // namespace octet

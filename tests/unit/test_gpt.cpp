@@ -7,6 +7,7 @@
 
 #include <sys/resource.h>
 
+#include <algorithm>
 #include <array>
 #include <cmath>
 #include <csignal>
@@ -16,9 +17,12 @@
 #include <optional>
 #include <random>
 
+#include "models/gpt_parts.h"
 #include "octet/data.h"
 #include "octet/files.h"
+#include "octet/gemm.h"
 #include "octet/model.h"
+#include "octet/ops/loss.h"
 #include "octet/train.h"
 #include "test_util.h"  // also reports the instruction-set paths run
 #include "torch_reference.h"
@@ -414,6 +418,66 @@ TEST(GPT, Fp4CurvesFollowFp32) {
 // two-layer model kept, an FP8 or FP4 step equals the BF16 step bit for bit (loss and every
 // gradient); keeping only the first differs; their FP8 states never start. Recomputation
 // (activation checkpointing) replays each layer in its own precision.
+// The tied output layer's loss runs chunk by chunk, each chunk's backward at once (and without
+// a oneDNN BF16 GEMM, its gradient kept in F32, rounded to BF16 values, and the weight's BF16
+// values kept in F32 across chunks): bit for bit the composition of its ops on each chunk, as
+// BF16 GEMMs (with a bias, whose column sums come from the F32 gradient).
+TEST(GPT, ChunkedTiedOutputLossEqualsTheCompositionOfItsOps) {
+  const int64_t N = 40, C = 64, V = 300;
+  // chunk_vocab 2^20 gives 16-row chunks at most: 3 equal ones of 14, 14 and 12 rows.
+  const int64_t chunk = 14;
+  for (bool with_bias : {false, true}) {
+    SCOPED_TRACE(with_bias ? "bias" : "no bias");
+    Parameter wte{"wte", octet::testing::random_tensor({V, C}, DType::F32, 71, 0.0f, 0.1f),
+                  Tensor::zeros({V, C}, DType::F32)};
+    Parameter bias{"bias", octet::testing::random_tensor({V}, DType::F32, 74, 0.0f, 0.1f),
+                   Tensor::zeros({V}, DType::F32)};
+    const Tensor hidden = octet::testing::random_tensor({N, C}, DType::BF16, 72);
+    const Tensor targets = random_ids({N}, V, 73);
+    TiedOutputCache cache;
+    Tensor dh;
+    const float loss =
+        gpt_parts::tied_output_loss(hidden, targets, wte, DType::BF16, 0.5f, &dh, cache, {},
+                                    int64_t{1} << 20, with_bias ? &bias : nullptr);
+
+    const Tensor w = wte.value.to(DType::BF16);
+    Tensor dh_ref = Tensor::empty({N, C}, DType::BF16);
+    Tensor wgrad_ref = Tensor::zeros({V, C}, DType::F32);
+    std::vector<float> bgrad_ref(V, 0.0f);
+    double loss_sum = 0.0;
+    for (int64_t r0 = 0; r0 < N; r0 += chunk) {
+      const int64_t r1 = std::min(N, r0 + chunk);
+      const Tensor h = hidden.slice_rows(r0, r1);
+      Tensor logits = Tensor::empty({r1 - r0, V}, DType::F32);
+      gemm(h, w, logits, /*trans_a=*/false, /*trans_b=*/true);
+      for (int64_t i = 0; with_bias && i < r1 - r0; ++i) {
+        for (int64_t j = 0; j < V; ++j)
+          logits.data<float>()[i * V + j] += bias.value.data<float>()[j];
+      }
+      Tensor losses = Tensor::empty({r1 - r0}, DType::F32);
+      ops::CrossEntropyOptions options;
+      options.grad_scale = 0.5f / static_cast<float>(N);
+      ops::cross_entropy_forward_backward(logits, targets.slice_rows(r0, r1), losses, &logits,
+                                          options);
+      for (float l : losses.to_floats()) loss_sum += l;
+      for (int64_t i = 0; i < r1 - r0; ++i) {
+        for (int64_t j = 0; j < V; ++j) bgrad_ref[j] += logits.data<float>()[i * V + j];
+      }
+      const Tensor dlogits = logits.to(DType::BF16);
+      Tensor dh_rows = dh_ref.slice_rows(r0, r1);
+      gemm(dlogits, w, dh_rows, /*trans_a=*/false, /*trans_b=*/false);
+      gemm(dlogits, h, wgrad_ref, /*trans_a=*/true, /*trans_b=*/false, 1.0f, 1.0f);
+    }
+    EXPECT_EQ(loss, static_cast<float>(loss_sum / N));
+    EXPECT_EQ(dh.to_floats(), dh_ref.to_floats());
+    EXPECT_EQ(wte.grad.to_floats(), wgrad_ref.to_floats());
+    if (with_bias) {
+      const std::vector<float> got = bias.grad.to_floats();
+      for (int64_t j = 0; j < V; ++j) ASSERT_NEAR(got[j], bgrad_ref[j], 1e-6f) << j;
+    }
+  }
+}
+
 TEST(GPT, FirstAndLastLayersStayInBf16) {
   const GPTConfig config = GPTConfig::from_json(tiny_config());
   const Tensor ids = random_ids({2, 16}, config.vocab_size, 61);
