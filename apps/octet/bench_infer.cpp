@@ -42,7 +42,8 @@ struct Options {
   bool json = false;
   bool no_torch = false;
   bool fp8_weights = false;  // also each case with weight-only FP8, beside the BF16 weights
-  bool fp8_kv = false;       // the KV cache in E4M3 (every case)
+  std::string fp8_weight_scaling = "channel";
+  bool fp8_kv = false;  // the KV cache in E4M3 (every case)
 };
 
 using Clock = std::chrono::steady_clock;
@@ -349,7 +350,7 @@ std::vector<Series> run_rounds(GPT& model, const Options& o, DType dtype, Peer& 
         s.roofline_share.push_back(ours.roofline_share);
       }
       if (o.fp8_weights) {
-        model.set_inference_fp8_weights(true);
+        model.set_inference_fp8_weights(true, parse_fp8_weight_scaling(o.fp8_weight_scaling));
         const CaseResult fp8 =
             run_ours(model, o, dtype, batch, rng, roofline ? &bandwidth : nullptr, fp8_bytes);
         model.set_inference_fp8_weights(false);
@@ -418,10 +419,10 @@ void print_cases(const Options& o, const std::vector<Series>& series) {
 
 void print_fp8(const Options& o, const std::vector<Series>& series, double fp8_bytes) {
   std::printf(
-      "\nweight-only FP8 (E4M3, per-channel scales; %.1f MB read per token):\n"
+      "\nweight-only FP8 (E4M3, %s scales; %.1f MB read per token):\n"
       "| batch | decode tok/s FP8 | vs BF16 weights (median, min..max) | vs the peer |\n"
       "|---|---|---|---|\n",
-      fp8_bytes / 1e6);
+      o.fp8_weight_scaling == "channel" ? "per-channel" : "128 x 128 block", fp8_bytes / 1e6);
   for (size_t i = 0; i < o.batches.size(); ++i) {
     const Series& s = series[i];
     std::printf("| %lld | %.1f | %s | %s |\n", static_cast<long long>(o.batches[i]),
@@ -508,7 +509,8 @@ void run_bench(const Options& o) {
   const double weight_bytes = static_cast<double>(model.inference_weight_bytes(dtype));
   double fp8_bytes = 0;
   if (o.fp8_weights) {
-    fp8_bytes = static_cast<double>(model.set_inference_fp8_weights(true));
+    fp8_bytes = static_cast<double>(
+        model.set_inference_fp8_weights(true, parse_fp8_weight_scaling(o.fp8_weight_scaling)));
     model.set_inference_fp8_weights(false);
   }
   std::printf(
@@ -564,8 +566,15 @@ void register_bench_infer(CLI::App& bench) {
   cmd->add_flag("--json", o->json, "Also one JSON object per batch size");
   cmd->add_flag("--no-torch", o->no_torch, "Skip the PyTorch peer");
   cmd->add_flag("--fp8-kv", o->fp8_kv, "KV cache in E4M3 with per-(token, head) scales");
-  cmd->add_flag("--fp8-weights", o->fp8_weights,
-                "Also run each case with weight-only FP8 weights (ratio to BF16 weights)");
+  CLI::Option* fp8_weights =
+      cmd->add_flag("--fp8-weights", o->fp8_weights,
+                    "Also run each case with weight-only FP8 weights (ratio to BF16 weights)");
+  cmd->add_option("--fp8-weight-scaling", o->fp8_weight_scaling,
+                  "Scales of --fp8-weights: one per output channel, or one per 128 x 128 block "
+                  "(DeepSeek-V3's FP8 weights)")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"channel", "block128"}))
+      ->needs(fp8_weights);
   cmd->callback([o] { run_bench(*o); });
 }
 

@@ -24,6 +24,7 @@ struct GenerateOptions {
   int64_t block_size = EngineOptions{}.block_size;
   int64_t kv_cache_mb = 64;
   bool fp8_weights = false;
+  std::string fp8_weight_scaling = "channel";
   bool fp8_kv = false;
 };
 
@@ -86,7 +87,9 @@ void run_generate(const GenerateOptions& o) {
   }
   GPT model(config, 0);
   model.load_state_dict(from_hf_gpt2_names(checkpoint.model));
-  if (o.fp8_weights) model.set_inference_fp8_weights(true);
+  if (o.fp8_weights) {
+    model.set_inference_fp8_weights(true, parse_fp8_weight_scaling(o.fp8_weight_scaling));
+  }
   const DType dtype = o.precision == "bf16" ? DType::BF16 : DType::F32;
   auto decode = [&](int32_t id) { return tokenizer.decode(std::span<const int32_t>(&id, 1)); };
 
@@ -114,6 +117,7 @@ void run_generate(const GenerateOptions& o) {
   }
 
   Engine engine(model, engine_options(o, dtype, static_cast<int64_t>(prompts.size())));
+  std::fprintf(stderr, "%s", engine.memory_report().c_str());  // stdout holds only the text
   if (prompts.size() == 1) {  // streamed as it comes
     std::printf("%s", texts[0].c_str());
     std::fflush(stdout);
@@ -180,8 +184,15 @@ void register_generate(CLI::App& app) {
   cmd->add_option("--prompts-file", o->prompts_file,
                   "A file of prompts, one per line, generated together (continuous batching)")
       ->check(CLI::ExistingFile);
-  cmd->add_flag("--fp8-weights", o->fp8_weights,
-                "Weight-only FP8 (E4M3, per-channel scales) for the GEMMs: fewer bytes per token");
+  CLI::Option* fp8_weights =
+      cmd->add_flag("--fp8-weights", o->fp8_weights,
+                    "Weight-only FP8 (E4M3) for the GEMMs: fewer bytes per token");
+  cmd->add_option("--fp8-weight-scaling", o->fp8_weight_scaling,
+                  "Scales of --fp8-weights: one per output channel, or one per 128 x 128 block "
+                  "(DeepSeek-V3's FP8 weights)")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"channel", "block128"}))
+      ->needs(fp8_weights);
   cmd->add_flag("--fp8-kv", o->fp8_kv,
                 "KV cache in E4M3 with one scale per (token, head): about half of BF16's bytes");
   cmd->add_option("--block-size", o->block_size, "KV-cache block size in tokens")

@@ -31,6 +31,7 @@ struct ServeOptions {
   EngineOptions engine;
   ServerOptions server;
   bool fp8_weights = false;
+  std::string fp8_weight_scaling = "channel";
 };
 
 // Blocks SIGTERM and SIGINT in this thread and every thread it starts from now on; restores
@@ -60,7 +61,9 @@ void run_serve(ServeOptions& o) {
   GPTConfig config = GPTConfig::from_json(checkpoint.trainer.at("config"));
   GPT model(config, 0);
   model.load_state_dict(from_hf_gpt2_names(checkpoint.model));
-  if (o.fp8_weights) model.set_inference_fp8_weights(true);
+  if (o.fp8_weights) {
+    model.set_inference_fp8_weights(true, parse_fp8_weight_scaling(o.fp8_weight_scaling));
+  }
   const Gpt2Tokenizer tokenizer =
       Gpt2Tokenizer::load(checkpoint_vocab_dir(o.vocab_dir, o.checkpoint));
   OCTET_CHECK(tokenizer.vocab_size() <= config.vocab_size, "serve: the tokenizer has ",
@@ -154,8 +157,15 @@ void register_serve(CLI::App& app) {
   cmd->add_flag_function(
       "--no-chunked-prefill", [o](int64_t) { o->engine.enable_chunked_prefill = false; },
       "Prefill each prompt in one step");
-  cmd->add_flag("--fp8-weights", o->fp8_weights,
-                "Weight-only FP8 (E4M3, per-channel scales) for the GEMMs: fewer bytes per token");
+  CLI::Option* fp8_weights =
+      cmd->add_flag("--fp8-weights", o->fp8_weights,
+                    "Weight-only FP8 (E4M3) for the GEMMs: fewer bytes per token");
+  cmd->add_option("--fp8-weight-scaling", o->fp8_weight_scaling,
+                  "Scales of --fp8-weights: one per output channel, or one per 128 x 128 block "
+                  "(DeepSeek-V3's FP8 weights)")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"channel", "block128"}))
+      ->needs(fp8_weights);
   cmd->add_flag("--fp8-kv", o->engine.fp8_kv,
                 "KV cache in E4M3 with one scale per (token, head): about half of BF16's bytes");
   cmd->callback([o] { run_serve(*o); });

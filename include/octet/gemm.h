@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "octet/fp4.h"
@@ -66,21 +67,37 @@ void gemm(const Float8Tensor& A, PackedWeight& B, Tensor& C, bool trans_a, float
 void gemm(const Float4Tensor& A, const Float4Tensor& B, Tensor& C, bool trans_a, bool trans_b,
           float alpha = 1.0f, float beta = 0.0f, const Epilogue& epilogue = {});
 
-// Weight-only FP8 for memory-bound inference (decode): W [N, K] quantized once to E4M3 with
-// one scale per output channel (amax / 448), real value = e4m3(code) * scale_inv[n].
+// Weight-only FP8 for memory-bound inference (decode): W [N, K] quantized once to E4M3, real
+// value = e4m3(code) * scale_inv of the code's scaling block, each block's scale_inv its
+// amax / 448 (1 for an all-zero block):
+//   PerChannel: one scale per output channel (row n of W), scale_inv [N];
+//   Block128:   one per 128 x 128 block (rows and columns; the last ones may be partial),
+//               scale_inv [ceil(N / 128), ceil(K / 128)] row-major: DeepSeek-V3's FP8 weights
+//               (`weight_scale_inv`), TransformerEngine's Float8BlockScaling for weights. A
+//               row's outlier then coarsens only its own 128 columns.
+enum class Fp8WeightScaling { PerChannel, Block128 };
+constexpr int64_t kFp8WeightBlock = 128;
 struct Fp8WeightOnly {
   Tensor codes;      // [N, K] E4M3
-  Tensor scale_inv;  // [N] F32
+  Tensor scale_inv;  // F32, [N] or [ceil(N / 128), ceil(K / 128)] (see Fp8WeightScaling)
+  Fp8WeightScaling scaling = Fp8WeightScaling::PerChannel;
   size_t nbytes() const { return codes.nbytes() + scale_inv.nbytes(); }
 };
+// "channel" / "block128", and back (throws naming the accepted names).
+const char* fp8_weight_scaling_name(Fp8WeightScaling scaling);
+Fp8WeightScaling parse_fp8_weight_scaling(const std::string& name);
 // W [N, K] F32|BF16 (finite) -> codes rounded to nearest even, saturating.
-Fp8WeightOnly quantize_weight_fp8(const Tensor& weight);
+Fp8WeightOnly quantize_weight_fp8(const Tensor& weight,
+                                  Fp8WeightScaling scaling = Fp8WeightScaling::PerChannel);
 // The real values, [N, K] in dtype (F32 exact; BF16 rounds the scaled value once).
 Tensor dequantize_weight_fp8(const Fp8WeightOnly& weight, DType dtype);
 // C [M, N] = epilogue(A [M, K] . dequantized(B)^T), A F32|BF16, C A's dtype or F32, FP32
 // accumulation. B's bytes are read and widened in registers: BF16 A on AVX-512 BF16 up to 256
 // rows (gemm/small_m.h, passes of 8 rows, epilogue fused), otherwise up to 8 rows (AVX-512,
-// AVX2 or scalar by the processor); more rows widen B once and run the BF16/F32 GEMM.
+// AVX2 or scalar by the processor); more rows widen B once and run the BF16/F32 GEMM. Under
+// Block128 the kernels sum each block's 128 products (exact, F32 sums) and add that sum times
+// the block's scale; BF16 A takes the AVX2 form of the few-rows kernel on every processor
+// that has AVX2 (the AVX-512 BF16 one has no block scales).
 void gemm(const Tensor& A, const Fp8WeightOnly& B, Tensor& C, const Epilogue& epilogue = {});
 
 // Whether BF16 GEMMs run as oneDNN BF16 matmuls (AVX-512 BF16 / AMX, or AVX-512 emulation),

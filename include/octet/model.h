@@ -139,12 +139,18 @@ class GPT : public TransformerStack {
   InferenceParams make_paged_inference_params(int64_t num_blocks, int64_t block_size) const;
   // KV-cache bytes per token (keys and values of every layer) in dtype (E4M3: codes + scales).
   size_t kv_bytes_per_token(DType dtype) const;
-  // Inference with weight-only FP8 (E4M3, one scale per output channel): every layer's GEMM
-  // weights and the tied output layer quantized once from the current weights and read as
-  // bytes by the decode GEMMs (Linear::set_inference_fp8_weight). Training is refused while
-  // on; off frees them. Returns the bytes of the FP8 weights.
-  size_t set_inference_fp8_weights(bool on);
+  // Inference with weight-only FP8 (E4M3, one scale per output channel or per 128 x 128 block:
+  // gemm.h's Fp8WeightScaling): every layer's GEMM weights and the tied output layer quantized
+  // once from the current weights and read as bytes by the decode GEMMs
+  // (Linear::set_inference_fp8_weight). Training is refused while on; off frees them. Returns
+  // the bytes of the FP8 weights (codes and scales).
+  size_t set_inference_fp8_weights(bool on,
+                                   Fp8WeightScaling scaling = Fp8WeightScaling::PerChannel);
   bool inference_fp8_weights() const { return wte_fp8_.has_value(); }
+  // The scaling of the FP8 weights when on.
+  Fp8WeightScaling inference_fp8_scaling() const {
+    return wte_fp8_ ? wte_fp8_->scaling : Fp8WeightScaling::PerChannel;
+  }
   // Bytes of the weights the inference GEMMs read per token in `dtype` (FP8 when on).
   size_t inference_weight_bytes(DType dtype);
 

@@ -268,9 +268,10 @@ class Linear : public Module {
   // then GEMM.
   void set_overlap_gather(bool on) { overlap_gather_ = on; }
   // Inference with weight-only FP8 (gemm.h's Fp8WeightOnly: E4M3, one scale per output
-  // channel), quantized here once from the current weight; outside fp8_autocast / FP4 the
-  // forward then reads it instead of the weight, and backward is refused. Off frees it.
-  void set_inference_fp8_weight(bool on);
+  // channel or per 128 x 128 block), quantized here once from the current weight; outside
+  // fp8_autocast / FP4 the forward then reads it instead of the weight, and backward is
+  // refused. Off frees it.
+  void set_inference_fp8_weight(bool on, Fp8WeightScaling scaling = Fp8WeightScaling::PerChannel);
   bool inference_fp8_weight() const { return weight_fp8_.has_value(); }
   size_t inference_weight_bytes() const;  // of the FP8 weight when on
 

@@ -82,97 +82,176 @@ OCTET_FP8W_INLINE typename V<W>::F widen_e4m3(const uint8_t* codes) {
   return reinterpret_cast<typename V<W>::F>(bits);
 }
 
-// C[m, n] for n in [n0, n1), all M rows (M <= kMaxSmallRows): each weight row read once.
+// Where a weight's scales are: per channel, scale_inv[n]; in 128 x 128 blocks, row n / 128
+// of the [ceil(N / 128), ceil(K / 128)] table, one entry per 128 K.
+struct WeightScales {
+  const float* scale_inv = nullptr;
+  bool blocks = false;
+  int64_t span = 1;    // K per scale: K per channel (at least 1), 128 in blocks
+  int64_t stride = 0;  // blocks: entries per block row of the table
+  const float* of_row(int64_t n) const {
+    return blocks ? scale_inv + (n / kFp8WeightBlock) * stride : scale_inv + n;
+  }
+};
+
+WeightScales weight_scales(const Fp8WeightOnly& w) {
+  if (w.scaling == Fp8WeightScaling::PerChannel) {
+    return {w.scale_inv.data<float>(), false, std::max<int64_t>(w.codes.dim(1), 1), 0};
+  }
+  return {w.scale_inv.data<float>(), true, kFp8WeightBlock, w.scale_inv.dim(1)};
+}
+
+// C[m, n] for n in [n0, n1), all M rows (M <= kMaxSmallRows): each weight row read once. Each
+// span of K sharing a scale is summed on its own (vector lanes, then the tail), and the sum
+// times its scale added to the row's total (one span per channel: sum times scale).
 template <int W>
 OCTET_FP8W_INLINE void small_rows(const float* a, int64_t M, int64_t K, const uint8_t* codes,
-                                  const float* scale_inv, int64_t n0, int64_t n1, float* c,
+                                  const WeightScales& scales, int64_t n0, int64_t n1, float* c,
                                   int64_t ldc) {
   using F = typename V<W>::F;
-  const int64_t Kv = K / W * W;
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* w = codes + n * K;
-    F acc[kMaxSmallRows];
-    for (int64_t m = 0; m < M; ++m) acc[m] = F{} + 0.0f;
-    for (int64_t k = 0; k < Kv; k += W) {
-      const F wv = widen_e4m3<W>(w + k);
+    const float* scale_inv = scales.of_row(n);
+    float total[kMaxSmallRows] = {};
+    for (int64_t k0 = 0, j = 0; k0 < K; k0 += scales.span, ++j) {
+      const int64_t k1 = std::min(K, k0 + scales.span), kv = k0 + (k1 - k0) / W * W;
+      F acc[kMaxSmallRows];
+      for (int64_t m = 0; m < M; ++m) acc[m] = F{} + 0.0f;
+      for (int64_t k = k0; k < kv; k += W) {
+        const F wv = widen_e4m3<W>(w + k);
+        for (int64_t m = 0; m < M; ++m) {
+          F av;
+          std::memcpy(&av, a + m * K + k, sizeof av);
+          acc[m] += av * wv;
+        }
+      }
       for (int64_t m = 0; m < M; ++m) {
-        F av;
-        std::memcpy(&av, a + m * K + k, sizeof av);
-        acc[m] += av * wv;
+        float sum = 0.0f;
+        for (int i = 0; i < W; ++i) sum += acc[m][i];
+        for (int64_t k = kv; k < k1; ++k) sum += a[m * K + k] * fp8_to_float(w[k], DType::E4M3);
+        total[m] += sum * scale_inv[j];
       }
     }
-    for (int64_t m = 0; m < M; ++m) {
-      float sum = 0.0f;
-      for (int i = 0; i < W; ++i) sum += acc[m][i];
-      for (int64_t k = Kv; k < K; ++k) sum += a[m * K + k] * fp8_to_float(w[k], DType::E4M3);
-      c[m * ldc + n] = sum * scale_inv[n];
-    }
+    for (int64_t m = 0; m < M; ++m) c[m * ldc + n] = total[m];
   }
 }
 
 OCTET_FP8W_AVX512 void small_rows_avx512(const float* a, int64_t M, int64_t K, const uint8_t* codes,
-                                         const float* scale_inv, int64_t n0, int64_t n1, float* c,
-                                         int64_t ldc) {
-  small_rows<16>(a, M, K, codes, scale_inv, n0, n1, c, ldc);
+                                         const WeightScales& scales, int64_t n0, int64_t n1,
+                                         float* c, int64_t ldc) {
+  small_rows<16>(a, M, K, codes, scales, n0, n1, c, ldc);
 }
 OCTET_FP8W_AVX2 void small_rows_avx2(const float* a, int64_t M, int64_t K, const uint8_t* codes,
-                                     const float* scale_inv, int64_t n0, int64_t n1, float* c,
+                                     const WeightScales& scales, int64_t n0, int64_t n1, float* c,
                                      int64_t ldc) {
-  small_rows<8>(a, M, K, codes, scale_inv, n0, n1, c, ldc);
+  small_rows<8>(a, M, K, codes, scales, n0, n1, c, ldc);
 }
 void small_rows_scalar(const float* a, int64_t M, int64_t K, const uint8_t* codes,
-                       const float* scale_inv, int64_t n0, int64_t n1, float* c, int64_t ldc) {
-  small_rows<4>(a, M, K, codes, scale_inv, n0, n1, c, ldc);
+                       const WeightScales& scales, int64_t n0, int64_t n1, float* c, int64_t ldc) {
+  small_rows<4>(a, M, K, codes, scales, n0, n1, c, ldc);
 }
 
 }  // namespace
 
-Fp8WeightOnly quantize_weight_fp8(const Tensor& weight) {
+const char* fp8_weight_scaling_name(Fp8WeightScaling scaling) {
+  return scaling == Fp8WeightScaling::PerChannel ? "channel" : "block128";
+}
+
+Fp8WeightScaling parse_fp8_weight_scaling(const std::string& name) {
+  if (name == "channel") return Fp8WeightScaling::PerChannel;
+  if (name == "block128") return Fp8WeightScaling::Block128;
+  fail(detail::concat("FP8 weight scaling: expected channel or block128, got '", name, "'"));
+}
+
+Fp8WeightOnly quantize_weight_fp8(const Tensor& weight, Fp8WeightScaling scaling) {
   OCTET_CHECK(weight.ndim() == 2 && (weight.dtype() == DType::F32 || weight.dtype() == DType::BF16),
               "quantize_weight_fp8: weight expected [N, K] f32 or bf16, got ",
               shape_str(weight.shape()), " ", dtype_name(weight.dtype()));
   const int64_t N = weight.dim(0), K = weight.dim(1);
+  const bool blocks = scaling == Fp8WeightScaling::Block128;
+  const int64_t B = kFp8WeightBlock;
+  // Scaling blocks: rows [r0, r0 + rows) x columns [k0, k0 + span).
+  const int64_t rows = blocks ? B : 1, span = blocks ? B : std::max<int64_t>(K, 1);
+  const int64_t block_rows = (N + rows - 1) / rows, block_cols = K == 0 ? 0 : (K + span - 1) / span;
   const std::vector<float> w = weight.to_floats();
+  // Refused before any work (and outside the parallel loop, which must not throw).
+  for (size_t i = 0; i < w.size(); ++i) {
+    if (std::isfinite(w[i])) continue;
+    const int64_t n = static_cast<int64_t>(i) / K, k = static_cast<int64_t>(i) % K;
+    fail(detail::concat("quantize_weight_fp8: weight [", n, ", ", k, "] is ", w[i],
+                        ": expected finite values (row ", n, blocks ? ", 128 x 128 block [" : "",
+                        blocks ? std::to_string(n / B) + ", " + std::to_string(k / B) + "]" : "",
+                        ")"));
+  }
   Fp8WeightOnly q;
+  q.scaling = scaling;
   q.codes = Tensor::empty({N, K}, DType::E4M3);
-  q.scale_inv = Tensor::empty({N}, DType::F32);
+  q.scale_inv =
+      blocks ? Tensor::empty({block_rows, block_cols}, DType::F32) : Tensor::empty({N}, DType::F32);
   uint8_t* codes = static_cast<uint8_t*>(q.codes.raw());
   float* scale_inv = q.scale_inv.data<float>();
   const float max = fp8_max(DType::E4M3);
 #pragma omp parallel for
-  for (int64_t n = 0; n < N; ++n) {
-    float amax = 0.0f;
-    for (int64_t k = 0; k < K; ++k)
-      amax = std::max(amax, std::fabs(w[static_cast<size_t>(n * K + k)]));
-    OCTET_CHECK(std::isfinite(amax), "quantize_weight_fp8: row ", n, " is not finite");
-    const float scale = amax > 0.0f ? max / amax : 1.0f;
-    scale_inv[n] = 1.0f / scale;
-    for (int64_t k = 0; k < K; ++k) {
-      codes[n * K + k] = float_to_fp8(w[static_cast<size_t>(n * K + k)] * scale, DType::E4M3, true);
+  for (int64_t r = 0; r < block_rows; ++r) {
+    const int64_t n0 = r * rows, n1 = std::min(N, n0 + rows);
+    for (int64_t j = 0; j < std::max<int64_t>(block_cols, blocks ? 0 : 1); ++j) {
+      const int64_t k0 = j * span, k1 = std::min(K, k0 + span);
+      float amax = 0.0f;
+      for (int64_t n = n0; n < n1; ++n) {
+        for (int64_t k = k0; k < k1; ++k)
+          amax = std::max(amax, std::fabs(w[static_cast<size_t>(n * K + k)]));
+      }
+      const float scale = amax > 0.0f ? max / amax : 1.0f;
+      scale_inv[blocks ? r * block_cols + j : r] = 1.0f / scale;
+      for (int64_t n = n0; n < n1; ++n) {
+        for (int64_t k = k0; k < k1; ++k) {
+          codes[n * K + k] =
+              float_to_fp8(w[static_cast<size_t>(n * K + k)] * scale, DType::E4M3, true);
+        }
+      }
     }
   }
   return q;
 }
 
+namespace {
+
+void check_fp8_weight(const Fp8WeightOnly& w, const char* what) {
+  OCTET_CHECK(w.codes.ndim() == 2 && w.codes.dtype() == DType::E4M3, what,
+              ": B expected [N, K] e4m3 codes, got ", shape_str(w.codes.shape()), " ",
+              dtype_name(w.codes.dtype()));
+  const int64_t N = w.codes.dim(0), K = w.codes.dim(1), B = kFp8WeightBlock;
+  const Shape expected = w.scaling == Fp8WeightScaling::PerChannel
+                             ? Shape{N}
+                             : Shape{(N + B - 1) / B, (K + B - 1) / B};
+  OCTET_CHECK(w.scale_inv.dtype() == DType::F32 && w.scale_inv.shape() == expected, what,
+              ": B's scales (", fp8_weight_scaling_name(w.scaling), ") expected ",
+              shape_str(expected), " f32 for codes ", shape_str(w.codes.shape()), ", got ",
+              shape_str(w.scale_inv.shape()), " ", dtype_name(w.scale_inv.dtype()));
+}
+
+}  // namespace
+
 Tensor dequantize_weight_fp8(const Fp8WeightOnly& weight, DType dtype) {
+  check_fp8_weight(weight, "dequantize_weight_fp8");
   const int64_t N = weight.codes.dim(0), K = weight.codes.dim(1);
   Tensor out = Tensor::empty({N, K}, DType::F32);
   const uint8_t* codes = static_cast<const uint8_t*>(weight.codes.raw());
-  const float* scale_inv = weight.scale_inv.data<float>();
+  const WeightScales scales = weight_scales(weight);
 #pragma omp parallel for
   for (int64_t n = 0; n < N; ++n) {
-    dequantize_fp8(codes + n * K, static_cast<size_t>(K), DType::E4M3, scale_inv[n],
-                   out.data<float>() + n * K);
+    const float* scale_inv = scales.of_row(n);
+    for (int64_t k0 = 0, j = 0; k0 < K; k0 += scales.span, ++j) {
+      dequantize_fp8(codes + n * K + k0, static_cast<size_t>(std::min(scales.span, K - k0)),
+                     DType::E4M3, scale_inv[j], out.data<float>() + n * K + k0);
+    }
   }
   return dtype == DType::F32 ? out : out.to(dtype);
 }
 
 void gemm(const Tensor& A, const Fp8WeightOnly& B, Tensor& C, const Epilogue& epilogue) {
   const profile::Scope scope(profile::Category::Gemm);
-  OCTET_CHECK(B.codes.ndim() == 2 && B.codes.dtype() == DType::E4M3 && B.scale_inv.ndim() == 1 &&
-                  B.scale_inv.dim(0) == B.codes.dim(0),
-              "gemm (fp8 weight): B expected [N, K] e4m3 codes and [N] scales, got ",
-              shape_str(B.codes.shape()), " and ", shape_str(B.scale_inv.shape()));
+  check_fp8_weight(B, "gemm (fp8 weight)");
   const int64_t N = B.codes.dim(0), K = B.codes.dim(1);
   OCTET_CHECK(
       A.ndim() == 2 && A.dim(1) == K && (A.dtype() == DType::F32 || A.dtype() == DType::BF16),
@@ -190,13 +269,18 @@ void gemm(const Tensor& A, const Fp8WeightOnly& B, Tensor& C, const Epilogue& ep
     return;
   }
   const uint8_t* codes = static_cast<const uint8_t*>(B.codes.raw());
-  const float* scale_inv = B.scale_inv.data<float>();
+  const WeightScales scales = weight_scales(B);
   if (bf16_dot) {  // widened in registers, epilogue fused, C written in its own dtype
     gemm_detail::SmallM p;
     p.a = static_cast<const uint16_t*>(A.raw());
     p.b = codes;
     p.b_e4m3 = true;
-    p.column_scale = scale_inv;
+    if (!scales.blocks) {
+      p.column_scale = scales.scale_inv;
+    } else {
+      p.block_scale = scales.scale_inv;
+      p.block_scale_stride = scales.stride;
+    }
     p.m = M;
     p.n = N;
     p.k = K;
@@ -221,7 +305,7 @@ void gemm(const Tensor& A, const Fp8WeightOnly& B, Tensor& C, const Epilogue& ep
 #pragma omp parallel
   {
     const int threads = omp_get_num_threads(), t = omp_get_thread_num();
-    kernel(a, M, K, codes, scale_inv, N * t / threads, N * (t + 1) / threads, c, N);
+    kernel(a, M, K, codes, scales, N * t / threads, N * (t + 1) / threads, c, N);
   }
   if (epilogue.bias != nullptr || epilogue.activation != Activation::None) {
     gemm_detail::apply_epilogue_only(c32, M, N, 1.0f, epilogue);

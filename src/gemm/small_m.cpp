@@ -496,7 +496,7 @@ bool small_m_supported() {
 
 void run_small_m(const SmallM& p) {
   OCTET_CHECK(small_m_supported(), "run_small_m: needs AVX-512 BF16, or AVX2 with FMA and F16C");
-  if (!small_m_avx512()) return run_small_m_avx2(p);
+  if (!small_m_avx512() || p.block_scale != nullptr) return run_small_m_avx2(p);
   if (p.m == 0 || p.n == 0) return;
   // E4M3 B: the rows taken in passes of one or two (the column kernel's) read A permuted.
   const int64_t tail_rows = p.m % kPassRows, permuted_from = p.m - tail_rows;

@@ -14,6 +14,11 @@ struct SmallM {
   const void* b = nullptr;      // [N, K] BF16, or E4M3 codes with `column_scale`
   bool b_e4m3 = false;
   const float* column_scale = nullptr;  // [N], E4M3 only: each column's sum times it
+  // E4M3 only, instead of column_scale: one scale per 128 x 128 block of B, [ceil(N / 128),
+  // block_scale_stride = ceil(K / 128)]; the sum over each block's 128 K times its scale.
+  // Only the AVX2 form (run_small_m_avx2) reads it: run_small_m sends such a call there.
+  const float* block_scale = nullptr;
+  int64_t block_scale_stride = 0;
   int64_t m = 0, n = 0, k = 0;
   void* c = nullptr;  // [M, N] F32 or BF16
   bool c_bf16 = false;

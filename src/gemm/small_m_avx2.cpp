@@ -111,6 +111,18 @@ OCTET_AVX2_INLINE float tail_value(const SmallM& p, int64_t n, int64_t t) {
   }
 }
 
+// K per scale: all of K, or 128 under block scales (each span summed on its own, its sum
+// times its block's scale added to the column's total).
+OCTET_AVX2_INLINE int64_t scale_span(const SmallM& p) {
+  return p.block_scale != nullptr ? kFp8WeightBlock : std::max<int64_t>(p.k, 1);
+}
+
+// Column n's block scales, one per span (null without block scales).
+OCTET_AVX2_INLINE const float* block_scales_of(const SmallM& p, int64_t n) {
+  return p.block_scale == nullptr ? nullptr
+                                  : p.block_scale + (n / kFp8WeightBlock) * p.block_scale_stride;
+}
+
 // Columns [n0, n1) of rows [m0, m0 + R), a column at a time: its weight row one sequential
 // stream, prefetched ahead, 16 values per widening taken by the R rows. The R rows share 8
 // accumulators (8 / R chains each, to cover FMA's latency at one row).
@@ -118,15 +130,13 @@ template <bool E4M3, int R>
 OCTET_AVX2_TARGET void columns(const SmallM& p, const float* a, int64_t m0, int64_t n0,
                                int64_t n1) {
   constexpr int A = R == 1 ? 8 : R == 2 ? 4 : R <= 4 ? 2 : 1;  // accumulators per row
-  const int64_t K = p.k, K16 = K / 16 * 16, bytes = E4M3 ? 1 : 2;
+  const int64_t K = p.k, K16 = K / 16 * 16, bytes = E4M3 ? 1 : 2, span = scale_span(p);
   const float* ar = a + m0 * K;
   const float factor = p.alpha * (E4M3 ? 256.0f : 1.0f);
   for (int64_t n = n0; n < n1; ++n) {
     const auto* row = static_cast<const uint8_t*>(p.b) + n * K * bytes;
+    const float* scales = block_scales_of(p, n);
     __m256 acc[R][A];
-    for (int r = 0; r < R; ++r) {
-      for (int j = 0; j < A; ++j) acc[r][j] = _mm256_setzero_ps();
-    }
     // 16 K into accumulators s0 and s1 of each row.
     auto block = [&](int64_t k, int s0, int s1) OCTET_AVX2_INLINE_LAMBDA {
       if ((k * bytes) % 64 == 0) {
@@ -145,18 +155,26 @@ OCTET_AVX2_TARGET void columns(const SmallM& p, const float* a, int64_t m0, int6
       }
     };
     constexpr int G = A >= 2 ? A / 2 : 1;  // blocks per step: each of the A accumulators once
-    int64_t k = 0;
-    for (; k + 16 * G <= K16; k += 16 * G) {
-      for (int g = 0; g < G; ++g) block(k + 16 * g, (2 * g) % A, (2 * g + 1) % A);
+    float sums[R] = {};
+    for (int64_t k0 = 0, j = 0; k0 < K; k0 += span, ++j) {
+      const int64_t k1 = std::min(K, k0 + span), k16 = std::min(k1, K16);
+      for (int r = 0; r < R; ++r) {
+        for (int i = 0; i < A; ++i) acc[r][i] = _mm256_setzero_ps();
+      }
+      int64_t k = k0;
+      for (; k + 16 * G <= k16; k += 16 * G) {
+        for (int g = 0; g < G; ++g) block(k + 16 * g, (2 * g) % A, (2 * g + 1) % A);
+      }
+      for (; k < k16; k += 16) block(k, 0, 1 % A);
+      for (int r = 0; r < R; ++r) {
+        __m256 total = acc[r][0];
+        for (int i = 1; i < A; ++i) total = _mm256_add_ps(total, acc[r][i]);
+        float sum = sum_lanes(total);
+        for (int64_t t = k16; t < k1; ++t) sum += ar[r * K + t] * tail_value<E4M3>(p, n, t);
+        sums[r] += scales != nullptr ? sum * scales[j] : sum;
+      }
     }
-    for (; k < K16; k += 16) block(k, 0, 1 % A);
-    for (int r = 0; r < R; ++r) {
-      __m256 total = acc[r][0];
-      for (int j = 1; j < A; ++j) total = _mm256_add_ps(total, acc[r][j]);
-      float sum = sum_lanes(total);
-      for (int64_t t = K16; t < K; ++t) sum += ar[r * K + t] * tail_value<E4M3>(p, n, t);
-      store(p, m0 + r, n, factor, sum);
-    }
+    for (int r = 0; r < R; ++r) store(p, m0 + r, n, factor, sums[r]);
   }
 }
 
@@ -166,42 +184,52 @@ OCTET_AVX2_TARGET void columns(const SmallM& p, const float* a, int64_t m0, int6
 template <bool E4M3, int R>
 OCTET_AVX2_TARGET void column_pairs(const SmallM& p, const float* a, int64_t m0, int64_t n0,
                                     int64_t n1) {
-  const int64_t K = p.k, K16 = K / 16 * 16, bytes = E4M3 ? 1 : 2;
+  const int64_t K = p.k, K16 = K / 16 * 16, bytes = E4M3 ? 1 : 2, span = scale_span(p);
   const float* ar = a + m0 * K;
   const float factor = p.alpha * (E4M3 ? 256.0f : 1.0f);
   int64_t n = n0;
   for (; n + 2 <= n1; n += 2) {
     const auto* row0 = static_cast<const uint8_t*>(p.b) + n * K * bytes;
     const auto* row1 = row0 + K * bytes;
-    __m256 acc[R][2];
-    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-    for (int64_t k = 0; k < K16; k += 16) {
-      if ((k * bytes) % 64 == 0) {
-        _mm_prefetch(reinterpret_cast<const char*>(row0 + k * bytes) + kPrefetchBytes, _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(row1 + k * bytes) + kPrefetchBytes, _MM_HINT_T0);
+    const float* scales[2] = {block_scales_of(p, n), block_scales_of(p, n + 1)};
+    float sums[R][2] = {};
+    for (int64_t k0 = 0, j = 0; k0 < K; k0 += span, ++j) {
+      const int64_t k1 = std::min(K, k0 + span), k16 = std::min(k1, K16);
+      __m256 acc[R][2];
+      for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+      for (int64_t k = k0; k < k16; k += 16) {
+        if ((k * bytes) % 64 == 0) {
+          _mm_prefetch(reinterpret_cast<const char*>(row0 + k * bytes) + kPrefetchBytes,
+                       _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(row1 + k * bytes) + kPrefetchBytes,
+                       _MM_HINT_T0);
+        }
+        __m256 w[2][2];
+        if constexpr (E4M3) {
+          widen_e4m3(row0 + k, w[0][0], w[0][1]);
+          widen_e4m3(row1 + k, w[1][0], w[1][1]);
+        } else {
+          widen_bf16(reinterpret_cast<const uint16_t*>(row0) + k, w[0][0], w[0][1]);
+          widen_bf16(reinterpret_cast<const uint16_t*>(row1) + k, w[1][0], w[1][1]);
+        }
+        for (int h = 0; h < 2; ++h) {
+          for (int r = 0; r < R; ++r) {
+            const __m256 x = _mm256_loadu_ps(ar + r * K + k + 8 * h);
+            acc[r][0] = _mm256_fmadd_ps(w[0][h], x, acc[r][0]);
+            acc[r][1] = _mm256_fmadd_ps(w[1][h], x, acc[r][1]);
+          }
+        }
       }
-      __m256 w[2][2];
-      if constexpr (E4M3) {
-        widen_e4m3(row0 + k, w[0][0], w[0][1]);
-        widen_e4m3(row1 + k, w[1][0], w[1][1]);
-      } else {
-        widen_bf16(reinterpret_cast<const uint16_t*>(row0) + k, w[0][0], w[0][1]);
-        widen_bf16(reinterpret_cast<const uint16_t*>(row1) + k, w[1][0], w[1][1]);
-      }
-      for (int h = 0; h < 2; ++h) {
-        for (int r = 0; r < R; ++r) {
-          const __m256 x = _mm256_loadu_ps(ar + r * K + k + 8 * h);
-          acc[r][0] = _mm256_fmadd_ps(w[0][h], x, acc[r][0]);
-          acc[r][1] = _mm256_fmadd_ps(w[1][h], x, acc[r][1]);
+      for (int r = 0; r < R; ++r) {
+        for (int c = 0; c < 2; ++c) {
+          float sum = sum_lanes(acc[r][c]);
+          for (int64_t t = k16; t < k1; ++t) sum += ar[r * K + t] * tail_value<E4M3>(p, n + c, t);
+          sums[r][c] += scales[c] != nullptr ? sum * scales[c][j] : sum;
         }
       }
     }
     for (int r = 0; r < R; ++r) {
-      for (int c = 0; c < 2; ++c) {
-        float sum = sum_lanes(acc[r][c]);
-        for (int64_t t = K16; t < K; ++t) sum += ar[r * K + t] * tail_value<E4M3>(p, n + c, t);
-        store(p, m0 + r, n + c, factor, sum);
-      }
+      for (int c = 0; c < 2; ++c) store(p, m0 + r, n + c, factor, sums[r][c]);
     }
   }
   if (n < n1) columns<E4M3, R>(p, a, m0, n, n1);
@@ -220,6 +248,12 @@ constexpr ColumnsFn kColumns[kPassRows] = {
 }  // namespace
 
 void run_small_m_avx2(const SmallM& p) {
+  OCTET_CHECK(p.block_scale == nullptr ||
+                  (p.b_e4m3 && p.column_scale == nullptr &&
+                   p.block_scale_stride == (p.k + kFp8WeightBlock - 1) / kFp8WeightBlock),
+              "run_small_m_avx2: block scales need E4M3 B, no column scales and ceil(K / 128) = ",
+              (p.k + kFp8WeightBlock - 1) / kFp8WeightBlock, " per block row, got ",
+              p.block_scale_stride);
   if (p.m == 0 || p.n == 0) return;
   const std::vector<float> a = widened_a(p);
   const ColumnsFn* table = p.b_e4m3 ? kColumns<true> : kColumns<false>;

@@ -628,7 +628,8 @@ std::string Engine::memory_report() const {
   out << "memory: weights " << mib(master) << " MiB (F32 master)";
   double resident = master + read;  // the codes, or the packed copies (adjusted below)
   if (fp8) {
-    out << " + " << mib(read) << " MiB e4m3 codes + scales";
+    out << " + " << mib(read) << " MiB e4m3 codes + scales ("
+        << fp8_weight_scaling_name(m.model.inference_fp8_scaling()) << ")";
   } else {
     if (o.dtype != DType::F32) {
       out << " + " << mib(read) << " MiB " << dtype_name(o.dtype) << " copies";

@@ -145,7 +145,7 @@ std::vector<Linear*> linears_of(TransformerLayer& layer) {
 
 }  // namespace
 
-size_t GPT::set_inference_fp8_weights(bool on) {
+size_t GPT::set_inference_fp8_weights(bool on, Fp8WeightScaling scaling) {
   check_inference("set_inference_fp8_weights");
   size_t bytes = 0;
   for (TransformerLayer& layer : layers()) {
@@ -154,13 +154,13 @@ size_t GPT::set_inference_fp8_weights(bool on) {
                 "gpt: inference FP8 weights of a mixture of experts are not supported "
                 "yet (serve it in BF16)");
     for (Linear* linear : linears_of(layer)) {
-      linear->set_inference_fp8_weight(on);
+      linear->set_inference_fp8_weight(on, scaling);
       bytes += linear->inference_weight_bytes();
     }
   }
   wte_fp8_.reset();
   if (on) {
-    wte_fp8_ = quantize_weight_fp8(wte.value);
+    wte_fp8_ = quantize_weight_fp8(wte.value, scaling);
     bytes += wte_fp8_->nbytes();
   }
   return bytes;

@@ -307,11 +307,11 @@ Tensor Linear::replay_forward(const Context& ctx) {
   return y;
 }
 
-void Linear::set_inference_fp8_weight(bool on) {
+void Linear::set_inference_fp8_weight(bool on, Fp8WeightScaling scaling) {
   OCTET_CHECK(!on || tp_ == nullptr, options_.name,
               ": inference FP8 weights run without tensor parallelism");
   weight_fp8_.reset();
-  if (on) weight_fp8_ = quantize_weight_fp8(weight.value);
+  if (on) weight_fp8_ = quantize_weight_fp8(weight.value, scaling);
 }
 
 size_t Linear::inference_weight_bytes() const {

@@ -87,6 +87,8 @@ expect_error "--frequency-penalty: expected a finite number in [-2, 2], got 3" g
 expect_error "generate: --prompts-file '$dir/empty_prompts.txt' has no prompt (one per line)" generate --ckpt "$dir/dir" --prompts-file "$dir/empty_prompts.txt"
 expect_error "--prompts-file: File does not exist" generate --ckpt "$dir/dir" --prompts-file "$dir/missing.txt"
 expect_error "--block-size: expected a finite number in [1, 4096], got 0" generate --ckpt "$dir/dir" --block-size 0
+expect_error "--fp8-weight-scaling requires --fp8-weights" generate --ckpt "$dir/dir" --fp8-weight-scaling block128
+expect_error "--fp8-weight-scaling: block64 not in {channel,block128}" serve --ckpt "$dir/dir" --port 8080 --fp8-weights --fp8-weight-scaling block64
 expect_error "--vocab-size: expected a finite number in [257, 65536], got 10" learn-bpe --vocab-size 10 "$dir/file" -o "$dir/v"
 expect_error "--output: output file '$dir/file/shard.bin'" tokenize "$dir/file" -o "$dir/file/shard.bin"
 expect_error "--svg: output file '$dir/dir'" schedule --pipeline-model-parallel-size 2 --num-microbatches 4 --svg "$dir/dir"

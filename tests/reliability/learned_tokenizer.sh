@@ -57,6 +57,14 @@ echo "ok: train sized the model to 300 tokens and saved the tokenizer"
   >"$dir/gen.log" 2>&1 || fail "generate: $(tail -n 3 "$dir/gen.log")"
 grep -q "^the old man" "$dir/gen.log" || fail "generate output: $(cat "$dir/gen.log")"
 echo "ok: generate decodes with the checkpoint's tokenizer"
+# The same with FP8 weights in 128 x 128 blocks: the engine reports them, the text is decoded.
+"$octet" generate --ckpt "$dir/ck" --prompt "the old man" --max-new-tokens 8 --temperature 0 \
+  --precision bf16 --fp8-weights --fp8-weight-scaling block128 >"$dir/gen8.log" 2>&1 ||
+  fail "generate --fp8-weights: $(tail -n 3 "$dir/gen8.log")"
+grep -q "^the old man" "$dir/gen8.log" || fail "generate --fp8-weights output: $(cat "$dir/gen8.log")"
+grep -q "e4m3 codes + scales (block128)" "$dir/gen8.log" ||
+  fail "generate --fp8-weights: no block128 weights reported: $(cat "$dir/gen8.log")"
+echo "ok: generate with FP8 weights in 128 x 128 blocks"
 
 expect_error() {  # PATTERN COMMAND...
   local pattern="$1"
