@@ -101,54 +101,48 @@ WeightScales weight_scales(const Fp8WeightOnly& w) {
   return {w.scale_inv.data<float>(), true, kFp8WeightBlock, w.scale_inv.dim(1)};
 }
 
-// C[m, n] for n in [n0, n1), all M rows (M <= kMaxSmallRows): each weight row read once. Each
-// span of K sharing a scale is summed on its own (vector lanes, then the tail), and the sum
-// times its scale added to the row's total (one span per channel: sum times scale).
+// C[m, n] for n in [n0, n1), all M rows (M <= kMaxSmallRows): each weight row read once, its
+// sums times scale_inv[n] (none when null: A carries block scales, scale_by_k_blocks).
 template <int W>
 OCTET_FP8W_INLINE void small_rows(const float* a, int64_t M, int64_t K, const uint8_t* codes,
-                                  const WeightScales& scales, int64_t n0, int64_t n1, float* c,
+                                  const float* scale_inv, int64_t n0, int64_t n1, float* c,
                                   int64_t ldc) {
   using F = typename V<W>::F;
+  const int64_t Kv = K / W * W;
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* w = codes + n * K;
-    const float* scale_inv = scales.of_row(n);
-    float total[kMaxSmallRows] = {};
-    for (int64_t k0 = 0, j = 0; k0 < K; k0 += scales.span, ++j) {
-      const int64_t k1 = std::min(K, k0 + scales.span), kv = k0 + (k1 - k0) / W * W;
-      F acc[kMaxSmallRows];
-      for (int64_t m = 0; m < M; ++m) acc[m] = F{} + 0.0f;
-      for (int64_t k = k0; k < kv; k += W) {
-        const F wv = widen_e4m3<W>(w + k);
-        for (int64_t m = 0; m < M; ++m) {
-          F av;
-          std::memcpy(&av, a + m * K + k, sizeof av);
-          acc[m] += av * wv;
-        }
-      }
+    F acc[kMaxSmallRows];
+    for (int64_t m = 0; m < M; ++m) acc[m] = F{} + 0.0f;
+    for (int64_t k = 0; k < Kv; k += W) {
+      const F wv = widen_e4m3<W>(w + k);
       for (int64_t m = 0; m < M; ++m) {
-        float sum = 0.0f;
-        for (int i = 0; i < W; ++i) sum += acc[m][i];
-        for (int64_t k = kv; k < k1; ++k) sum += a[m * K + k] * fp8_to_float(w[k], DType::E4M3);
-        total[m] += sum * scale_inv[j];
+        F av;
+        std::memcpy(&av, a + m * K + k, sizeof av);
+        acc[m] += av * wv;
       }
     }
-    for (int64_t m = 0; m < M; ++m) c[m * ldc + n] = total[m];
+    for (int64_t m = 0; m < M; ++m) {
+      float sum = 0.0f;
+      for (int i = 0; i < W; ++i) sum += acc[m][i];
+      for (int64_t k = Kv; k < K; ++k) sum += a[m * K + k] * fp8_to_float(w[k], DType::E4M3);
+      c[m * ldc + n] = scale_inv != nullptr ? sum * scale_inv[n] : sum;
+    }
   }
 }
 
 OCTET_FP8W_AVX512 void small_rows_avx512(const float* a, int64_t M, int64_t K, const uint8_t* codes,
-                                         const WeightScales& scales, int64_t n0, int64_t n1,
-                                         float* c, int64_t ldc) {
-  small_rows<16>(a, M, K, codes, scales, n0, n1, c, ldc);
+                                         const float* scale_inv, int64_t n0, int64_t n1, float* c,
+                                         int64_t ldc) {
+  small_rows<16>(a, M, K, codes, scale_inv, n0, n1, c, ldc);
 }
 OCTET_FP8W_AVX2 void small_rows_avx2(const float* a, int64_t M, int64_t K, const uint8_t* codes,
-                                     const WeightScales& scales, int64_t n0, int64_t n1, float* c,
+                                     const float* scale_inv, int64_t n0, int64_t n1, float* c,
                                      int64_t ldc) {
-  small_rows<8>(a, M, K, codes, scales, n0, n1, c, ldc);
+  small_rows<8>(a, M, K, codes, scale_inv, n0, n1, c, ldc);
 }
 void small_rows_scalar(const float* a, int64_t M, int64_t K, const uint8_t* codes,
-                       const WeightScales& scales, int64_t n0, int64_t n1, float* c, int64_t ldc) {
-  small_rows<4>(a, M, K, codes, scales, n0, n1, c, ldc);
+                       const float* scale_inv, int64_t n0, int64_t n1, float* c, int64_t ldc) {
+  small_rows<4>(a, M, K, codes, scale_inv, n0, n1, c, ldc);
 }
 
 }  // namespace
@@ -305,7 +299,17 @@ void gemm(const Tensor& A, const Fp8WeightOnly& B, Tensor& C, const Epilogue& ep
 #pragma omp parallel
   {
     const int threads = omp_get_num_threads(), t = omp_get_thread_num();
-    kernel(a, M, K, codes, scales, N * t / threads, N * (t + 1) / threads, c, N);
+    const int64_t n0 = N * t / threads, n1 = N * (t + 1) / threads;
+    if (!scales.blocks) {
+      kernel(a, M, K, codes, scales.scale_inv, n0, n1, c, N);
+    } else {  // each block row of B against A times its K blocks' scales
+      std::vector<float> scaled(static_cast<size_t>(M * K));
+      for (int64_t b0 = n0, b1 = n0; b0 < n1; b0 = b1) {
+        b1 = std::min(n1, (b0 / kFp8WeightBlock + 1) * kFp8WeightBlock);
+        gemm_detail::scale_by_k_blocks(a, M, K, scales.of_row(b0), scaled.data());
+        kernel(scaled.data(), M, K, codes, nullptr, b0, b1, c, N);
+      }
+    }
   }
   if (epilogue.bias != nullptr || epilogue.activation != Activation::None) {
     gemm_detail::apply_epilogue_only(c32, M, N, 1.0f, epilogue);

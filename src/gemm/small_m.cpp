@@ -486,6 +486,17 @@ int64_t max_rows(bool pair_blocked) {
 
 }  // namespace
 
+void scale_by_k_blocks(const float* a, int64_t m, int64_t k, const float* scales, float* out) {
+  for (int64_t r = 0; r < m; ++r) {
+    for (int64_t k0 = 0; k0 < k; k0 += kFp8WeightBlock) {
+      const float scale = scales[k0 / kFp8WeightBlock];
+      const int64_t k1 = std::min(k, k0 + kFp8WeightBlock);
+#pragma omp simd
+      for (int64_t i = k0; i < k1; ++i) out[r * k + i] = a[r * k + i] * scale;
+    }
+  }
+}
+
 bool small_m_avx512() {
   return active_isa() == Isa::Avx512 && cpu_features().avx512_bf16;
 }

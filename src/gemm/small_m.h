@@ -15,8 +15,9 @@ struct SmallM {
   bool b_e4m3 = false;
   const float* column_scale = nullptr;  // [N], E4M3 only: each column's sum times it
   // E4M3 only, instead of column_scale: one scale per 128 x 128 block of B, [ceil(N / 128),
-  // block_scale_stride = ceil(K / 128)]; the sum over each block's 128 K times its scale.
-  // Only the AVX2 form (run_small_m_avx2) reads it: run_small_m sends such a call there.
+  // block_scale_stride = ceil(K / 128)]; each block row of B reads A times its K blocks'
+  // scales (scale_by_k_blocks). Only the AVX2 form (run_small_m_avx2) reads it: run_small_m
+  // sends such a call there.
   const float* block_scale = nullptr;
   int64_t block_scale_stride = 0;
   int64_t m = 0, n = 0, k = 0;
@@ -26,6 +27,10 @@ struct SmallM {
   const float* bias = nullptr;  // [N] F32 or null
   Activation activation = Activation::None;
 };
+
+// out [M, K] = a [M, K] with each 128 K times its scale: scales[k / 128] (F32 products,
+// rounded once). The A that one block row of a 128 x 128 block-scaled weight multiplies.
+void scale_by_k_blocks(const float* a, int64_t m, int64_t k, const float* scales, float* out);
 
 // Whether the kernel runs on this processor: AVX-512 BF16 (and OCTET_ISA allows AVX-512), or
 // AVX2 with FMA and F16C.

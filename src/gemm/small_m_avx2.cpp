@@ -111,18 +111,6 @@ OCTET_AVX2_INLINE float tail_value(const SmallM& p, int64_t n, int64_t t) {
   }
 }
 
-// K per scale: all of K, or 128 under block scales (each span summed on its own, its sum
-// times its block's scale added to the column's total).
-OCTET_AVX2_INLINE int64_t scale_span(const SmallM& p) {
-  return p.block_scale != nullptr ? kFp8WeightBlock : std::max<int64_t>(p.k, 1);
-}
-
-// Column n's block scales, one per span (null without block scales).
-OCTET_AVX2_INLINE const float* block_scales_of(const SmallM& p, int64_t n) {
-  return p.block_scale == nullptr ? nullptr
-                                  : p.block_scale + (n / kFp8WeightBlock) * p.block_scale_stride;
-}
-
 // Columns [n0, n1) of rows [m0, m0 + R), a column at a time: its weight row one sequential
 // stream, prefetched ahead, 16 values per widening taken by the R rows. The R rows share 8
 // accumulators (8 / R chains each, to cover FMA's latency at one row).
@@ -130,13 +118,15 @@ template <bool E4M3, int R>
 OCTET_AVX2_TARGET void columns(const SmallM& p, const float* a, int64_t m0, int64_t n0,
                                int64_t n1) {
   constexpr int A = R == 1 ? 8 : R == 2 ? 4 : R <= 4 ? 2 : 1;  // accumulators per row
-  const int64_t K = p.k, K16 = K / 16 * 16, bytes = E4M3 ? 1 : 2, span = scale_span(p);
+  const int64_t K = p.k, K16 = K / 16 * 16, bytes = E4M3 ? 1 : 2;
   const float* ar = a + m0 * K;
   const float factor = p.alpha * (E4M3 ? 256.0f : 1.0f);
   for (int64_t n = n0; n < n1; ++n) {
     const auto* row = static_cast<const uint8_t*>(p.b) + n * K * bytes;
-    const float* scales = block_scales_of(p, n);
     __m256 acc[R][A];
+    for (int r = 0; r < R; ++r) {
+      for (int j = 0; j < A; ++j) acc[r][j] = _mm256_setzero_ps();
+    }
     // 16 K into accumulators s0 and s1 of each row.
     auto block = [&](int64_t k, int s0, int s1) OCTET_AVX2_INLINE_LAMBDA {
       if ((k * bytes) % 64 == 0) {
@@ -155,26 +145,18 @@ OCTET_AVX2_TARGET void columns(const SmallM& p, const float* a, int64_t m0, int6
       }
     };
     constexpr int G = A >= 2 ? A / 2 : 1;  // blocks per step: each of the A accumulators once
-    float sums[R] = {};
-    for (int64_t k0 = 0, j = 0; k0 < K; k0 += span, ++j) {
-      const int64_t k1 = std::min(K, k0 + span), k16 = std::min(k1, K16);
-      for (int r = 0; r < R; ++r) {
-        for (int i = 0; i < A; ++i) acc[r][i] = _mm256_setzero_ps();
-      }
-      int64_t k = k0;
-      for (; k + 16 * G <= k16; k += 16 * G) {
-        for (int g = 0; g < G; ++g) block(k + 16 * g, (2 * g) % A, (2 * g + 1) % A);
-      }
-      for (; k < k16; k += 16) block(k, 0, 1 % A);
-      for (int r = 0; r < R; ++r) {
-        __m256 total = acc[r][0];
-        for (int i = 1; i < A; ++i) total = _mm256_add_ps(total, acc[r][i]);
-        float sum = sum_lanes(total);
-        for (int64_t t = k16; t < k1; ++t) sum += ar[r * K + t] * tail_value<E4M3>(p, n, t);
-        sums[r] += scales != nullptr ? sum * scales[j] : sum;
-      }
+    int64_t k = 0;
+    for (; k + 16 * G <= K16; k += 16 * G) {
+      for (int g = 0; g < G; ++g) block(k + 16 * g, (2 * g) % A, (2 * g + 1) % A);
     }
-    for (int r = 0; r < R; ++r) store(p, m0 + r, n, factor, sums[r]);
+    for (; k < K16; k += 16) block(k, 0, 1 % A);
+    for (int r = 0; r < R; ++r) {
+      __m256 total = acc[r][0];
+      for (int j = 1; j < A; ++j) total = _mm256_add_ps(total, acc[r][j]);
+      float sum = sum_lanes(total);
+      for (int64_t t = K16; t < K; ++t) sum += ar[r * K + t] * tail_value<E4M3>(p, n, t);
+      store(p, m0 + r, n, factor, sum);
+    }
   }
 }
 
@@ -184,55 +166,62 @@ OCTET_AVX2_TARGET void columns(const SmallM& p, const float* a, int64_t m0, int6
 template <bool E4M3, int R>
 OCTET_AVX2_TARGET void column_pairs(const SmallM& p, const float* a, int64_t m0, int64_t n0,
                                     int64_t n1) {
-  const int64_t K = p.k, K16 = K / 16 * 16, bytes = E4M3 ? 1 : 2, span = scale_span(p);
+  const int64_t K = p.k, K16 = K / 16 * 16, bytes = E4M3 ? 1 : 2;
   const float* ar = a + m0 * K;
   const float factor = p.alpha * (E4M3 ? 256.0f : 1.0f);
   int64_t n = n0;
   for (; n + 2 <= n1; n += 2) {
     const auto* row0 = static_cast<const uint8_t*>(p.b) + n * K * bytes;
     const auto* row1 = row0 + K * bytes;
-    const float* scales[2] = {block_scales_of(p, n), block_scales_of(p, n + 1)};
-    float sums[R][2] = {};
-    for (int64_t k0 = 0, j = 0; k0 < K; k0 += span, ++j) {
-      const int64_t k1 = std::min(K, k0 + span), k16 = std::min(k1, K16);
-      __m256 acc[R][2];
-      for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-      for (int64_t k = k0; k < k16; k += 16) {
-        if ((k * bytes) % 64 == 0) {
-          _mm_prefetch(reinterpret_cast<const char*>(row0 + k * bytes) + kPrefetchBytes,
-                       _MM_HINT_T0);
-          _mm_prefetch(reinterpret_cast<const char*>(row1 + k * bytes) + kPrefetchBytes,
-                       _MM_HINT_T0);
-        }
-        __m256 w[2][2];
-        if constexpr (E4M3) {
-          widen_e4m3(row0 + k, w[0][0], w[0][1]);
-          widen_e4m3(row1 + k, w[1][0], w[1][1]);
-        } else {
-          widen_bf16(reinterpret_cast<const uint16_t*>(row0) + k, w[0][0], w[0][1]);
-          widen_bf16(reinterpret_cast<const uint16_t*>(row1) + k, w[1][0], w[1][1]);
-        }
-        for (int h = 0; h < 2; ++h) {
-          for (int r = 0; r < R; ++r) {
-            const __m256 x = _mm256_loadu_ps(ar + r * K + k + 8 * h);
-            acc[r][0] = _mm256_fmadd_ps(w[0][h], x, acc[r][0]);
-            acc[r][1] = _mm256_fmadd_ps(w[1][h], x, acc[r][1]);
-          }
-        }
+    __m256 acc[R][2];
+    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < K16; k += 16) {
+      if ((k * bytes) % 64 == 0) {
+        _mm_prefetch(reinterpret_cast<const char*>(row0 + k * bytes) + kPrefetchBytes, _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(row1 + k * bytes) + kPrefetchBytes, _MM_HINT_T0);
       }
-      for (int r = 0; r < R; ++r) {
-        for (int c = 0; c < 2; ++c) {
-          float sum = sum_lanes(acc[r][c]);
-          for (int64_t t = k16; t < k1; ++t) sum += ar[r * K + t] * tail_value<E4M3>(p, n + c, t);
-          sums[r][c] += scales[c] != nullptr ? sum * scales[c][j] : sum;
+      __m256 w[2][2];
+      if constexpr (E4M3) {
+        widen_e4m3(row0 + k, w[0][0], w[0][1]);
+        widen_e4m3(row1 + k, w[1][0], w[1][1]);
+      } else {
+        widen_bf16(reinterpret_cast<const uint16_t*>(row0) + k, w[0][0], w[0][1]);
+        widen_bf16(reinterpret_cast<const uint16_t*>(row1) + k, w[1][0], w[1][1]);
+      }
+      for (int h = 0; h < 2; ++h) {
+        for (int r = 0; r < R; ++r) {
+          const __m256 x = _mm256_loadu_ps(ar + r * K + k + 8 * h);
+          acc[r][0] = _mm256_fmadd_ps(w[0][h], x, acc[r][0]);
+          acc[r][1] = _mm256_fmadd_ps(w[1][h], x, acc[r][1]);
         }
       }
     }
     for (int r = 0; r < R; ++r) {
-      for (int c = 0; c < 2; ++c) store(p, m0 + r, n + c, factor, sums[r][c]);
+      for (int c = 0; c < 2; ++c) {
+        float sum = sum_lanes(acc[r][c]);
+        for (int64_t t = K16; t < K; ++t) sum += ar[r * K + t] * tail_value<E4M3>(p, n + c, t);
+        store(p, m0 + r, n + c, factor, sum);
+      }
     }
   }
   if (n < n1) columns<E4M3, R>(p, a, m0, n, n1);
+}
+
+// scale_by_k_blocks (gemm/small_m.h) in vectors of 8: the same products.
+OCTET_AVX2_TARGET void scale_by_k_blocks_avx2(const float* a, int64_t m, int64_t k,
+                                              const float* scales, float* out) {
+  for (int64_t r = 0; r < m; ++r) {
+    for (int64_t k0 = 0; k0 < k; k0 += kFp8WeightBlock) {
+      const float scale = scales[k0 / kFp8WeightBlock];
+      const __m256 s = _mm256_set1_ps(scale);
+      const int64_t k1 = std::min(k, k0 + kFp8WeightBlock);
+      int64_t i = k0;
+      for (; i + 8 <= k1; i += 8) {
+        _mm256_storeu_ps(out + r * k + i, _mm256_mul_ps(_mm256_loadu_ps(a + r * k + i), s));
+      }
+      for (; i < k1; ++i) out[r * k + i] = a[r * k + i] * scale;
+    }
+  }
 }
 
 // Up to 2 rows a column at a time (8 and 4 chains of accumulators per row); 3 to 6 rows two
@@ -262,13 +251,31 @@ void run_small_m_avx2(const SmallM& p) {
   // widened once to F32 into a buffer of the thread's own, that each pass then read instead of
   // the codes, ran slower: FP8/BF16 0.74-0.90x against 1.01-1.08x at 16-64 rows over GPT-2
   // 124M's decode weights on a Zen 3 VM; the passes read four times the bytes from L2.)
+  // Block scales: the columns of each block row of B (128 of them) read A times each of the
+  // row's K-block scales, made once per block row in the thread's own buffer: M x K
+  // multiplications per 128 columns. (Summing each 128 K apart and scaling the sums instead
+  // cost a reduction per 128 codes: 0.69-0.75x per-channel scales' speed over GPT-2 124M's
+  // decode weights at 1-32 rows on a Zen 3 VM.)
   auto part = [&](int t, int threads) {
     const int64_t n0 = p.n * t / threads, n1 = p.n * (t + 1) / threads;
-    const int64_t chunk = p.m <= kPassRows ? n1 - n0 : kChunkColumns;
-    for (int64_t c0 = n0; c0 < n1; c0 += chunk) {
-      const int64_t c1 = std::min(n1, c0 + chunk);
-      for (int64_t m0 = 0; m0 < p.m; m0 += kPassRows) {
-        table[std::min(kPassRows, p.m - m0) - 1](p, a.data(), m0, c0, c1);
+    std::vector<float> scaled;
+    for (int64_t b0 = n0, b1 = n0; b0 < n1; b0 = b1) {
+      const float* a_used = a.data();
+      b1 = n1;
+      if (p.block_scale != nullptr) {
+        b1 = std::min(n1, (b0 / kFp8WeightBlock + 1) * kFp8WeightBlock);
+        scaled.resize(a.size());
+        scale_by_k_blocks_avx2(a.data(), p.m, p.k,
+                               p.block_scale + b0 / kFp8WeightBlock * p.block_scale_stride,
+                               scaled.data());
+        a_used = scaled.data();
+      }
+      const int64_t chunk = p.m <= kPassRows ? b1 - b0 : kChunkColumns;
+      for (int64_t c0 = b0; c0 < b1; c0 += chunk) {
+        const int64_t c1 = std::min(b1, c0 + chunk);
+        for (int64_t m0 = 0; m0 < p.m; m0 += kPassRows) {
+          table[std::min(kPassRows, p.m - m0) - 1](p, a_used, m0, c0, c1);
+        }
       }
     }
   };
