@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "gemm/gemm_checks.h"
@@ -157,53 +158,86 @@ Fp8WeightScaling parse_fp8_weight_scaling(const std::string& name) {
   fail(detail::concat("FP8 weight scaling: expected channel or block128, got '", name, "'"));
 }
 
+namespace {
+
+// quantize_weight_fp8 over the weight's own values (F32 or BF16), with the bulk kernels of
+// fp8.h (vectorized, exact ports of float_to_fp8): each scaling block's amax, then its codes.
+template <typename In>
+void quantize_blocks(const In* w, int64_t N, int64_t K, bool blocks, Fp8WeightOnly& q) {
+  const int64_t B = kFp8WeightBlock;
+  // Scaling blocks: rows [r * rows, (r + 1) * rows) x columns [j * span, (j + 1) * span).
+  const int64_t rows = blocks ? B : 1, span = blocks ? B : std::max<int64_t>(K, 1);
+  const int64_t block_rows = (N + rows - 1) / rows, block_cols = blocks ? q.scale_inv.dim(1) : 1;
+  float* scale_inv = q.scale_inv.data<float>();
+  uint8_t* codes = static_cast<uint8_t*>(q.codes.raw());
+  // The amaxes first (NaN where a block holds one): a non-finite weight is refused before any
+  // codes are written, and outside the parallel loop, which must not throw.
+  std::vector<float> amax(static_cast<size_t>(block_rows * block_cols), 0.0f);
+#pragma omp parallel for
+  for (int64_t r = 0; r < block_rows; ++r) {
+    for (int64_t n = r * rows; n < std::min(N, (r + 1) * rows); ++n) {
+      for (int64_t j = 0; j < block_cols; ++j) {
+        const int64_t k0 = j * span, k1 = std::min(K, k0 + span);
+        if (k1 <= k0) continue;
+        const float m = amax_of(w + n * K + k0, static_cast<size_t>(k1 - k0));
+        float& block = amax[static_cast<size_t>(r * block_cols + j)];
+        block = std::isnan(m) || std::isnan(block) ? m + block : std::max(block, m);
+      }
+    }
+  }
+  for (int64_t i = 0; i < block_rows * block_cols; ++i) {
+    if (std::isfinite(amax[static_cast<size_t>(i)])) continue;
+    const int64_t r = i / block_cols, j = i % block_cols;
+    for (int64_t n = r * rows; n < std::min(N, (r + 1) * rows); ++n) {
+      for (int64_t k = j * span; k < std::min(K, (j + 1) * span); ++k) {
+        float v;
+        if constexpr (std::is_same_v<In, float>) {
+          v = w[n * K + k];
+        } else {
+          v = bf16_to_float(w[n * K + k].bits);
+        }
+        if (std::isfinite(v)) continue;
+        fail(detail::concat("quantize_weight_fp8: weight [", n, ", ", k, "] is ", v,
+                            ": expected finite values (row ", n,
+                            blocks ? detail::concat(", 128 x 128 block [", r, ", ", j, "]") : "",
+                            ")"));
+      }
+    }
+  }
+  const float max = fp8_max(DType::E4M3);
+#pragma omp parallel for
+  for (int64_t r = 0; r < block_rows; ++r) {
+    for (int64_t j = 0; j < block_cols; ++j) {
+      const float a = amax[static_cast<size_t>(r * block_cols + j)];
+      const float scale = a > 0.0f ? max / a : 1.0f;
+      scale_inv[r * block_cols + j] = 1.0f / scale;
+      const int64_t k0 = j * span, k1 = std::min(K, k0 + span);
+      if (k1 <= k0) continue;
+      for (int64_t n = r * rows; n < std::min(N, (r + 1) * rows); ++n) {
+        quantize_fp8(w + n * K + k0, static_cast<size_t>(k1 - k0), scale, DType::E4M3,
+                     codes + n * K + k0);
+      }
+    }
+  }
+}
+
+}  // namespace
+
 Fp8WeightOnly quantize_weight_fp8(const Tensor& weight, Fp8WeightScaling scaling) {
   OCTET_CHECK(weight.ndim() == 2 && (weight.dtype() == DType::F32 || weight.dtype() == DType::BF16),
               "quantize_weight_fp8: weight expected [N, K] f32 or bf16, got ",
               shape_str(weight.shape()), " ", dtype_name(weight.dtype()));
-  const int64_t N = weight.dim(0), K = weight.dim(1);
+  const int64_t N = weight.dim(0), K = weight.dim(1), B = kFp8WeightBlock;
   const bool blocks = scaling == Fp8WeightScaling::Block128;
-  const int64_t B = kFp8WeightBlock;
-  // Scaling blocks: rows [r0, r0 + rows) x columns [k0, k0 + span).
-  const int64_t rows = blocks ? B : 1, span = blocks ? B : std::max<int64_t>(K, 1);
-  const int64_t block_rows = (N + rows - 1) / rows, block_cols = K == 0 ? 0 : (K + span - 1) / span;
-  const std::vector<float> w = weight.to_floats();
-  // Refused before any work (and outside the parallel loop, which must not throw).
-  for (size_t i = 0; i < w.size(); ++i) {
-    if (std::isfinite(w[i])) continue;
-    const int64_t n = static_cast<int64_t>(i) / K, k = static_cast<int64_t>(i) % K;
-    fail(detail::concat("quantize_weight_fp8: weight [", n, ", ", k, "] is ", w[i],
-                        ": expected finite values (row ", n, blocks ? ", 128 x 128 block [" : "",
-                        blocks ? std::to_string(n / B) + ", " + std::to_string(k / B) + "]" : "",
-                        ")"));
-  }
   Fp8WeightOnly q;
   q.scaling = scaling;
   q.codes = Tensor::empty({N, K}, DType::E4M3);
-  q.scale_inv =
-      blocks ? Tensor::empty({block_rows, block_cols}, DType::F32) : Tensor::empty({N}, DType::F32);
-  uint8_t* codes = static_cast<uint8_t*>(q.codes.raw());
-  float* scale_inv = q.scale_inv.data<float>();
-  const float max = fp8_max(DType::E4M3);
-#pragma omp parallel for
-  for (int64_t r = 0; r < block_rows; ++r) {
-    const int64_t n0 = r * rows, n1 = std::min(N, n0 + rows);
-    for (int64_t j = 0; j < std::max<int64_t>(block_cols, blocks ? 0 : 1); ++j) {
-      const int64_t k0 = j * span, k1 = std::min(K, k0 + span);
-      float amax = 0.0f;
-      for (int64_t n = n0; n < n1; ++n) {
-        for (int64_t k = k0; k < k1; ++k)
-          amax = std::max(amax, std::fabs(w[static_cast<size_t>(n * K + k)]));
-      }
-      const float scale = amax > 0.0f ? max / amax : 1.0f;
-      scale_inv[blocks ? r * block_cols + j : r] = 1.0f / scale;
-      for (int64_t n = n0; n < n1; ++n) {
-        for (int64_t k = k0; k < k1; ++k) {
-          codes[n * K + k] =
-              float_to_fp8(w[static_cast<size_t>(n * K + k)] * scale, DType::E4M3, true);
-        }
-      }
-    }
+  q.scale_inv = blocks ? Tensor::empty({(N + B - 1) / B, (K + B - 1) / B}, DType::F32)
+                       : Tensor::empty({N}, DType::F32);
+  if (weight.dtype() == DType::F32) {
+    quantize_blocks(weight.data<float>(), N, K, blocks, q);
+  } else {
+    quantize_blocks(weight.data<bfloat16>(), N, K, blocks, q);
   }
   return q;
 }

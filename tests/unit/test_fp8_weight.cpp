@@ -64,6 +64,24 @@ TEST(Fp8WeightOnly, QuantizesEachRowToTheE4M3Table) {
   EXPECT_FLOAT_EQ(back.data<float>()[0], 448.0f);
   EXPECT_FLOAT_EQ(back.data<float>()[9], -2.0f);
   EXPECT_THROW(quantize_weight_fp8(Tensor::zeros({4}, DType::F32)), Error);
+  // A BF16 weight (read as BF16) quantizes as its values in F32 do, under both scalings.
+  const Tensor wide = random_tensor({130, 300}, 0.05f, 20).to(DType::BF16).to(DType::F32);
+  for (Fp8WeightScaling scaling : {Fp8WeightScaling::PerChannel, Fp8WeightScaling::Block128}) {
+    const Fp8WeightOnly from_f32 = quantize_weight_fp8(wide, scaling);
+    const Fp8WeightOnly from_bf16 = quantize_weight_fp8(wide.to(DType::BF16), scaling);
+    EXPECT_EQ(from_bf16.codes.to_floats(), from_f32.codes.to_floats());
+    EXPECT_EQ(from_bf16.scale_inv.to_floats(), from_f32.scale_inv.to_floats());
+  }
+  // A non-finite weight is named before any work.
+  w[6] = -INFINITY;
+  try {
+    quantize_weight_fp8(Tensor::from_floats({3, 4}, w));
+    ADD_FAILURE() << "an infinite weight was quantized";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("weight [1, 2] is -inf: expected finite values (row 1)"),
+              std::string::npos)
+        << e.what();
+  }
 }
 
 TEST(Fp8WeightOnly, EveryCodeWidensExactly) {
