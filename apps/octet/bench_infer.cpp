@@ -408,6 +408,7 @@ void print_cases(const Options& o, const std::vector<Series>& series) {
         line["prefill_ratio"] = bench::median(s.ratio_prefill);
       }
       if (!s.fp8_ratio.empty()) {
+        line["fp8_weight_scaling"] = o.fp8_weight_scaling;
         line["fp8_decode_tokens_per_s"] = bench::median(s.fp8_decode);
         line["fp8_ratio"] = bench::median(s.fp8_ratio);
         if (!s.fp8_peer_ratio.empty()) line["fp8_decode_ratio"] = bench::median(s.fp8_peer_ratio);
