@@ -118,7 +118,7 @@ void run_generate(const GenerateOptions& o) {
 
   Engine engine(model, engine_options(o, dtype, static_cast<int64_t>(prompts.size())));
   std::fprintf(stderr, "%s", engine.memory_report().c_str());  // stdout holds only the text
-  if (prompts.size() == 1) {  // streamed as it comes
+  if (prompts.size() == 1) {                                   // streamed as it comes
     std::printf("%s", texts[0].c_str());
     std::fflush(stdout);
     GenerationRequest request;
