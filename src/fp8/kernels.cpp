@@ -14,6 +14,7 @@
 
 #include <algorithm>
 #include <bit>
+#include <cmath>
 #include <cstdint>
 #include <limits>
 
@@ -357,11 +358,45 @@ OCTET_TARGET_AVX2 uint32_t amax_avx2(const In* x, size_t n) {
   return std::max(reduce_max_epu32(amax), amax_scalar(x + i, n - i));
 }
 
+// 16 codes at a time where none is a NaN (one byte test per load): each moved into FP16's
+// fields by a shift (E5M2 is FP16's upper byte; E4M3 sign-extended and shifted 7 left puts its
+// exponent and mantissa in FP16's, 2^8 below, and its sign in bit 15, with bit 14 cleared),
+// widened by F16C, times the scale (with E4M3's 2^8 folded in where that stays finite: the
+// same single rounding of the exact product). A load holding a NaN takes decode8's blend.
+// About half the instructions of decode8 per code, for the GEMMs' widening of FP8 operands
+// where oneDNN has no BF16 matmul.
 template <typename Fmt>
 OCTET_TARGET_AVX2 void dequantize_avx2(const uint8_t* codes, size_t n, DType format,
                                        float scale_inv, float* out) {
   const __m256 scale_v = _mm256_set1_ps(scale_inv);
+  constexpr bool e4m3 = Fmt::kMantissaBits == 3;
+  const bool fold = !e4m3 || std::isfinite(scale_inv * 256.0f);
+  const __m256 scale16 = _mm256_set1_ps(e4m3 && fold ? scale_inv * 256.0f : scale_inv);
+  const __m128i magnitude_mask = _mm_set1_epi8(0x7F);
   size_t i = 0;
+  for (; fold && i + 16 <= n; i += 16) {
+    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + i));
+    const __m128i magnitude = _mm_and_si128(bytes, magnitude_mask);
+    const __m128i nan = e4m3 ? _mm_cmpeq_epi8(magnitude, magnitude_mask)
+                             : _mm_cmpgt_epi8(magnitude, _mm_set1_epi8(0x7C));
+    if (_mm_movemask_epi8(nan) != 0) {
+      for (size_t j = i; j < i + 16; j += 8) {
+        _mm256_storeu_ps(out + j, _mm256_mul_ps(decode8<Fmt>(codes + j), scale_v));
+      }
+      continue;
+    }
+    __m256i half;
+    if constexpr (e4m3) {
+      half = _mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(bytes), 7),
+                              _mm256_set1_epi16(static_cast<int16_t>(0xBFFF)));
+    } else {
+      half = _mm256_slli_epi16(_mm256_cvtepu8_epi16(bytes), 8);
+    }
+    _mm256_storeu_ps(out + i,
+                     _mm256_mul_ps(_mm256_cvtph_ps(_mm256_castsi256_si128(half)), scale16));
+    _mm256_storeu_ps(out + i + 8,
+                     _mm256_mul_ps(_mm256_cvtph_ps(_mm256_extracti128_si256(half, 1)), scale16));
+  }
   for (; i + 8 <= n; i += 8) {
     _mm256_storeu_ps(out + i, _mm256_mul_ps(decode8<Fmt>(codes + i), scale_v));
   }
