@@ -61,18 +61,6 @@ std::string_view device_name(Device device) {
   return device == Device::CPU ? "cpu" : "cuda";
 }
 
-float bf16_to_float(uint16_t bits) {
-  return std::bit_cast<float>(uint32_t{bits} << 16);
-}
-
-uint16_t float_to_bf16(float value) {
-  uint32_t bits = std::bit_cast<uint32_t>(value);
-  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x0040u);
-  uint32_t lsb = (bits >> 16) & 1u;  // ties go to the even neighbour
-  bits += 0x7fffu + lsb;
-  return static_cast<uint16_t>(bits >> 16);
-}
-
 float f16_to_float(uint16_t bits) {
   uint32_t sign = uint32_t{bits & 0x8000u} << 16;
   uint32_t exponent = (bits >> 10) & 0x1fu;
