@@ -567,15 +567,8 @@ void register_bench_infer(CLI::App& bench) {
   cmd->add_flag("--json", o->json, "Also one JSON object per batch size");
   cmd->add_flag("--no-torch", o->no_torch, "Skip the PyTorch peer");
   cmd->add_flag("--fp8-kv", o->fp8_kv, "KV cache in E4M3 with per-(token, head) scales");
-  CLI::Option* fp8_weights =
-      cmd->add_flag("--fp8-weights", o->fp8_weights,
-                    "Also run each case with weight-only FP8 weights (ratio to BF16 weights)");
-  cmd->add_option("--fp8-weight-scaling", o->fp8_weight_scaling,
-                  "Scales of --fp8-weights: one per output channel, or one per 128 x 128 block "
-                  "(DeepSeek-V3's FP8 weights)")
-      ->capture_default_str()
-      ->check(CLI::IsMember({"channel", "block128"}))
-      ->needs(fp8_weights);
+  add_fp8_weight_flags(*cmd, o->fp8_weights, o->fp8_weight_scaling,
+                       "Also run each case with weight-only FP8 weights (ratio to BF16 weights)");
   cmd->callback([o] { run_bench(*o); });
 }
 

@@ -46,4 +46,9 @@ CLI::Validator at_least(double min);
 CLI::Validator output_file();
 CLI::Validator output_directory();
 
+// --fp8-weights (`help` says what it does in this command) and --fp8-weight-scaling
+// channel|block128, which needs it (generate, serve, bench infer).
+void add_fp8_weight_flags(CLI::App& cmd, bool& fp8_weights, std::string& scaling,
+                          const std::string& help);
+
 }  // namespace octet::cli

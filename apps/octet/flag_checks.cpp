@@ -64,6 +64,17 @@ CLI::Validator path_check(void (*check)(const std::string&, const std::string&),
 
 }  // namespace
 
+void add_fp8_weight_flags(CLI::App& cmd, bool& fp8_weights, std::string& scaling,
+                          const std::string& help) {
+  CLI::Option* flag = cmd.add_flag("--fp8-weights", fp8_weights, help);
+  cmd.add_option("--fp8-weight-scaling", scaling,
+                 "Scales of --fp8-weights: one per output channel, or one per 128 x 128 block "
+                 "(DeepSeek-V3's FP8 weights)")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"channel", "block128"}))
+      ->needs(flag);
+}
+
 CLI::Validator output_file() {
   return path_check(check_writable_file, "output file", "FILE (writable)");
 }

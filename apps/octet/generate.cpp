@@ -184,15 +184,8 @@ void register_generate(CLI::App& app) {
   cmd->add_option("--prompts-file", o->prompts_file,
                   "A file of prompts, one per line, generated together (continuous batching)")
       ->check(CLI::ExistingFile);
-  CLI::Option* fp8_weights =
-      cmd->add_flag("--fp8-weights", o->fp8_weights,
-                    "Weight-only FP8 (E4M3) for the GEMMs: fewer bytes per token");
-  cmd->add_option("--fp8-weight-scaling", o->fp8_weight_scaling,
-                  "Scales of --fp8-weights: one per output channel, or one per 128 x 128 block "
-                  "(DeepSeek-V3's FP8 weights)")
-      ->capture_default_str()
-      ->check(CLI::IsMember({"channel", "block128"}))
-      ->needs(fp8_weights);
+  add_fp8_weight_flags(*cmd, o->fp8_weights, o->fp8_weight_scaling,
+                       "Weight-only FP8 (E4M3) for the GEMMs: fewer bytes per token");
   cmd->add_flag("--fp8-kv", o->fp8_kv,
                 "KV cache in E4M3 with one scale per (token, head): about half of BF16's bytes");
   cmd->add_option("--block-size", o->block_size, "KV-cache block size in tokens")
