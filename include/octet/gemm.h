@@ -95,9 +95,10 @@ Tensor dequantize_weight_fp8(const Fp8WeightOnly& weight, DType dtype);
 // accumulation. B's bytes are read and widened in registers: BF16 A on AVX-512 BF16 up to 256
 // rows (gemm/small_m.h, passes of 8 rows, epilogue fused), otherwise up to 8 rows (AVX-512,
 // AVX2 or scalar by the processor); more rows widen B once and run the BF16/F32 GEMM. Under
-// Block128 the kernels sum each block's 128 products (exact, F32 sums) and add that sum times
-// the block's scale; BF16 A takes the AVX2 form of the few-rows kernel on every processor
-// that has AVX2 (the AVX-512 BF16 one has no block scales).
+// Block128 the kernels read, for each block row of B (128 columns), A widened to F32 and
+// multiplied by that row's K-block scales (one rounding), then the codes' exact products in
+// F32 sums: within FP32 rounding of the dequantized product. BF16 A takes the AVX2 form of the
+// few-rows kernel on every processor that has AVX2 (the AVX-512 BF16 one has no block scales).
 void gemm(const Tensor& A, const Fp8WeightOnly& B, Tensor& C, const Epilogue& epilogue = {});
 
 // Whether BF16 GEMMs run as oneDNN BF16 matmuls (AVX-512 BF16 / AMX, or AVX-512 emulation),
