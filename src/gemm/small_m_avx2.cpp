@@ -207,23 +207,6 @@ OCTET_AVX2_TARGET void column_pairs(const SmallM& p, const float* a, int64_t m0,
   if (n < n1) columns<E4M3, R>(p, a, m0, n, n1);
 }
 
-// scale_by_k_blocks (gemm/small_m.h) in vectors of 8: the same products.
-OCTET_AVX2_TARGET void scale_by_k_blocks_avx2(const float* a, int64_t m, int64_t k,
-                                              const float* scales, float* out) {
-  for (int64_t r = 0; r < m; ++r) {
-    for (int64_t k0 = 0; k0 < k; k0 += kFp8WeightBlock) {
-      const float scale = scales[k0 / kFp8WeightBlock];
-      const __m256 s = _mm256_set1_ps(scale);
-      const int64_t k1 = std::min(k, k0 + kFp8WeightBlock);
-      int64_t i = k0;
-      for (; i + 8 <= k1; i += 8) {
-        _mm256_storeu_ps(out + r * k + i, _mm256_mul_ps(_mm256_loadu_ps(a + r * k + i), s));
-      }
-      for (; i < k1; ++i) out[r * k + i] = a[r * k + i] * scale;
-    }
-  }
-}
-
 // Up to 2 rows a column at a time (8 and 4 chains of accumulators per row); 3 to 6 rows two
 // columns at a time (FP8 at 4 rows over GPT-2 124M's decode weights on a Zen 3 VM, alternated
 // with the BF16 kernel in one process: 1.2-1.45x the one-column kernel's bytes per second); 7
@@ -265,9 +248,9 @@ void run_small_m_avx2(const SmallM& p) {
       if (p.block_scale != nullptr) {
         b1 = std::min(n1, (b0 / kFp8WeightBlock + 1) * kFp8WeightBlock);
         scaled.resize(a.size());
-        scale_by_k_blocks_avx2(a.data(), p.m, p.k,
-                               p.block_scale + b0 / kFp8WeightBlock * p.block_scale_stride,
-                               scaled.data());
+        scale_by_k_blocks(a.data(), p.m, p.k,
+                          p.block_scale + b0 / kFp8WeightBlock * p.block_scale_stride,
+                          scaled.data());
         a_used = scaled.data();
       }
       const int64_t chunk = p.m <= kPassRows ? b1 - b0 : kChunkColumns;
